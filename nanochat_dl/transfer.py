@@ -54,6 +54,12 @@ def _as_rows(rows, B, T) -> torch.Tensor:
     if rows.device.type != 'cpu': raise ValueError(f"rows must be on the host (cpu) to be transferred, got a tensor on {rows.device}")
     return rows
 
+
+def _stage(dst, src):
+    "Host-side copy of `src` rows into the staging view `dst`: with numpy (one thread, no torch dispatch) when it can."
+    if src.dtype == dst.dtype: np.copyto(dst.numpy(), src.numpy())
+    else: dst.copy_(src)
+
 # %% ../nbs/05_transfer.ipynb #6fadb48b
 class SingleBufferTransfer:
     "nanochat's layout: one staging buffer `[inputs | targets]` rewritten every batch, one copy into a persistent device buffer. Reference only: it can corrupt batches when the GPU lags (see `DeviceTransfer`)."
@@ -70,8 +76,7 @@ class SingleBufferTransfer:
     def put(self, rows):
         "Stage `rows[:, :-1]` and `rows[:, 1:]`, copy once to the device; the same two views every call."
         rows = _as_rows(rows, self.B, self.T)
-        self._hin.copy_(rows[:, :-1])
-        self._htg.copy_(rows[:, 1:])
+        _stage(self._hin, rows[:, :-1]); _stage(self._htg, rows[:, 1:])
         self.dev.copy_(self.host, non_blocking=self._cuda)
         return self.inputs, self.targets
     __call__ = put
@@ -121,8 +126,7 @@ class DeviceTransfer:
         if self.cuda: self._wait(s)
         host = self.host_buffers[s]
         hin, htg = self._halves(host)
-        hin.copy_(rows[:, :-1])
-        htg.copy_(rows[:, 1:])
+        _stage(hin, rows[:, :-1]); _stage(htg, rows[:, 1:])
         self._staged += host.numel() * host.element_size()
         if self.cuda:
             dev = self.device_buffers[s]

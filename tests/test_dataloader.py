@@ -1,0 +1,124 @@
+"""Tests for nanochat_dl.dataloader that read better as pytest: a property test of exact resume over random
+settings, the drop-in against the reference at several shapes, worker failures, and interpreter exit."""
+import itertools, json, os, subprocess, sys, textwrap, time
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from nanochat_dl.dataloader import PackedLoader, reference_loader, tokenizing_distributed_data_loader_with_state_bos_bestfit
+from nanochat_dl.dataset import make_sample_shards
+from nanochat_dl.packing import STRATEGIES
+from nanochat_dl.shards import split_files, write_toy_shards
+from nanochat_dl.tokenizer import Tokenizer, train_tokenizer
+
+
+def words(f, g, r): return ' '.join([f"w{f}{g}{r}x"] * (1 + (7 * f + 3 * g + 5 * r) % 23))
+
+
+@pytest.fixture(scope='module')
+def env(tmp_path_factory):
+    d = tmp_path_factory.mktemp('dl')
+    data = d / 'base_data'
+    make_sample_shards(data)
+    tok = train_tokenizer(data, vocab_size=1024, out_dir=d / 'tok', progress=False)
+    toy = write_toy_shards(d / 'toy', [[5, 3, 4], [2, 6, 1], [4, 4], [3, 3, 3]], text_fn=words)
+    return dict(dir=d, data=data, tok=tok, tok_dir=d / 'tok', toy=toy)
+
+
+def run(tok, n, **kw):
+    with PackedLoader(tok, **kw) as ld:
+        start = json.loads(json.dumps(ld.state_dict()))
+        out = [(b.inputs.clone(), b.targets.clone(), json.loads(json.dumps(b.state))) for b in itertools.islice(ld, n)]
+    return out, start
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(strategy=st.sampled_from(sorted(STRATEGIES)), B=st.integers(1, 4), T=st.integers(8, 48), buffer_size=st.integers(1, 12),
+       tbs=st.integers(1, 7), world=st.sampled_from([(0, 1), (0, 2), (1, 2), (2, 3)]), shuffle=st.booleans(),
+       cut=st.integers(0, 30), second=st.integers(0, 10))
+def test_resume_is_exact(env, strategy, B, T, buffer_size, tbs, world, shuffle, cut, second):
+    """Resuming from the state of any batch (and then again from a state of the resumed loader) continues the
+    uninterrupted stream bit for bit, states included."""
+    rank, ws = world
+    kw = dict(files=env['toy'], B=B, T=T, strategy=strategy, buffer_size=buffer_size, tokenizer_batch_size=tbs, rank=rank,
+              world_size=ws, shuffle=shuffle, seed=7, device='cpu', tokenizer_threads=1, tokenize_in='threads')
+    n = cut + second + 12                                    # the uninterrupted run reaches past both resumes
+    full, start = run(env['tok'], n, **kw)
+    sd = start if cut == 0 else full[cut - 1][2]
+    with PackedLoader(env['tok'], **kw, resume_state_dict=sd) as ld:
+        again = [(b.inputs.clone(), b.targets.clone(), json.loads(json.dumps(b.state))) for b in itertools.islice(ld, second + 1)]
+    for (x, y, s), (x0, y0, s0) in zip(again, full[cut:]):
+        assert torch.equal(x, x0) and torch.equal(y, y0) and s == s0
+    k = cut + len(again)
+    with PackedLoader(env['tok'], **kw, resume_state_dict=again[-1][2]) as ld:
+        for i, b in enumerate(itertools.islice(ld, n - k)):
+            x0, y0, s0 = full[k + i]
+            assert torch.equal(b.inputs, x0) and torch.equal(b.targets, y0) and json.loads(json.dumps(b.state)) == s0
+
+
+@pytest.mark.parametrize('B,T,tbs,buf,rank,ws', [(1, 16, 1, 1, 0, 1), (3, 100, 7, 20, 0, 1), (8, 512, 128, 1000, 0, 1),
+                                                 (2, 64, 16, 32, 1, 3), (4, 2048, 64, 200, 0, 2)])
+def test_dropin_matches_reference(env, monkeypatch, B, T, tbs, buf, rank, ws):
+    "The drop-in's batches are token for token those of nanochat's algorithm (the plain reference loader)."
+    monkeypatch.setenv('NANOCHAT_DL_DATA_DIR', str(env['data']))
+    monkeypatch.setenv('RANK', str(rank)); monkeypatch.setenv('WORLD_SIZE', str(ws)); monkeypatch.setenv('LOCAL_RANK', str(rank))
+    ref = reference_loader(env['tok'], B, T, 'train', tokenizer_batch_size=tbs, buffer_size=buf)
+    dl = tokenizing_distributed_data_loader_with_state_bos_bestfit(env['tok'], B, T, 'train', tokenizer_batch_size=tbs,
+                                                                   device='cpu', buffer_size=buf)
+    try:
+        for _ in range(12):
+            (x0, y0, s0), (x, y, s) = next(ref), next(dl)
+            assert torch.equal(x0, x) and torch.equal(y0, y)
+            assert s0 == {k: s[k] for k in s0}
+            assert s['config']['rank'] == rank and s['config']['world_size'] == ws
+    finally:
+        dl.close(); ref.close()
+
+
+def test_killed_worker_is_reported(env):
+    ld = PackedLoader(env['tok'], 4, 256, data_dir=env['data'], device='cpu', tokenizer_threads=2, tokenize_in='processes')
+    next(ld)
+    enc = ld._producer.encoder
+    for p in enc._procs: p.kill()
+    with pytest.raises(RuntimeError, match='tokenizer worker'):
+        for _ in range(200): next(ld)
+    with pytest.raises(RuntimeError, match='stopped after an error'): next(ld)
+
+
+def test_bad_text_column_names_the_file(env):
+    with pytest.raises(ValueError, match=r"has no column 'body'"):
+        ld = PackedLoader(env['tok'], 2, 32, files=env['toy'], text_column='body', device='cpu')
+        next(ld)
+
+
+SCRIPT = """
+import os, sys, json
+from nanochat_dl.dataloader import PackedLoader
+from nanochat_dl.tokenizer import Tokenizer
+tok = Tokenizer.load(sys.argv[2])
+ld = PackedLoader(tok, 8, 512, data_dir=sys.argv[1], device='cpu', tokenizer_threads=2, tokenize_in=sys.argv[3], prefetch=3)
+next(ld)
+print(json.dumps([p.pid for p in getattr(ld._producer.encoder, '_procs', [])]), flush=True)
+# no close(): the interpreter must still exit promptly, and take the workers with it
+"""
+
+
+@pytest.mark.parametrize('mode', ['processes', 'threads'])
+def test_interpreter_exit_with_a_live_loader(env, tmp_path, mode):
+    script = tmp_path / 'live.py'
+    script.write_text(textwrap.dedent(SCRIPT))
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, str(script), str(env['data']), str(env['tok_dir']), mode], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert time.monotonic() - t0 < 30
+    pids = json.loads(r.stdout.strip().splitlines()[-1])
+    assert len(pids) == (2 if mode == 'processes' else 0)
+    def alive(pid):
+        try: return Path(f'/proc/{pid}/stat').read_text().rsplit(')', 1)[1].split()[0] != 'Z'
+        except OSError: return False
+    deadline = time.monotonic() + 10
+    while any(alive(p) for p in pids):
+        assert time.monotonic() < deadline, f"worker processes {pids} outlived the interpreter"
+        time.sleep(0.1)
