@@ -73,6 +73,8 @@ def atomic_write(path, data, mode='wb'):
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=path.name + '.', suffix='.tmp', dir=path.parent)
     try:
+        mask = os.umask(0); os.umask(mask)           # mkstemp makes the file 0600: give it the usual mode
+        os.chmod(fd, 0o666 & ~mask)
         with os.fdopen(fd, mode) as f:
             f.write(data)
             f.flush(); os.fsync(f.fileno())

@@ -218,7 +218,8 @@ class ProcessEncoder:
         for i in handle:
             ok, lens, flat = self._get(i)
             if not ok: raise RuntimeError(f"tokenizer worker {i} failed:\n{lens}")
-            out += np.split(flat, np.cumsum(lens)[:-1]) if len(lens) else []
+            ends = np.cumsum(lens).tolist()
+            out += [flat[a:b] for a, b in zip([0] + ends[:-1], ends)]   # views; cheaper than np.split
         return out
 
     def __call__(self, texts) -> list: return self.result(self.submit(texts))
