@@ -495,7 +495,8 @@ class PackedLoader:
         fp = sd['fingerprint'] if isinstance(sd['fingerprint'], dict) else {}
         if fp.get('data') != self.fingerprint['data']:
             raise ValueError(f"resume_state_dict was saved over different data: {_describe_data(fp.get('data'))}; this loader reads "
-                             f"{_describe_data(self.fingerprint['data'])}: exact resume needs the same shards (names and sizes)")
+                             f"{_describe_data(self.fingerprint['data'])}: exact resume needs the same shards (names and sizes); to continue "
+                             "approximately, as nanochat does, pass only the state's 'pq_idx', 'rg_idx' and 'epoch'")
         if fp.get('tokenizer') != self.fingerprint['tokenizer']:
             raise ValueError(f"resume_state_dict was saved with a different tokenizer ({_describe_tok(fp.get('tokenizer'))}); this loader "
                              f"has {_describe_tok(self.fingerprint['tokenizer'])}: exact resume needs the same tokenizer")
