@@ -150,6 +150,7 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                         'nanochat_dl.dataloader._pos_int': ('dataloader.html#_pos_int', 'nanochat_dl/dataloader.py'),
                                         'nanochat_dl.dataloader._put': ('dataloader.html#_put', 'nanochat_dl/dataloader.py'),
                                         'nanochat_dl.dataloader._run': ('dataloader.html#_run', 'nanochat_dl/dataloader.py'),
+                                        'nanochat_dl.dataloader._settle_gc': ('dataloader.html#_settle_gc', 'nanochat_dl/dataloader.py'),
                                         'nanochat_dl.dataloader._shutdown': ('dataloader.html#_shutdown', 'nanochat_dl/dataloader.py'),
                                         'nanochat_dl.dataloader._status_kib': ('dataloader.html#_status_kib', 'nanochat_dl/dataloader.py'),
                                         'nanochat_dl.dataloader._waste': ('dataloader.html#_waste', 'nanochat_dl/dataloader.py'),

@@ -11,7 +11,7 @@ __all__ = ['STATE_FORMAT', 'BENCH_KINDS', 'reference_loader', 'DocEncoder', 'Pro
            'run_bench', 'format_bench_table', 'bench_cli']
 
 # %% ../nbs/06_dataloader.ipynb #744e7663
-import atexit, hashlib, io, zlib, itertools, json, math, os, pickle, queue, struct, subprocess, sys, tempfile, threading, time, warnings, weakref
+import atexit, gc, hashlib, io, zlib, itertools, json, math, os, pickle, queue, struct, subprocess, sys, tempfile, threading, time, warnings, weakref
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -733,10 +733,16 @@ def _waste(m0, m1) -> float:
 
 BENCH_KINDS = ('reference', 'dropin', 'best', 'tokenize')
 
+def _settle_gc(gc_mode):
+    "What a training loop does with Python's garbage collector after its first step: 'freeze' (nanochat's: collect, freeze, disable) or 'on'."
+    if gc_mode == 'freeze': gc.collect(); gc.freeze(); gc.disable()
+    elif gc_mode != 'on': raise ValueError(f"gc_mode={gc_mode!r}: expected 'freeze' or 'on'")
+
 def bench_one(kind, data_dir=None, tokenizer_dir=None, B=32, T=2048, warmup=3, batches=20, threads=4, buffer_size=1000,
-              best='bestfit-split', docs=None) -> dict:
+              best='bestfit-split', docs=None, gc_mode='freeze') -> dict:
     "Time one contender of the benchmark in this process: 'reference', 'dropin', 'best', or 'tokenize' (the first `docs` documents)."
     if kind not in BENCH_KINDS: raise ValueError(f"kind={kind!r}: expected one of {BENCH_KINDS}")
+    if gc_mode not in ('freeze', 'on'): raise ValueError(f"gc_mode={gc_mode!r}: expected 'freeze' or 'on'")
     tok, files = get_tokenizer(tokenizer_dir), split_files('train', data_dir)
     os.environ['NANOCHAT_DL_DATA_DIR'] = str(get_data_dir(data_dir))     # where the drop-in looks
     mem = _PeakMemory()
@@ -746,6 +752,7 @@ def bench_one(kind, data_dir=None, tokenizer_dir=None, B=32, T=2048, warmup=3, b
         slices = [texts[i:i + 128] for i in range(0, docs, 128)]
         enc = make_encoder(tok, threads)
         enc(slices[0])                                                # start the workers outside the timing
+        _settle_gc(gc_mode)
         n, dt = tokenize_rate(enc, slices)
         enc.close()
         return dict(kind=kind, wall_s=dt, tokenize_s=dt, tokenized=n, delivered=None, waste_pct=None, docs=docs,
@@ -763,6 +770,7 @@ def bench_one(kind, data_dir=None, tokenizer_dir=None, B=32, T=2048, warmup=3, b
     digests, tok_s, tokenized, padded = [], 0.0, 0, 0
     for i in range(warmup + batches):
         if i == warmup:
+            _settle_gc(gc_mode)
             t0, m0 = time.perf_counter(), packer.metrics_state()
             if tt is not None: s0, k0 = tt.seconds, tt.tokens
         got = next(it)
@@ -791,10 +799,11 @@ def _bench_subprocess(spec) -> dict:
     return json.loads(lines[-1][6:])
 
 def run_bench(data_dir=None, tokenizer_dir=None, B=32, T=2048, warmup=3, batches=30, threads=4, buffer_size=1000,
-              best='bestfit-split', repeats=3, progress=print) -> dict:
+              best='bestfit-split', repeats=3, gc_mode='freeze', progress=print) -> dict:
     "The four contenders (and (b), (d) again with one tokenizer worker), each in a fresh process on the same shards and tokenizer, `repeats` rounds; the best round of each, and the ratios."
     spec = dict(data_dir=None if data_dir is None else str(data_dir), tokenizer_dir=None if tokenizer_dir is None else str(tokenizer_dir),
-                B=B, T=T, warmup=warmup, batches=batches, threads=threads, buffer_size=buffer_size, best=best, repeats=repeats)
+                B=B, T=T, warmup=warmup, batches=batches, threads=threads, buffer_size=buffer_size, best=best, repeats=repeats,
+                gc_mode=gc_mode)
     runs = [('reference', {}), ('dropin', {}), ('best', {}), ('tokenize', {}), ('dropin', dict(threads=1)), ('tokenize', dict(threads=1))]
     res, identical = {}, True
     for rep in range(repeats):                        # rounds interleave the contenders, so a slow spell hits all of them
@@ -824,7 +833,7 @@ def format_bench_table(r) -> str:
     names = {'reference': '(a) reference loader', 'dropin': '(b) drop-in', 'best': f"(c) {c['best']}", 'tokenize': '(d) tokenize only',
              'dropin1': "(b') drop-in, 1 worker", 'tokenize1': "(d') tokenize, 1 worker"}
     out = [f"B={c['B']} T={c['T']} buffer_size={c['buffer_size']} tokenizer_threads={c['threads']}, {c['batches']} timed batches "
-           f"after {c['warmup']} warm-up, best of {c['repeats']} rounds, {r['cpus']} CPUs",
+           f"after {c['warmup']} warm-up, best of {c['repeats']} rounds, {r['cpus']} CPUs, GC {c['gc_mode']} after warm-up",
            f"{'':<24}{'delivered':>11}{'tokenized':>11}{'waste':>8}{'outside':>9}{'peak mem':>10}",
            f"{'':<24}{'M tok/s':>11}{'M tok/s':>11}{'%':>8}{'tokenize':>9}{'growth':>10}"]
     for k, n in names.items():
@@ -849,12 +858,13 @@ def bench_cli(data_dir: str = None,        # shard folder (default: $NANOCHAT_DL
               threads: int = 4,            # tokenizer workers, at most one per CPU (nanochat's tokenizer_threads default is 4)
               buffer_size: int = 1000,     # documents in the packing buffer
               best: str = 'bestfit-split',  # the strategy of contender (c)
-              repeats: int = 3):           # rounds; each contender's best round is reported
+              repeats: int = 3,            # rounds; each contender's best round is reported
+              gc_mode: str = 'freeze'):    # after warm-up: 'freeze' the garbage collector as nanochat's training loop does, or leave it 'on'
     "Benchmark nanochat's loader structure against the drop-in, the best strategy and raw tokenization; print a table."
     try:
         d = _ensure_shards(data_dir)
         _ensure_tokenizer(d, tokenizer_dir, vocab_size)
-        r = run_bench(d, tokenizer_dir, B, T, warmup, batches, threads, buffer_size, best, repeats)
+        r = run_bench(d, tokenizer_dir, B, T, warmup, batches, threads, buffer_size, best, repeats, gc_mode)
     except (FileNotFoundError, ValueError, RuntimeError) as e:
         print(f"nanochat-dl bench: error: {e}", file=sys.stderr); return 2
     print(format_bench_table(r))
