@@ -11,7 +11,7 @@ __all__ = ['STATE_FORMAT', 'BENCH_KINDS', 'reference_loader', 'DocEncoder', 'Pro
            'run_bench', 'format_bench_table', 'bench_cli']
 
 # %% ../nbs/06_dataloader.ipynb #744e7663
-import atexit, gc, hashlib, io, zlib, itertools, json, math, os, pickle, queue, struct, subprocess, sys, tempfile, threading, time, warnings, weakref
+import atexit, gc, hashlib, io, zlib, itertools, json, math, os, pickle, queue, select, struct, subprocess, sys, tempfile, threading, time, warnings, weakref
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -131,27 +131,80 @@ while (texts := frame()) is not None:
     except Exception: send((False, traceback.format_exc(), None))
 """
 
-def _drain(proc, q):
-    "Read the worker's answers as they come, so it never blocks on a full pipe."
-    f = proc.stdout
-    try:
-        while True:
-            h = f.read(8)
-            if len(h) < 8: break
-            n, = struct.unpack('<Q', h)
-            q.put(pickle.loads(f.read(n)))
-    except Exception as e: q.put((False, f"reading the worker's answer failed: {e!r}", None)); return
-    q.put(None)
-
-def _widen_pipe(f, size=1 << 20):
-    "Ask for a 1 MiB pipe buffer (Linux), so a whole slice of texts fits and writing it does not wait for the worker."
+def _widen_pipe(fd, size=1 << 20):
+    "Ask for a 1 MiB pipe buffer (Linux): fewer wake-ups, and a whole slice of texts fits at once."
     try:
         import fcntl
-        fcntl.fcntl(f.fileno(), getattr(fcntl, 'F_SETPIPE_SZ', 1031), size)
+        fcntl.fcntl(fd, getattr(fcntl, 'F_SETPIPE_SZ', 1031), size)
     except (ImportError, OSError): pass   # elsewhere, or above the system's limit: the default buffer works, a little slower
 
+class _Worker:
+    "One worker process and the two ends of its pipes, driven without helper threads."
+    def __init__(self, i):
+        self.i, self.err = i, tempfile.TemporaryFile()
+        self.proc = subprocess.Popen([sys.executable, '-c', _WORKER_SRC], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=self.err, bufsize=0)
+        self.wfd, self.rfd = self.proc.stdin.fileno(), self.proc.stdout.fileno()
+        _widen_pipe(self.wfd); _widen_pipe(self.rfd)
+        os.set_blocking(self.wfd, False)
+        self.inbuf, self.frames, self.eof = bytearray(), deque(), False
+
+    def stderr(self) -> str:
+        self.err.seek(0)
+        return self.err.read()[-2000:].decode(errors='replace').strip() or '(nothing on stderr)'
+
+    def gone(self, what) -> RuntimeError:
+        code = self.proc.poll()
+        if code is None:
+            try: code = self.proc.wait(1)
+            except subprocess.TimeoutExpired: pass
+        return RuntimeError(f"tokenizer worker {self.i} (pid {self.proc.pid}) {what} (exit code {code}); its stderr: {self.stderr()}")
+
+    def pump(self):
+        "Read what the worker has written so far (it must be readable) and cut it into frames."
+        chunk = os.read(self.rfd, 4 << 20)
+        if not chunk: self.eof = True; return
+        buf = self.inbuf; buf += chunk
+        while len(buf) >= 8:
+            n, = struct.unpack_from('<Q', buf)
+            if len(buf) < 8 + n: break
+            self.frames.append(pickle.loads(memoryview(buf)[8:8 + n]))
+            del buf[:8 + n]
+
+    def send(self, data: bytes):
+        "Write a frame; while the pipe is full, read the worker's answers so that it can go on (no deadlock)."
+        view = memoryview(struct.pack('<Q', len(data)) + data)
+        while view:
+            r, w, _ = select.select([self.rfd], [self.wfd], [], 1.0)
+            if r:
+                self.pump()
+                if self.eof: raise self.gone("closed its output")
+            if w:
+                try: view = view[os.write(self.wfd, view):]
+                except BlockingIOError: pass
+                except (BrokenPipeError, OSError): raise self.gone("is gone") from None
+            if not (r or w) and self.proc.poll() is not None: raise self.gone("exited")
+
+    def get(self, timeout=None):
+        "The next answer, waiting for it."
+        t0 = time.monotonic()
+        while not self.frames:
+            if self.eof: raise self.gone("exited")
+            r, _, _ = select.select([self.rfd], [], [], 0.5)
+            if r: self.pump()
+            elif timeout is not None and time.monotonic() - t0 > timeout:
+                raise RuntimeError(f"tokenizer worker {self.i} did not answer within {timeout:.0f} s; its stderr: {self.stderr()}")
+        return self.frames.popleft()
+
+    def close(self, timeout):
+        try: self.proc.stdin.close()
+        except OSError: pass
+        try: self.proc.wait(timeout)
+        except subprocess.TimeoutExpired: self.proc.kill(); self.proc.wait()
+        self.proc.stdout.close(); self.err.close()
+
 class ProcessEncoder:
-    "`DocEncoder`'s interface with the encoding in `workers` worker processes (tiktoken tokenizers only)."
+    "`DocEncoder`'s interface with the encoding in `workers` worker processes (tiktoken tokenizers, POSIX)."
     def __init__(self, tokenizer, workers=2, start_timeout=60.0):
         self.workers = _pos_int('workers', workers)
         self.bos = int(tokenizer.get_bos_token_id())
@@ -161,46 +214,17 @@ class ProcessEncoder:
             raise TypeError(f"ProcessEncoder needs a tokenizer with a tiktoken core (`.enc`), got {type(tokenizer).__name__}; "
                             "use DocEncoder (threads) for other tokenizers")
         init = pickle.dumps((enc.name, enc._pat_str, enc._mergeable_ranks, enc._special_tokens, self.bos))
-        self._procs, self._queues, self._errs, self._next = [], [], [], 0
+        self._w, self._next = [], 0
         try:
             for i in range(self.workers):
-                err = tempfile.TemporaryFile()
-                p = subprocess.Popen([sys.executable, '-c', _WORKER_SRC], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err)
-                _widen_pipe(p.stdin); _widen_pipe(p.stdout)
-                q = queue.Queue()
-                threading.Thread(target=_drain, args=(p, q), name=f'nanochat_dl-worker-{i}', daemon=True).start()
-                self._procs.append(p); self._queues.append(q); self._errs.append(err)
-                self._send(i, None, raw=init)
-            for i in range(self.workers):
-                if self._get(i, start_timeout) != 'ready': raise RuntimeError(f"tokenizer worker {i} did not start properly")
+                self._w.append(_Worker(i)); self._w[-1].send(init)
+            for w in self._w:
+                if w.get(start_timeout) != 'ready': raise RuntimeError(f"tokenizer worker {w.i} did not start properly")
         except BaseException:
             self.close(); raise
 
-    def _stderr(self, i) -> str:
-        f = self._errs[i]; f.seek(0)
-        return f.read()[-2000:].decode(errors='replace').strip() or '(nothing on stderr)'
-
-    def _send(self, i, obj, raw=None):
-        b = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL) if raw is None else raw
-        try:
-            self._procs[i].stdin.write(struct.pack('<Q', len(b)) + b); self._procs[i].stdin.flush()
-        except (BrokenPipeError, OSError, ValueError):
-            raise RuntimeError(f"tokenizer worker {i} (pid {self._procs[i].pid}) is gone (exit code {self._procs[i].poll()}); "
-                               f"its stderr: {self._stderr(i)}") from None
-
-    def _get(self, i, timeout=None):
-        t0 = time.monotonic()
-        while True:
-            try: item = self._queues[i].get(timeout=0.5)
-            except queue.Empty:
-                if timeout is not None and time.monotonic() - t0 > timeout:
-                    raise RuntimeError(f"tokenizer worker {i} did not answer within {timeout:.0f} s; its stderr: {self._stderr(i)}") from None
-                continue
-            if item is None:
-                self._procs[i].wait()
-                raise RuntimeError(f"tokenizer worker {i} (pid {self._procs[i].pid}) exited with code {self._procs[i].returncode}; "
-                                   f"its stderr: {self._stderr(i)}")
-            return item
+    @property
+    def _procs(self): return [w.proc for w in self._w]
 
     def submit(self, texts):
         "Send `texts` to the workers in contiguous chunks, one per worker; returns the handle for `result`."
@@ -209,14 +233,14 @@ class ProcessEncoder:
         handle = []
         for j in range(0, len(texts), k or 1):
             i = self._next; self._next = (self._next + 1) % n
-            self._send(i, texts[j:j + k]); handle.append(i)
+            self._w[i].send(pickle.dumps(texts[j:j + k], protocol=pickle.HIGHEST_PROTOCOL)); handle.append(i)
         return handle
 
     def result(self, handle) -> list:
         "The arrays of a `submit`, in order: views into one flat array per chunk."
         out = []
         for i in handle:
-            ok, lens, flat = self._get(i)
+            ok, lens, flat = self._w[i].get()
             if not ok: raise RuntimeError(f"tokenizer worker {i} failed:\n{lens}")
             ends = np.cumsum(lens).tolist()
             out += [flat[a:b] for a, b in zip([0] + ends[:-1], ends)]   # views; cheaper than np.split
@@ -226,15 +250,8 @@ class ProcessEncoder:
 
     def close(self, timeout=10.0):
         "Close the workers' input; wait for them to exit (kill them after `timeout`)."
-        for p in self._procs:
-            try: p.stdin.close()
-            except OSError: pass
-        for p in self._procs:
-            try: p.wait(timeout)
-            except subprocess.TimeoutExpired: p.kill(); p.wait()
-            p.stdout.close()
-        for f in self._errs: f.close()
-        self._procs, self._queues, self._errs = [], [], []
+        for w in self._w: w.close(timeout)
+        self._w = []
 
     def __repr__(self): return f"ProcessEncoder(workers={self.workers}, bos={self.bos})"
 
@@ -246,7 +263,7 @@ def make_encoder(tokenizer, workers=4, tokenize_in='auto'):
     workers = _pos_int('tokenizer_threads', workers)
     core = getattr(tokenizer, 'enc', None)
     can = core is not None and all(hasattr(core, a) for a in ('name', '_pat_str', '_mergeable_ranks', '_special_tokens', 'encode_to_numpy'))
-    if tokenize_in == 'processes' or (tokenize_in == 'auto' and can):
+    if tokenize_in == 'processes' or (tokenize_in == 'auto' and can and os.name == 'posix'):
         return ProcessEncoder(tokenizer, min(workers, os.cpu_count() or workers))
     return DocEncoder(tokenizer, workers)
 

@@ -122,3 +122,19 @@ def test_interpreter_exit_with_a_live_loader(env, tmp_path, mode):
     while any(alive(p) for p in pids):
         assert time.monotonic() < deadline, f"worker processes {pids} outlived the interpreter"
         time.sleep(0.1)
+
+
+@pytest.mark.timeout(120)
+def test_process_encoder_never_deadlocks_on_full_pipes(env):
+    """Several slices whose texts and answers are each far larger than a pipe's buffer, all submitted before any
+    result is read: the parent must keep reading answers while it writes, or both sides would wait forever."""
+    from nanochat_dl.dataloader import DocEncoder, ProcessEncoder
+    big = [' '.join(f"word{i}x{j}" for j in range(20_000)) for i in range(48)]   # ~200 KB of text, ~60k+ ids each
+    enc, ref = ProcessEncoder(env['tok'], 2), DocEncoder(env['tok'], 1)
+    try:
+        handles = [enc.submit(big[k:k + 16]) for k in range(0, len(big), 16)]
+        got = [a for h in handles for a in enc.result(h)]
+    finally: enc.close()
+    want = ref(big)
+    assert sum(map(len, want)) * 4 > 4 * (1 << 20)          # the answers alone exceed the pipes many times over
+    assert len(got) == len(want) and all(a.tolist() == b.tolist() for a, b in zip(got, want))
