@@ -11,21 +11,22 @@ __all__ = ['STATE_FORMAT', 'BENCH_KINDS', 'reference_loader', 'DocEncoder', 'Pro
            'run_bench', 'format_bench_table', 'bench_cli']
 
 # %% ../nbs/06_dataloader.ipynb #744e7663
-import atexit, gc, hashlib, io, zlib, itertools, json, math, os, pickle, queue, select, struct, subprocess, sys, tempfile, threading, time, warnings, weakref
+import atexit, gc, hashlib, zlib, itertools, json, math, os, pickle, queue, select, struct, subprocess, sys, tempfile, threading, time, warnings, weakref
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 import numpy as np
 import torch
 from fastcore.script import call_parse
-from .core import get_dist_info, get_data_dir, get_base_dir, get_tokenizer_dir, atomic_write, human_bytes
+from .core import get_dist_info, get_data_dir, get_base_dir, get_tokenizer_dir, human_bytes, check_int
 from .dataset import list_parquet_files, make_sample_shards
-from .shards import RowGroupReader, split_files, read_documents, nanochat_state, write_toy_shards
-from .tokenizer import Tokenizer, get_tokenizer, train_tokenizer
-from .packing import Packer, ReferencePacker, PackedBatch, STRATEGIES, position_ids, cu_seqlens, show_batch, _check_int
+from .shards import RowGroupReader, split_files, read_documents, nanochat_state
+from .tokenizer import get_tokenizer, train_tokenizer
+from .packing import Packer, ReferencePacker, PackedBatch, STRATEGIES, position_ids, cu_seqlens, show_batch, _pct
 from .transfer import DeviceTransfer, SingleBufferTransfer, resolve_device
+from ._tokworker import encode_flat, split_flat, WORKER_CMD
 
 # %% ../nbs/06_dataloader.ipynb #336c5629
 def _dist(rank, world_size):
@@ -55,42 +56,39 @@ def reference_loader(tokenizer, B, T, split='train', tokenizer_threads=4, tokeni
             yield inputs, targets, dict(where)
     finally: reader.close()
 
-# %% ../nbs/06_dataloader.ipynb #d58aa17c
-def _pos_int(name, v, lo=1): return _check_int(name, v, lo)   # packing's check: an int (not a bool) >= lo
+# %% ../nbs/06_dataloader.ipynb #0ca9ab41
+_CORE_ATTRS = ('name', '_pat_str', '_mergeable_ranks', '_special_tokens', 'encode_to_numpy')
+
+def _tiktoken_core(tokenizer):
+    "The tokenizer's `tiktoken.Encoding` if it has one we can drive directly (in threads or worker processes), else None."
+    enc = getattr(tokenizer, 'enc', None)
+    return enc if enc is not None and all(hasattr(enc, a) for a in _CORE_ATTRS) else None
+
+def _done(value) -> Future:
+    f = Future(); f.set_result(value); return f
 
 class DocEncoder:
     "Texts -> int32 token arrays that start with BOS, encoded in `threads` threads: the ids of `tokenizer.encode(texts, prepend=bos)`."
     def __init__(self, tokenizer, threads=4):
-        self.tokenizer, self.threads = tokenizer, _pos_int('tokenizer_threads', threads)
+        self.tokenizer, self.threads = tokenizer, check_int('tokenizer_threads', threads)
         self.bos = int(tokenizer.get_bos_token_id())
-        enc = getattr(tokenizer, 'enc', None)
-        self.fast = enc is not None and hasattr(enc, 'encode_to_numpy')   # a tiktoken core we can call directly
-        self._enc, self._pool = enc, None
+        self._enc, self._pool = _tiktoken_core(tokenizer), None   # no tiktoken core: the tokenizer's own encode
 
-    def _encode(self, texts) -> list:
-        enc, out = self._enc, []
-        for t in texts:
-            try: ids = enc.encode_to_numpy(t, disallowed_special=())
-            except UnicodeEncodeError: ids = np.asarray(enc.encode_ordinary(t), dtype=np.uint32)  # lone surrogates
-            d = np.empty(len(ids) + 1, dtype=np.int32)
-            d[0] = self.bos; d[1:] = ids
-            out.append(d)
-        return out
+    def _encode(self, texts) -> list: return split_flat(*encode_flat(self._enc, texts, self.bos))
 
-    def submit(self, texts):
-        "Start encoding `texts`; `result()` of what this returns gives the arrays."
+    def submit(self, texts) -> list:
+        "Start encoding `texts`: futures whose results, in order, are the arrays."
         texts = list(texts)
-        if not self.fast:
-            return [np.asarray(ids, dtype=np.int64) for ids in self.tokenizer.encode(texts, prepend=self.bos, num_threads=self.threads)]
-        if self.threads == 1 or len(texts) < 2: return self._encode(texts)
+        if self._enc is None:
+            return [_done([np.asarray(ids, dtype=np.int64) for ids in self.tokenizer.encode(texts, prepend=self.bos, num_threads=self.threads)])]
+        if self.threads == 1 or len(texts) < 2: return [_done(self._encode(texts))]
         if self._pool is None: self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix='nanochat_dl-tokenize')
         k = max(1, len(texts) // (4 * self.threads))   # small chunks: long and short documents even out
         return [self._pool.submit(self._encode, texts[i:i + k]) for i in range(0, len(texts), k)]
 
     def result(self, handle) -> list:
         "The arrays of a `submit`, in order (waits for them)."
-        if handle and hasattr(handle[0], 'result'): return [d for f in handle for d in f.result()]
-        return handle
+        return [d for f in handle for d in f.result()]
 
     def __call__(self, texts) -> list: return self.result(self.submit(texts))
 
@@ -98,39 +96,9 @@ class DocEncoder:
         "Stop the thread pool (a later call starts a new one)."
         if self._pool is not None: self._pool.shutdown(wait=True); self._pool = None
 
-    def __repr__(self): return f"DocEncoder({'tiktoken arrays' if self.fast else 'tokenizer.encode'}, threads={self.threads}, bos={self.bos})"
+    def __repr__(self): return f"DocEncoder({'tiktoken' if self._enc is not None else 'tokenizer.encode'}, threads={self.threads}, bos={self.bos})"
 
 # %% ../nbs/06_dataloader.ipynb #ea996d88
-_WORKER_SRC = r"""
-import os, pickle, struct, sys, traceback
-out = os.fdopen(os.dup(1), 'wb'); os.dup2(2, 1)   # the protocol owns the real stdout; stray prints go to stderr
-import numpy as np, tiktoken
-inp = sys.stdin.buffer
-def frame():
-    h = inp.read(8)
-    if len(h) < 8: return None
-    n, = struct.unpack('<Q', h)
-    return pickle.loads(inp.read(n))
-def send(obj):
-    b = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-    out.write(struct.pack('<Q', len(b)) + b); out.flush()
-name, pat, ranks, special, bos = frame()
-enc = tiktoken.Encoding(name, pat_str=pat, mergeable_ranks=ranks, special_tokens=special)
-head = np.array([bos], dtype=np.uint32)
-send('ready')
-while (texts := frame()) is not None:
-    try:
-        parts = []
-        for t in texts:
-            try: ids = enc.encode_to_numpy(t, disallowed_special=())
-            except UnicodeEncodeError: ids = np.asarray(enc.encode_ordinary(t), dtype=np.uint32)
-            parts += (head, ids)
-        lens = np.array([len(p) for p in parts[1::2]], dtype=np.int64) + 1
-        flat = np.concatenate(parts).view(np.int32) if parts else np.empty(0, np.int32)
-        send((True, lens, flat))
-    except Exception: send((False, traceback.format_exc(), None))
-"""
-
 def _widen_pipe(fd, size=1 << 20):
     "Ask for a 1 MiB pipe buffer (Linux): fewer wake-ups, and a whole slice of texts fits at once."
     try:
@@ -138,12 +106,15 @@ def _widen_pipe(fd, size=1 << 20):
         fcntl.fcntl(fd, getattr(fcntl, 'F_SETPIPE_SZ', 1031), size)
     except (ImportError, OSError): pass   # elsewhere, or above the system's limit: the default buffer works, a little slower
 
+_PKG_PARENT = str(Path(sys.modules[encode_flat.__module__].__file__).resolve().parents[1])   # workers import this copy of the package
+
 class _Worker:
     "One worker process and the two ends of its pipes, driven without helper threads."
     def __init__(self, i):
         self.i, self.err = i, tempfile.TemporaryFile()
-        self.proc = subprocess.Popen([sys.executable, '-c', _WORKER_SRC], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=self.err, bufsize=0)
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([_PKG_PARENT] + [p for p in [os.environ.get('PYTHONPATH')] if p]))
+        self.proc = subprocess.Popen(WORKER_CMD, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=self.err, bufsize=0, env=env)
         self.wfd, self.rfd = self.proc.stdin.fileno(), self.proc.stdout.fileno()
         _widen_pipe(self.wfd); _widen_pipe(self.rfd)
         os.set_blocking(self.wfd, False)
@@ -206,11 +177,10 @@ class _Worker:
 class ProcessEncoder:
     "`DocEncoder`'s interface with the encoding in `workers` worker processes (tiktoken tokenizers, POSIX)."
     def __init__(self, tokenizer, workers=2, start_timeout=60.0):
-        self.workers = _pos_int('workers', workers)
+        self.workers = check_int('workers', workers)
         self.bos = int(tokenizer.get_bos_token_id())
-        enc = getattr(tokenizer, 'enc', None)
-        need = ('name', '_pat_str', '_mergeable_ranks', '_special_tokens')
-        if enc is None or not all(hasattr(enc, a) for a in need):
+        enc = _tiktoken_core(tokenizer)
+        if enc is None:
             raise TypeError(f"ProcessEncoder needs a tokenizer with a tiktoken core (`.enc`), got {type(tokenizer).__name__}; "
                             "use DocEncoder (threads) for other tokenizers")
         init = pickle.dumps((enc.name, enc._pat_str, enc._mergeable_ranks, enc._special_tokens, self.bos))
@@ -242,8 +212,7 @@ class ProcessEncoder:
         for i in handle:
             ok, lens, flat = self._w[i].get()
             if not ok: raise RuntimeError(f"tokenizer worker {i} failed:\n{lens}")
-            ends = np.cumsum(lens).tolist()
-            out += [flat[a:b] for a, b in zip([0] + ends[:-1], ends)]   # views; cheaper than np.split
+            out += split_flat(lens, flat)
         return out
 
     def __call__(self, texts) -> list: return self.result(self.submit(texts))
@@ -260,10 +229,8 @@ def make_encoder(tokenizer, workers=4, tokenize_in='auto'):
     "A `ProcessEncoder` or a `DocEncoder` for `tokenizer`; `tokenize_in`: 'auto', 'processes' or 'threads'."
     if tokenize_in not in ('auto', 'processes', 'threads'):
         raise ValueError(f"tokenize_in={tokenize_in!r}: expected 'auto', 'processes' or 'threads'")
-    workers = _pos_int('tokenizer_threads', workers)
-    core = getattr(tokenizer, 'enc', None)
-    can = core is not None and all(hasattr(core, a) for a in ('name', '_pat_str', '_mergeable_ranks', '_special_tokens', 'encode_to_numpy'))
-    if tokenize_in == 'processes' or (tokenize_in == 'auto' and can and os.name == 'posix'):
+    workers = check_int('tokenizer_threads', workers)
+    if tokenize_in == 'processes' or (tokenize_in == 'auto' and _tiktoken_core(tokenizer) is not None and os.name == 'posix'):
         return ProcessEncoder(tokenizer, min(workers, os.cpu_count() or workers))
     return DocEncoder(tokenizer, workers)
 
@@ -440,8 +407,8 @@ class PackedLoader:
                  rank=None, world_size=None, prefetch=2, slots=2, copy=False, pad_id=None, max_docs_per_row=None,
                  text_column='text', tokenize_in='auto', read_ahead=2, resume_state_dict=None):
         self._closed, self._thread, self._error = True, None, None
-        self.B, self.T = _pos_int('B', B), _pos_int('T', T)
-        self.prefetch = _pos_int('prefetch', prefetch, 0)
+        self.B, self.T = check_int('B', B), check_int('T', T)
+        self.prefetch = check_int('prefetch', prefetch, 0)
         if strategy not in STRATEGIES: raise ValueError(f"unknown strategy {strategy!r}: expected one of {list(STRATEGIES)}")
         rank, world_size = _dist(rank, world_size)
         self.files = [Path(p) for p in (split_files(split, data_dir) if files is None else files)]
@@ -457,7 +424,7 @@ class PackedLoader:
                            shuffle=reader.shuffle, seed=reader.seed, text_column=text_column, pad_id=packer.pad_id,
                            max_docs_per_row=packer.max_docs_per_row)
         self.fingerprint = dict(data=data_fingerprint(self.files), tokenizer=tokenizer_fingerprint(tokenizer))
-        self._producer = _Producer(reader, encoder, packer, self.B, self.config, self.fingerprint, _pos_int('read_ahead', read_ahead, 0))
+        self._producer = _Producer(reader, encoder, packer, self.B, self.config, self.fingerprint, check_int('read_ahead', read_ahead, 0))
         self.resumed = None
         try:
             if resume_state_dict is not None: self._resume(resume_state_dict)
@@ -526,7 +493,7 @@ class PackedLoader:
         docs = p.encoder(read_documents(self.files, [k[1:] for k, _ in entries], cfg['text_column'])) if entries else []
         p.packer.restore([(d, k, off) for d, (k, off) in zip(docs, entries)])
         p.packer.load_metrics_state(sd['metrics'])
-        p.step = _pos_int("resume_state_dict['step']", sd['step'], 0)
+        p.step = check_int("resume_state_dict['step']", sd['step'], 0)
         p.last = {k: int(sd[k]) for k in ('pq_idx', 'rg_idx', 'epoch')} if 'pq_idx' in sd else None
         self.resumed = 'exact'
 
@@ -673,8 +640,7 @@ def run_demo(data_dir=None, tokenizer_dir=None, vocab_size=8192, B=16, T=1024, s
     pic = Path(picture) if picture else get_base_dir()/'demo_batch.png'
     pic.parent.mkdir(parents=True, exist_ok=True)
     rows = PackedBatch(last.rows[:8], last.segments[:8], last.metrics)
-    ax = show_batch(rows, bos_id=tok.get_bos_token_id(), title=f"last batch, first {len(rows.rows)} rows (T={T}, {strategy})")
-    fig = ax.figure if hasattr(ax, 'figure') else plt.gcf()
+    fig = show_batch(rows, bos_id=tok.get_bos_token_id(), title=f"last batch, first {len(rows.rows)} rows (T={T}, {strategy})").figure
     fig.savefig(pic, dpi=90, bbox_inches='tight'); plt.close(fig)
     res['picture'] = str(pic)
     out(f"\n{steps} batches of {B}x{T} on {res['device']} in {wall:.2f} s: {res['delivered_per_s'] / 1e6:.2f} M tokens/s delivered, "
@@ -745,8 +711,9 @@ def tokenize_rate(encoder, slices, ahead=2) -> tuple:
     return n, time.perf_counter() - t0
 
 def _waste(m0, m1) -> float:
+    "Waste % between two packer counter snapshots, as the packer's own metrics define it."
     d = {k: m1[k] - m0[k] for k in ('cropped', 'padded', 'emitted')}
-    return 100.0 * (d['cropped'] + d['padded']) / (d['emitted'] + d['cropped'])
+    return _pct(d['cropped'] + d['padded'], d['emitted'] + d['cropped'])
 
 BENCH_KINDS = ('reference', 'dropin', 'best', 'tokenize')
 

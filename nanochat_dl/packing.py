@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 import numpy as np
 from fastcore.script import call_parse
+from .core import check_int
 
 # %% ../nbs/04_packing.ipynb #75058498
 STRATEGIES = {
@@ -57,11 +58,6 @@ _MAX_EMPTY_PULLS = 1000
 
 def _pct(a, b): return 100.0 * a / b if b else 0.0
 
-def _check_int(name, v, lo):
-    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < lo:
-        raise ValueError(f"{name}={v!r} is invalid: expected an int >= {lo}")
-    return int(v)
-
 class _PackerBase:
     "Checks, pulls and counters shared by `ReferencePacker` and `Packer`."
     strategy = 'bestfit-crop'
@@ -77,10 +73,10 @@ class _PackerBase:
         total_crop_pct="cumulative crop_pct", total_waste_pct="cumulative waste_pct")
 
     def __init__(self, T, buffer_size, bos_id):
-        self.T = _check_int('T', T, 1)
+        self.T = check_int('T', T, 1)
         self.C = self.T + 1                       # row length
-        self.buffer_size = _check_int('buffer_size', buffer_size, 1)
-        self.bos_id = None if bos_id is None else _check_int('bos_id', bos_id, 0)
+        self.buffer_size = check_int('buffer_size', buffer_size, 1)
+        self.bos_id = None if bos_id is None else check_int('bos_id', bos_id, 0)
         self._tot = dict.fromkeys(_COUNTERS, 0)
         self._empty_pulls = 0
         self.buffered_tokens = 0
@@ -158,7 +154,7 @@ class _PackerBase:
         self.restore([(doc, key, off) for doc, (key, off) in zip(docs, state['buffer'])])
         self.load_metrics_state(state['metrics'])
 
-    def _check_B(self, B): return _check_int('B', B, 1)
+    def _check_B(self, B): return check_int('B', B, 1)
 
     def _rows(self, B, out):
         "The array to write `B` rows into: a new one, or `out` (e.g. a numpy view of a pinned staging tensor)."
@@ -236,7 +232,7 @@ class ReferencePacker(_PackerBase):
 class ListPull:
     "A pull over a list of documents: `batch_size` at a time, keys are indices (or `(epoch, index)` with `cycle=True`)."
     def __init__(self, docs, batch_size=128, cycle=False):
-        self.docs, self.batch_size, self.cycle = list(docs), _check_int('batch_size', batch_size, 1), cycle
+        self.docs, self.batch_size, self.cycle = list(docs), check_int('batch_size', batch_size, 1), cycle
         self.pos, self.epoch = 0, 0
     def __call__(self):
         if self.pos >= len(self.docs):
@@ -297,8 +293,8 @@ class Packer(_PackerBase):
         if strategy == 'bestfit-split' and bos_id is None:
             raise ValueError("strategy 'bestfit-split' needs bos_id: every continuation piece starts with a BOS token")
         self.strategy = strategy
-        self.max_docs_per_row = None if max_docs_per_row is None else _check_int('max_docs_per_row', max_docs_per_row, 1)
-        self.pad_id = _check_int('pad_id', pad_id, 0) if pad_id is not None else (self.bos_id if bos_id is not None else 0)
+        self.max_docs_per_row = None if max_docs_per_row is None else check_int('max_docs_per_row', max_docs_per_row, 1)
+        self.pad_id = check_int('pad_id', pad_id, 0) if pad_id is not None else (self.bos_id if bos_id is not None else 0)
         self._fifo_mode = strategy in ('greedy', 'concat')
         self._longfirst = strategy in ('bestfit-longfirst', 'bestfit-pad')
         self._split = strategy == 'bestfit-split'
@@ -478,7 +474,7 @@ class SyntheticStream:
     "An endless reproducible pull of random documents with `fineweb_like_lengths`; `doc(key)` rebuilds any of them."
     block = 1 << 14
     def __init__(self, seed=0, batch_size=128, bos_id=0, vocab_size=65536, mean=1000.0, floor=0.23, T=2048, max_len=1 << 20):
-        self.seed, self.batch_size, self.bos_id = seed, _check_int('batch_size', batch_size, 1), bos_id
+        self.seed, self.batch_size, self.bos_id = seed, check_int('batch_size', batch_size, 1), bos_id
         self.kw = dict(mean=mean, floor=floor, T=T, max_len=max_len)
         self.pool = np.random.default_rng([seed, 1 << 32]).integers(0, vocab_size, 2 * max_len)
         self.next_key, self._blocks = 0, {}
@@ -523,7 +519,7 @@ def measure_tokenize_rate(min_time=0.5) -> dict:
 
 def bench_pack(B=32, T=2048, buffer_size=1000, batches=20, seed=0, repeats=3, warmup_docs=None, tokens_per_s=None) -> dict:
     "Time `ReferencePacker` and `Packer` on identical steady-state work; `tokens_per_s` defaults to `measure_tokenize_rate()`."
-    B, T, size, batches = _check_int('B', B, 1), _check_int('T', T, 1), _check_int('buffer_size', buffer_size, 1), _check_int('batches', batches, 1)
+    B, T, size, batches = check_int('B', B, 1), check_int('T', T, 1), check_int('buffer_size', buffer_size, 1), check_int('batches', batches, 1)
     stream = SyntheticStream(seed, T=T)
     warm = Packer(T, size, bos_id=stream.bos_id)
     while stream.next_key < (20 * size if warmup_docs is None else warmup_docs): warm.next_batch(B, stream)
@@ -643,7 +639,7 @@ class CuSeqlens(NamedTuple):
 
 def cu_seqlens(batch, max_seqs, full=False) -> CuSeqlens:
     "Segment boundaries over the flattened inputs (`B*T`; `B*(T+1)` with `full`), padded to a fixed `max_seqs + 1` entries."
-    max_seqs = _check_int('max_seqs', max_seqs, 1)
+    max_seqs = check_int('max_seqs', max_seqs, 1)
     starts = segment_starts(batch)
     if not full: starts = starts[:, :-1]
     B, W = starts.shape

@@ -13,7 +13,7 @@ import pyarrow.parquet as pq
 from pathlib import Path
 from typing import NamedTuple
 from fastcore.basics import patch
-from .core import get_data_dir, get_dist_info
+from .core import get_data_dir, get_dist_info, check_int
 from .dataset import list_parquet_files
 
 # %% ../nbs/02_shards.ipynb #8b13a313
@@ -126,9 +126,7 @@ class RowGroupReader:
                  balanced=False):
         self.files = [Path(p) for p in files]
         if not self.files: raise ValueError("RowGroupReader needs at least one shard file, got none")
-        for name, v, lo in (('world_size', world_size, 1), ('batch_size', batch_size, 1), ('seed', seed, 0)):
-            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < lo:
-                raise ValueError(f"{name}={v!r} is invalid: expected an integer >= {lo}")
+        for name, v, lo in (('world_size', world_size, 1), ('batch_size', batch_size, 1), ('seed', seed, 0)): check_int(name, v, lo)
         if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) or not 0 <= rank < world_size:
             raise ValueError(f"rank={rank!r} is invalid for world_size={world_size}: expected 0 <= rank < world_size")
         self.rank, self.world_size, self.batch_size = int(rank), int(world_size), int(batch_size)

@@ -10,6 +10,7 @@ __all__ = ['resolve_device', 'SingleBufferTransfer', 'DeviceTransfer']
 import time
 import numpy as np
 import torch
+from .core import check_int
 
 # %% ../nbs/05_transfer.ipynb #a37e616c
 def resolve_device(device='auto') -> torch.device:
@@ -30,11 +31,7 @@ def resolve_device(device='auto') -> torch.device:
     return torch.device('cuda', idx)
 
 # %% ../nbs/05_transfer.ipynb #a9d3e213
-def _check_BT(B, T):
-    for name, v in (('B', B), ('T', T)):
-        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
-            raise ValueError(f"{name} must be a positive integer, got {v!r}")
-    return int(B), int(T)
+def _check_BT(B, T): return check_int('B', B), check_int('T', T)
 
 def _as_rows(rows, B, T) -> torch.Tensor:
     "Validate a `[B, T+1]` batch of integer token ids on the host; a zero-copy CPU tensor view of it."
@@ -88,8 +85,7 @@ class DeviceTransfer:
     "Turn `[B, T+1]` host rows into contiguous `(inputs, targets)` `[B, T]` on `device`, through `slots` pinned staging buffers, one non-blocking copy per batch, and an event per slot so a staging buffer is never rewritten while its copy may be in flight. Returned tensors stay valid until `slots` more batches are put, unless `copy=True`."
     def __init__(self, B:int, T:int, device='cuda', slots:int=2, copy:bool=False, dtype=torch.long):
         self.B, self.T = _check_BT(B, T)
-        if isinstance(slots, bool) or not isinstance(slots, (int, np.integer)) or slots < 1:
-            raise ValueError(f"slots must be a positive integer, got {slots!r}")
+        check_int('slots', slots)
         if dtype not in (torch.int64, torch.int32):
             raise ValueError(f"dtype must be torch.int64 or torch.int32 (token ids for an embedding), got {dtype}")
         self.device, self.slots, self.copy, self.dtype = resolve_device(device), int(slots), bool(copy), dtype

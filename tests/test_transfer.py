@@ -116,11 +116,11 @@ def test_row_validation(bad, msg):
 
 
 @pytest.mark.parametrize('kw, msg', [
-    (dict(B=0, T=3), 'B must be a positive integer, got 0'),
-    (dict(B=2, T=0), 'T must be a positive integer, got 0'),
-    (dict(B=2.0, T=3), 'B must be a positive integer, got 2.0'),
-    (dict(B=True, T=3), 'B must be a positive integer, got True'),
-    (dict(B=2, T=3, slots=0), 'slots must be a positive integer, got 0'),
+    (dict(B=0, T=3), 'B=0 is invalid: expected an int >= 1'),
+    (dict(B=2, T=0), 'T=0 is invalid: expected an int >= 1'),
+    (dict(B=2.0, T=3), 'B=2.0 is invalid: expected an int >= 1'),
+    (dict(B=True, T=3), 'B=True is invalid: expected an int >= 1'),
+    (dict(B=2, T=3, slots=0), 'slots=0 is invalid: expected an int >= 1'),
     (dict(B=2, T=3, dtype=torch.float16), 'dtype must be torch.int64 or torch.int32'),
     (dict(B=2, T=3, device='tpu'), "device='tpu' is not a device"),
 ])
