@@ -318,7 +318,7 @@ class _Producer:
             self.ahead.append((docs, after, self.encoder.submit(docs.texts)))
 
     def pull(self):
-        self._read_ahead()
+        if not self.ahead: self._read_ahead()           # the first pull (after a start or a resume)
         docs, after, handle = self.ahead.popleft()
         self._read_ahead()                              # keep the encoder busy while we wait and pack
         t0 = time.perf_counter()
