@@ -7,8 +7,8 @@ token; exact resume from a few kilobytes of JSON; reading, tokenizing and packin
 __all__ = ['STATE_FORMAT', 'BENCH_KINDS', 'reference_loader', 'DocEncoder', 'ProcessEncoder', 'make_encoder', 'data_fingerprint',
            'tokenizer_fingerprint', 'buffer_columns', 'buffer_entries', 'LoaderBatch', 'PackedLoader', 'metrics_table',
            'NanochatStream', 'tokenizing_distributed_data_loader_with_state_bos_bestfit',
-           'tokenizing_distributed_data_loader_bos_bestfit', 'run_demo', 'demo_cli', 'tokenize_rate', 'bench_one',
-           'run_bench', 'format_bench_table', 'bench_cli']
+           'tokenizing_distributed_data_loader_bos_bestfit', 'long_document_shards', 'run_demo', 'demo_cli',
+           'tokenize_rate', 'bench_one', 'run_bench', 'format_bench_table', 'bench_cli']
 
 # %% ../nbs/06_dataloader.ipynb #744e7663
 import atexit, gc, hashlib, zlib, itertools, json, math, os, pickle, queue, select, struct, subprocess, sys, tempfile, threading, time, warnings, weakref
@@ -21,12 +21,12 @@ import numpy as np
 import torch
 from fastcore.script import call_parse
 from .core import get_dist_info, get_data_dir, get_base_dir, get_tokenizer_dir, human_bytes, check_int
-from .dataset import list_parquet_files, make_sample_shards
+from .dataset import list_parquet_files, make_sample_shards, sample_documents
 from .shards import RowGroupReader, split_files, read_documents, nanochat_state
 from .tokenizer import get_tokenizer, train_tokenizer
-from .packing import Packer, ReferencePacker, PackedBatch, STRATEGIES, position_ids, cu_seqlens, show_batch, _pct
+from .packing import Packer, ReferencePacker, PackedBatch, FlatDocs, STRATEGIES, position_ids, cu_seqlens, show_batch, _pct, fineweb_like_lengths
 from .transfer import DeviceTransfer, SingleBufferTransfer, resolve_device
-from ._tokworker import encode_flat, split_flat, WORKER_CMD
+from ._tokworker import encode_flat, WORKER_CMD
 
 # %% ../nbs/06_dataloader.ipynb #336c5629
 def _dist(rank, world_size):
@@ -68,29 +68,36 @@ def _done(value) -> Future:
     f = Future(); f.set_result(value); return f
 
 class DocEncoder:
-    "Texts -> int32 token arrays that start with BOS, encoded in `threads` threads: the ids of `tokenizer.encode(texts, prepend=bos)`."
+    "Texts -> a `FlatDocs` of int32 token arrays that start with BOS, encoded in `threads` threads: the ids of `tokenizer.encode(texts, prepend=bos)`."
     def __init__(self, tokenizer, threads=4):
         self.tokenizer, self.threads = tokenizer, check_int('tokenizer_threads', threads)
         self.bos = int(tokenizer.get_bos_token_id())
         self._enc, self._pool = _tiktoken_core(tokenizer), None   # no tiktoken core: the tokenizer's own encode
+        self.encode_cpu_s, self._lock = 0.0, threading.Lock()     # CPU seconds spent in `encode_flat` (tiktoken core only)
 
-    def _encode(self, texts) -> list: return split_flat(*encode_flat(self._enc, texts, self.bos))
+    def _encode(self, texts) -> FlatDocs:
+        t0 = time.thread_time()
+        docs = FlatDocs(*encode_flat(self._enc, texts, self.bos))
+        with self._lock: self.encode_cpu_s += time.thread_time() - t0
+        return docs
 
     def submit(self, texts) -> list:
-        "Start encoding `texts`: futures whose results, in order, are the arrays."
+        "Start encoding `texts`: futures whose results, in order, are `FlatDocs`."
         texts = list(texts)
         if self._enc is None:
-            return [_done([np.asarray(ids, dtype=np.int64) for ids in self.tokenizer.encode(texts, prepend=self.bos, num_threads=self.threads)])]
+            ids = self.tokenizer.encode(texts, prepend=self.bos, num_threads=self.threads)
+            flat = np.fromiter(itertools.chain.from_iterable(ids), dtype=np.int32, count=sum(map(len, ids)))
+            return [_done(FlatDocs(list(map(len, ids)), flat))]
         if self.threads == 1 or len(texts) < 2: return [_done(self._encode(texts))]
         if self._pool is None: self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix='nanochat_dl-tokenize')
         k = max(1, len(texts) // (4 * self.threads))   # small chunks: long and short documents even out
         return [self._pool.submit(self._encode, texts[i:i + k]) for i in range(0, len(texts), k)]
 
-    def result(self, handle) -> list:
-        "The arrays of a `submit`, in order (waits for them)."
-        return [d for f in handle for d in f.result()]
+    def result(self, handle) -> FlatDocs:
+        "The documents of a `submit`, in order (waits for them)."
+        return FlatDocs.concat([f.result() for f in handle])
 
-    def __call__(self, texts) -> list: return self.result(self.submit(texts))
+    def __call__(self, texts) -> FlatDocs: return self.result(self.submit(texts))
 
     def close(self):
         "Stop the thread pool (a later call starts a new one)."
@@ -119,6 +126,9 @@ class _Worker:
         _widen_pipe(self.wfd); _widen_pipe(self.rfd)
         os.set_blocking(self.wfd, False)
         self.inbuf, self.frames, self.eof = bytearray(), deque(), False
+        # reads land in this buffer, kept for the worker's life: `os.read(fd, 4 MiB)` would allocate (mmap) and free
+        # a 4 MiB bytes object on every call, which costs more than the read itself
+        self.rview = memoryview(bytearray(1 << 20))
 
     def stderr(self) -> str:
         self.err.seek(0)
@@ -133,9 +143,9 @@ class _Worker:
 
     def pump(self):
         "Read what the worker has written so far (it must be readable) and cut it into frames."
-        chunk = os.read(self.rfd, 4 << 20)
-        if not chunk: self.eof = True; return
-        buf = self.inbuf; buf += chunk
+        n = os.readv(self.rfd, [self.rview])
+        if not n: self.eof = True; return
+        buf = self.inbuf; buf += self.rview[:n]
         while len(buf) >= 8:
             n, = struct.unpack_from('<Q', buf)
             if len(buf) < 8 + n: break
@@ -185,6 +195,8 @@ class ProcessEncoder:
                             "use DocEncoder (threads) for other tokenizers")
         init = pickle.dumps((enc.name, enc._pat_str, enc._mergeable_ranks, enc._special_tokens, self.bos))
         self._w, self._next = [], 0
+        self.encode_cpu_s = 0.0   # CPU seconds the workers spent encoding (what they report with each answer)
+        self._cpu = [0.0] * self.workers   # each worker's CPU seconds so far, as of its last answer
         try:
             for i in range(self.workers):
                 self._w.append(_Worker(i)); self._w[-1].send(init)
@@ -196,6 +208,11 @@ class ProcessEncoder:
     @property
     def _procs(self): return [w.proc for w in self._w]
 
+    @property
+    def worker_cpu_s(self) -> float:
+        "All the CPU seconds the workers have used, as of their last answers (read with `encode_cpu_s`, the two agree)."
+        return sum(self._cpu)
+
     def submit(self, texts):
         "Send `texts` to the workers in contiguous chunks, one per worker; returns the handle for `result`."
         texts, n = list(texts), self.workers
@@ -206,16 +223,17 @@ class ProcessEncoder:
             self._w[i].send(pickle.dumps(texts[j:j + k], protocol=pickle.HIGHEST_PROTOCOL)); handle.append(i)
         return handle
 
-    def result(self, handle) -> list:
-        "The arrays of a `submit`, in order: views into one flat array per chunk."
-        out = []
+    def result(self, handle) -> FlatDocs:
+        "The documents of a `submit`, in order (waits for the workers' answers)."
+        parts = []
         for i in handle:
-            ok, lens, flat = self._w[i].get()
+            ok, lens, flat, cpu = self._w[i].get()
             if not ok: raise RuntimeError(f"tokenizer worker {i} failed:\n{lens}")
-            out += split_flat(lens, flat)
-        return out
+            self.encode_cpu_s += cpu[0]; self._cpu[i] = cpu[1]
+            parts.append(FlatDocs(lens, flat))
+        return FlatDocs.concat(parts)
 
-    def __call__(self, texts) -> list: return self.result(self.submit(texts))
+    def __call__(self, texts) -> FlatDocs: return self.result(self.submit(texts))
 
     def close(self, timeout=10.0):
         "Close the workers' input; wait for them to exit (kill them after `timeout`)."
@@ -262,11 +280,10 @@ def tokenizer_fingerprint(tokenizer) -> dict:
 
 _BUFFER_COLUMNS = ('epoch', 'file', 'rg', 'row', 'offset')
 
-def buffer_columns(entries) -> dict:
-    "A packer's `buffer_state()` (`[(epoch, file, rg, row), offset]` per entry) as five flat lists: few objects, compact JSON."
-    if not entries: return {c: [] for c in _BUFFER_COLUMNS}
-    keys, offsets = zip(*entries)
-    return dict(zip(_BUFFER_COLUMNS, map(list, (*zip(*keys), offsets))))
+def buffer_columns(keys, offsets) -> dict:
+    "The buffer's keys `(epoch, file, rg, row)` and offsets (`Packer.buffer_keys()`) as five flat lists: few objects, compact JSON."
+    if not keys: return {c: [] for c in _BUFFER_COLUMNS}
+    return dict(zip(_BUFFER_COLUMNS, [*map(list, zip(*keys)), offsets]))
 
 def buffer_entries(cols) -> list:
     "The inverse of `buffer_columns`, checked: `[((epoch, file, rg, row), offset), ...]`."
@@ -331,7 +348,7 @@ class _Producer:
     def state(self) -> dict:
         sd = dict(self.last) if self.last else {}
         sd.update(format=STATE_FORMAT, step=self.step, config=dict(self.config), fingerprint=_copy_fp(self.fingerprint),
-                  reader=dict(self.reader_state), buffer=buffer_columns(self.packer.buffer_state()), metrics=self.packer.metrics_state())
+                  reader=dict(self.reader_state), buffer=buffer_columns(*self.packer.buffer_keys()), metrics=self.packer.metrics_state())
         return sd
 
     def produce(self) -> _Produced:
@@ -611,6 +628,20 @@ def _ensure_shards(data_dir, out=print):
         make_sample_shards(d)
     return d
 
+def long_document_shards(data_dir=None, chars_per_token=4.4, seed=0) -> Path:
+    "The offline corpus with its texts joined end to end into long documents: each grows until it reaches a target drawn from the packing chapter's FineWeb-Edu length model (`fineweb_like_lengths`, in tokens, times `chars_per_token`), so they average about 6,700 characters (~1,500 tokens) with a long tail. Shards in `data_dir` (default: the cache's `sample_long/`), written once."
+    d = Path(data_dir) if data_dir is not None else get_base_dir()/'sample_long'
+    if len(list_parquet_files(d)) >= 2: return d
+    texts = sample_documents(seed)
+    targets = iter(fineweb_like_lengths(len(texts), np.random.default_rng(seed)) * chars_per_token)
+    docs, cur, n, want = [], [], 0, next(targets)
+    for t in texts:
+        cur.append(t); n += len(t)
+        if n >= want: docs.append('\n\n'.join(cur)); cur, n, want = [], 0, next(targets)
+    if cur: docs.append('\n\n'.join(cur))   # the last texts, shorter than their target
+    make_sample_shards(d, docs=docs, row_group_size=32)
+    return d
+
 def run_demo(data_dir=None, tokenizer_dir=None, vocab_size=8192, B=16, T=1024, steps=24, strategy='bestfit-crop',
              buffer_size=1000, threads=2, device='auto', picture=None, every=4, out=print) -> dict:
     "The demo: shards and tokenizer if missing, `steps` batches, a table, a resume check, a picture. Returns its results."
@@ -706,8 +737,8 @@ def tokenize_rate(encoder, slices, ahead=2) -> tuple:
     pending, n, t0 = deque(), 0, time.perf_counter()
     for sl in slices:
         pending.append(encoder.submit(sl))
-        if len(pending) > ahead: n += sum(map(len, encoder.result(pending.popleft())))
-    while pending: n += sum(map(len, encoder.result(pending.popleft())))
+        if len(pending) > ahead: n += encoder.result(pending.popleft()).ntokens
+    while pending: n += encoder.result(pending.popleft()).ntokens
     return n, time.perf_counter() - t0
 
 def _waste(m0, m1) -> float:
@@ -718,31 +749,49 @@ def _waste(m0, m1) -> float:
 BENCH_KINDS = ('reference', 'dropin', 'best', 'tokenize')
 
 def _settle_gc(gc_mode):
-    "What a training loop does with Python's garbage collector after its first step: 'freeze' (nanochat's: collect, freeze, disable) or 'on'."
+    "What a training loop does with Python's garbage collector after its first step: 'freeze' (nanochat's: collect, freeze, disable) or 'on' (checked by `bench_one`)."
     if gc_mode == 'freeze': gc.collect(); gc.freeze(); gc.disable()
-    elif gc_mode != 'on': raise ValueError(f"gc_mode={gc_mode!r}: expected 'freeze' or 'on'")
+
+class _CpuMeter:
+    "CPU used between `start()` and `stop()` by this process and by `encoder`'s worker processes, and what the encoder reports spending on encoding."
+    def __init__(self, encoder): self.enc = encoder
+    def _now(self): return time.process_time(), getattr(self.enc, 'worker_cpu_s', None), getattr(self.enc, 'encode_cpu_s', None)
+    def start(self): self.t0 = self._now()
+    def stop(self, not_mine=0.0) -> dict:
+        "`main_cpu_s` (less `not_mine`, the benchmark's own work), `worker_cpu_s`, `encode_cpu_s`, and `outside_pct`: the share of all that CPU not spent encoding (None where it is not known)."
+        (c0, w0, e0), (c1, w1, e1) = self.t0, self._now()
+        main = c1 - c0 - not_mine
+        work = None if w0 is None else w1 - w0        # None: threads, their CPU is this process's
+        enc = None if e0 is None else e1 - e0
+        total = main + (work or 0.0)
+        return dict(main_cpu_s=main, worker_cpu_s=work, encode_cpu_s=enc,
+                    outside_pct=100.0 * (1 - enc / total) if enc is not None and total > 0 else None)
 
 def bench_one(kind, data_dir=None, tokenizer_dir=None, B=32, T=2048, warmup=3, batches=20, threads=4, buffer_size=1000,
-              best='bestfit-split', docs=None, gc_mode='freeze') -> dict:
-    "Time one contender of the benchmark in this process: 'reference', 'dropin', 'best', or 'tokenize' (the first `docs` documents)."
+              best='bestfit-split', docs=None, skip=0, gc_mode='freeze') -> dict:
+    "Time one contender of the benchmark in this process: 'reference', 'dropin', 'best', or 'tokenize' (`docs` documents after the first `skip`)."
     if kind not in BENCH_KINDS: raise ValueError(f"kind={kind!r}: expected one of {BENCH_KINDS}")
     if gc_mode not in ('freeze', 'on'): raise ValueError(f"gc_mode={gc_mode!r}: expected 'freeze' or 'on'")
     tok, files = get_tokenizer(tokenizer_dir), split_files('train', data_dir)
     os.environ['NANOCHAT_DL_DATA_DIR'] = str(get_data_dir(data_dir))     # where the drop-in looks
     mem = _PeakMemory()
     if kind == 'tokenize':
+        docs = max(1, check_int('docs', docs, 0))   # a loader that pulled nothing in its timed batches: one document
         reader, texts = RowGroupReader(files, batch_size=128), []
-        while len(texts) < docs: texts += next(reader).texts
+        while len(texts) < skip + docs: texts += next(reader).texts
+        texts = texts[skip:skip + docs]     # the documents a loader pulled in its timed batches, in the same order
         slices = [texts[i:i + 128] for i in range(0, docs, 128)]
         enc = make_encoder(tok, threads)
         enc(slices[0])                                                # start the workers outside the timing
         _settle_gc(gc_mode)
-        workers = getattr(enc, 'workers', getattr(enc, 'threads', 1))
+        workers, cpu = getattr(enc, 'workers', getattr(enc, 'threads', 1)), _CpuMeter(enc)
+        cpu.start()
         # the same documents three times over, with every worker kept busy: a ceiling, not a short sprint
         n, dt = tokenize_rate(enc, slices * 3, ahead=max(2, 2 * workers))
+        used = cpu.stop()
         enc.close()
-        return dict(kind=kind, wall_s=dt, tokenize_s=dt, tokenized=n, delivered=None, waste_pct=None, docs=docs,
-                    digests=[], peak_rss=mem.growth())
+        return dict(kind=kind, wall_s=dt, tokenize_s=dt, tokenized=n, delivered=None, waste_pct=None, docs=docs, skip=skip,
+                    digests=[], peak_rss=mem.growth(), batches=None, **used)
     tt = ld = None
     if kind == 'reference':
         tt, packer = _TimedTokenizer(tok), ReferencePacker(T, buffer_size, tok.get_bos_token_id())
@@ -753,27 +802,30 @@ def bench_one(kind, data_dir=None, tokenizer_dir=None, B=32, T=2048, warmup=3, b
     else:
         it = ld = PackedLoader(tok, B, T, files=files, strategy=best, tokenizer_threads=threads, buffer_size=buffer_size, device='cpu')
     packer = ld.packer if ld is not None else packer
-    digests, tok_s, tokenized, padded = [], 0.0, 0, 0
+    cpu = _CpuMeter(ld._producer.encoder if ld is not None else None)
+    digests, tok_s, tokenized, padded, digest_cpu = [], 0.0, 0, 0, 0.0
     for i in range(warmup + batches):
         if i == warmup:
             _settle_gc(gc_mode)
+            cpu.start()
             t0, m0 = time.perf_counter(), packer.metrics_state()
             if tt is not None: s0, k0 = tt.seconds, tt.tokens
         got = next(it)
         x, y = (got.inputs, got.targets) if isinstance(got, LoaderBatch) else got[:2]
         if i >= warmup:
-            digests.append(_digest(x, y))
+            d0 = time.thread_time(); digests.append(_digest(x, y)); digest_cpu += time.thread_time() - d0   # the benchmark's, not the loader's
             if ld is not None:
                 m = ld.last_metrics
                 tok_s += m['tokenize_s']; tokenized += m['tokens_in']; padded += m['tokens_padded']
     wall = time.perf_counter() - t0
+    used = cpu.stop(not_mine=digest_cpu)
     if tt is not None: tok_s, tokenized = tt.seconds - s0, tt.tokens - k0
     m1 = ld.state_dict()['metrics'] if ld is not None else packer.metrics_state()   # a producer may be ahead: the last batch's counters
-    docs_in = m1['docs_in']
+    docs_in = m1['docs_in'] - m0['docs_in']
     it.close()
     return dict(kind=kind, strategy='bestfit-crop' if kind != 'best' else best, wall_s=wall, batches=batches,
                 delivered=batches * B * T - padded, tokenize_s=tok_s, tokenized=tokenized, waste_pct=_waste(m0, m1),
-                docs=docs_in, digests=digests, peak_rss=mem.growth())
+                docs=docs_in, skip=m0['docs_in'], digests=digests, peak_rss=mem.growth(), **used)
 
 def _bench_subprocess(spec) -> dict:
     code = ("import json, sys; from nanochat_dl.dataloader import bench_one; "
@@ -791,13 +843,15 @@ def run_bench(data_dir=None, tokenizer_dir=None, B=32, T=2048, warmup=3, batches
                 B=B, T=T, warmup=warmup, batches=batches, threads=threads, buffer_size=buffer_size, best=best, repeats=repeats,
                 gc_mode=gc_mode)
     runs = [('reference', {}), ('dropin', {}), ('best', {}), ('tokenize', {}), ('dropin', dict(threads=1)), ('tokenize', dict(threads=1))]
-    res, identical = {}, True
+    res, identical, slower = {}, True, {k: [] for k in ('dropin', 'best', 'dropin1')}
     for rep in range(repeats):                        # rounds interleave the contenders, so a slow spell hits all of them
         got = {}
         for kind, extra in runs:
             name = kind + ('1' if extra else '')
             if progress: progress(f"  round {rep + 1}/{repeats}: {name} ...")
-            if kind == 'tokenize': extra = dict(extra, docs=got['dropin1' if extra else 'dropin']['docs'])
+            if kind == 'tokenize':   # the very documents the drop-in tokenized in its timed batches
+                src = got['dropin1' if extra else 'dropin']
+                extra = dict(extra, docs=src['docs'], skip=src['skip'])
             one = {k: v for k, v in spec.items() if k != 'repeats'}
             got[name] = r = _bench_subprocess(dict(one, kind=kind, **extra))
             r['tokenized_per_s'] = r['tokenized'] / r['wall_s']
@@ -805,12 +859,11 @@ def run_bench(data_dir=None, tokenizer_dir=None, B=32, T=2048, warmup=3, batches
             key = 'tokenized_per_s' if r['delivered'] is None else 'delivered_per_s'
             if name not in res or r[key] > res[name][key]: res[name] = r
         identical &= got['reference']['digests'] == got['dropin']['digests']
-    for k, r in res.items():
-        ceiling = res['tokenize1' if k.endswith('1') else 'tokenize']
-        # wall time beyond what tokenizing the same tokens alone, with the same workers, takes
-        r['outside_pct'] = 0.0 if r is ceiling else 100.0 * (1 - r['tokenized_per_s'] / ceiling['tokenized_per_s'])
+        for k in slower:   # within the round: tokenizing as part of the loader against tokenizing alone, same workers
+            slower[k].append(100.0 * (1 - got[k]['tokenized_per_s'] / got['tokenize1' if k.endswith('1') else 'tokenize']['tokenized_per_s']))
     a, b, c = res['reference'], res['dropin'], res['best']
     return dict(config=spec, results=res, b_over_a=b['delivered_per_s'] / a['delivered_per_s'],
+                slower_pct={k: float(np.median(v)) for k, v in slower.items()},
                 c_over_a=c['delivered_per_s'] / a['delivered_per_s'], identical=identical, cpus=os.cpu_count())
 
 def format_bench_table(r) -> str:
@@ -820,17 +873,23 @@ def format_bench_table(r) -> str:
              'dropin1': "(b') drop-in, 1 worker", 'tokenize1': "(d') tokenize, 1 worker"}
     out = [f"B={c['B']} T={c['T']} buffer_size={c['buffer_size']} tokenizer_threads={c['threads']}, {c['batches']} timed batches "
            f"after {c['warmup']} warm-up, best of {c['repeats']} rounds, {r['cpus']} CPUs, GC {c['gc_mode']} after warm-up",
-           f"{'':<24}{'delivered':>11}{'tokenized':>11}{'waste':>8}{'outside':>9}{'peak mem':>10}",
-           f"{'':<24}{'M tok/s':>11}{'M tok/s':>11}{'%':>8}{'tokenize':>9}{'growth':>10}"]
+           f"{'':<24}{'delivered':>11}{'tokenized':>11}{'waste':>8}{'CPU ms':>8}{'CPU':>9}{'peak mem':>10}",
+           f"{'':<24}{'M tok/s':>11}{'M tok/s':>11}{'%':>8}{'/batch':>8}{'outside':>9}{'growth':>10}"]
     for k, n in names.items():
         x = res[k]
         dl = f"{x['delivered_per_s'] / 1e6:>11.3f}" if x['delivered_per_s'] is not None else f"{'-':>11}"
         w = f"{x['waste_pct']:>8.1f}" if x['waste_pct'] is not None else f"{'-':>8}"
-        out.append(f"{n:<24}{dl}{x['tokenized_per_s'] / 1e6:>11.3f}{w}{x['outside_pct']:>8.1f}%{human_bytes(x['peak_rss']):>10}")
+        ms = f"{1e3 * x['main_cpu_s'] / x['batches']:>8.1f}" if x.get('batches') else f"{'-':>8}"
+        o = f"{x['outside_pct']:>8.1f}%" if x['outside_pct'] is not None else f"{'-':>9}"
+        out.append(f"{n:<24}{dl}{x['tokenized_per_s'] / 1e6:>11.3f}{w}{ms}{o}{human_bytes(x['peak_rss']):>10}")
     out.append(f"b/a = {r['b_over_a']:.2f} (target >= 1.5), identical batches: {r['identical']}")
     out.append(f"c/a = {r['c_over_a']:.2f} (target >= 2.5, delivered tokens/s)")
-    out.append(f"time outside tokenization (1 - tokenized rate / tokenize-only rate, same workers): (b) {res['dropin']['outside_pct']:.1f}%, "
-               f"(c) {res['best']['outside_pct']:.1f}%, (b') {res['dropin1']['outside_pct']:.1f}% (target < 10%)")
+    pct = lambda k: f"{res[k]['outside_pct']:.1f}%" if res[k]['outside_pct'] is not None else 'n/a'
+    out.append(f"CPU outside tokenization (1 - encoding CPU / all CPU, workers included): (b) {pct('dropin')}, (c) {pct('best')}, "
+               f"(b') {pct('dropin1')} (target < 10%); tokenizing alone through the same workers, (d): {pct('tokenize')}, (d') {pct('tokenize1')}")
+    sl = r['slower_pct']
+    out.append(f"tokenized tokens/s below tokenizing alone (median of the rounds' ratios, same workers): (b) {sl['dropin']:.1f}%, "
+               f"(c) {sl['best']:.1f}%, (b') {sl['dropin1']:.1f}%")
     return '\n'.join(out)
 
 @call_parse
@@ -845,10 +904,11 @@ def bench_cli(data_dir: str = None,        # shard folder (default: $NANOCHAT_DL
               buffer_size: int = 1000,     # documents in the packing buffer
               best: str = 'bestfit-split',  # the strategy of contender (c)
               repeats: int = 3,            # rounds; each contender's best round is reported
-              gc_mode: str = 'freeze'):    # after warm-up: 'freeze' the garbage collector as nanochat's training loop does, or leave it 'on'
+              gc_mode: str = 'freeze',     # after warm-up: 'freeze' the garbage collector as nanochat's training loop does, or leave it 'on'
+              long_docs: bool = False):    # long documents: the sample corpus joined into documents of ~1,500 tokens on average (in --data-dir, default the cache's sample_long/)
     "Benchmark nanochat's loader structure against the drop-in, the best strategy and raw tokenization; print a table."
     try:
-        d = _ensure_shards(data_dir)
+        d = long_document_shards(data_dir) if long_docs else _ensure_shards(data_dir)
         _ensure_tokenizer(d, tokenizer_dir, vocab_size)
         r = run_bench(d, tokenizer_dir, B, T, warmup, batches, threads, buffer_size, best, repeats, gc_mode)
     except (FileNotFoundError, ValueError, RuntimeError) as e:

@@ -138,3 +138,22 @@ def test_process_encoder_never_deadlocks_on_full_pipes(env):
     want = ref(big)
     assert sum(map(len, want)) * 4 > 4 * (1 << 20)          # the answers alone exceed the pipes many times over
     assert len(got) == len(want) and all(a.tolist() == b.tolist() for a, b in zip(got, want))
+
+
+def test_run_bench_table_at_a_toy_size(env):
+    "The whole benchmark, one round at a toy size: every contender runs in its own process, the table has every line."
+    from nanochat_dl.dataloader import run_bench, format_bench_table
+    r = run_bench(env['data'], env['tok_dir'], B=4, T=256, warmup=1, batches=6, threads=2, buffer_size=20, repeats=1, progress=None)
+    assert r['identical'] is True and r['b_over_a'] > 0 and r['c_over_a'] > 0
+    res = r['results']
+    assert set(res) == {'reference', 'dropin', 'best', 'tokenize', 'dropin1', 'tokenize1'}
+    assert res['reference']['outside_pct'] is None                    # its encoding time is not known
+    if os.name == 'posix':   # worker processes: their encoding CPU is read with all their CPU, the share never falls below 0
+        for k in ('dropin', 'best', 'tokenize', 'dropin1', 'tokenize1'): assert 0 <= res[k]['outside_pct'] <= 100, (k, res[k])
+    assert res['tokenize']['tokenized'] == 3 * res['dropin']['tokenized']   # the same documents, three times
+    assert set(r['slower_pct']) == {'dropin', 'best', 'dropin1'}
+    text = format_bench_table(r)
+    for line in ('(a) reference loader', '(b) drop-in', '(c) bestfit-split', '(d) tokenize only', "(b') drop-in, 1 worker",
+                 "(d') tokenize, 1 worker", 'b/a = ', 'identical batches: True', 'c/a = ', 'CPU outside tokenization',
+                 'tokenized tokens/s below tokenizing alone'):
+        assert line in text, line

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from nanochat_dl.packing import (STRATEGIES, Packer, ReferencePacker, ListPull, Segment, cu_seqlens, position_ids,
+from nanochat_dl.packing import (STRATEGIES, Packer, ReferencePacker, ListPull, Segment, FlatDocs, cu_seqlens, position_ids,
                                  pad_mask, bench_pack_cli)
 
 BOS = 0
@@ -14,7 +14,8 @@ SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[Heal
 
 
 class Stream:
-    "An endless pull that cycles through drawn lengths and pull sizes; documents are random tokens after BOS, keys count up."
+    """An endless pull that cycles through drawn lengths and pull sizes; documents are random tokens after BOS, keys count up.
+    `as_list`: False (numpy arrays), True (Python lists) or 'flat' (one `FlatDocs`, as a tokenizer worker answers)."""
     def __init__(self, lengths, pull_sizes, seed=0, as_list=False):
         assert any(pull_sizes)
         self.lengths, self.pull_sizes, self.as_list = lengths, pull_sizes, as_list
@@ -29,6 +30,8 @@ class Stream:
             d[0] = BOS
             self.docs[k] = d
         docs = [self.docs[k] for k in keys]
+        if self.as_list == 'flat':
+            return FlatDocs([len(d) for d in docs], np.concatenate(docs).astype(np.int32) if docs else np.empty(0, np.int32)), keys
         return ([d.tolist() for d in docs] if self.as_list else docs), keys
 
     def doc(self, key): return self.docs[key]
@@ -55,7 +58,7 @@ def streams(draw, max_T=20):
     pull_sizes = draw(st.lists(st.integers(0, 10), min_size=1, max_size=6).filter(any))
     return dict(T=T, lengths=lengths, pull_sizes=pull_sizes, seed=draw(st.integers(0, 2**16)),
                 buffer_size=draw(st.integers(1, 50)), B=draw(st.integers(1, 4)), batches=draw(st.integers(1, 5)),
-                as_list=draw(st.booleans()))
+                as_list=draw(st.sampled_from([False, True, 'flat'])))
 
 
 @SETTINGS
@@ -235,6 +238,7 @@ def test_out_array_receives_the_same_rows(s):
         a, b = make(), make()
         p1 = Stream(s['lengths'], s['pull_sizes'], s['seed'])
         p2 = Stream(s['lengths'], s['pull_sizes'], s['seed'])
-        out = np.full((s['B'], s['T'] + 1), -1, dtype=np.int64)
+        order = 'F' if s['seed'] % 2 else 'C'    # a column-major `out` takes the packer's other write path
+        out = np.full((s['B'], s['T'] + 1), -1, dtype=np.int64, order=order)
         x, y = a.next_batch(s['B'], p1), b.next_batch(s['B'], p2, out=out)
         assert y.rows is out and np.array_equal(x.rows, out) and x.segments == y.segments
