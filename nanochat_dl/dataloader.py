@@ -808,7 +808,7 @@ def bench_one(kind, data_dir=None, tokenizer_dir=None, B=32, T=2048, warmup=3, b
         if i == warmup:
             _settle_gc(gc_mode)
             cpu.start()
-            t0, m0 = time.perf_counter(), packer.metrics_state()
+            t0, m0 = time.perf_counter(), (ld.state_dict()['metrics'] if ld is not None else packer.metrics_state())
             if tt is not None: s0, k0 = tt.seconds, tt.tokens
         got = next(it)
         x, y = (got.inputs, got.targets) if isinstance(got, LoaderBatch) else got[:2]
@@ -820,7 +820,7 @@ def bench_one(kind, data_dir=None, tokenizer_dir=None, B=32, T=2048, warmup=3, b
     wall = time.perf_counter() - t0
     used = cpu.stop(not_mine=digest_cpu)
     if tt is not None: tok_s, tokenized = tt.seconds - s0, tt.tokens - k0
-    m1 = ld.state_dict()['metrics'] if ld is not None else packer.metrics_state()   # a producer may be ahead: the last batch's counters
+    m1 = ld.state_dict()['metrics'] if ld is not None else packer.metrics_state()   # a producer may be ahead: the counters as of the last batch handed out
     docs_in = m1['docs_in'] - m0['docs_in']
     it.close()
     return dict(kind=kind, strategy='bestfit-crop' if kind != 'best' else best, wall_s=wall, batches=batches,
