@@ -225,12 +225,15 @@ class ProcessEncoder:
 
     def result(self, handle) -> FlatDocs:
         "The documents of a `submit`, in order (waits for the workers' answers)."
-        parts = []
-        for i in handle:
+        parts, failed = [], None
+        for i in handle:   # every answer of the handle is read, even after a failure: the next result must not get this one's
             ok, lens, flat, cpu = self._w[i].get()
-            if not ok: raise RuntimeError(f"tokenizer worker {i} failed:\n{lens}")
+            if not ok:
+                failed = failed or RuntimeError(f"tokenizer worker {i} failed:\n{lens}")
+                continue
             self.encode_cpu_s += cpu[0]; self._cpu[i] = cpu[1]
             parts.append(FlatDocs(lens, flat))
+        if failed: raise failed
         return FlatDocs.concat(parts)
 
     def __call__(self, texts) -> FlatDocs: return self.result(self.submit(texts))
