@@ -217,10 +217,12 @@ class ProcessEncoder:
         "Send `texts` to the workers in contiguous chunks, one per worker; returns the handle for `result`."
         texts, n = list(texts), self.workers
         k = -(-len(texts) // n) if texts else 0
+        # every chunk pickled before any is sent: one that cannot be pickled must not leave the others' answers unread
+        msgs = [pickle.dumps(texts[j:j + k], protocol=pickle.HIGHEST_PROTOCOL) for j in range(0, len(texts), k or 1)]
         handle = []
-        for j in range(0, len(texts), k or 1):
+        for m in msgs:
             i = self._next; self._next = (self._next + 1) % n
-            self._w[i].send(pickle.dumps(texts[j:j + k], protocol=pickle.HIGHEST_PROTOCOL)); handle.append(i)
+            self._w[i].send(m); handle.append(i)
         return handle
 
     def result(self, handle) -> FlatDocs:
