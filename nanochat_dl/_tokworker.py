@@ -23,7 +23,8 @@ def encode_flat(enc, texts, bos) -> tuple:
 # %% ../nbs/06a_tokworker.ipynb #4898a51d
 def serve():
     "A worker's life: receive the tokenizer, answer 'ready', then one `(True, lens, flat, (encode_s, cpu_s))` per chunk of texts."
-    import tiktoken
+    import signal, tiktoken
+    signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C is the training script's to handle; the worker ends with its input
     out = os.fdopen(os.dup(1), 'wb'); os.dup2(2, 1)
     inp = sys.stdin.buffer
     def frame():

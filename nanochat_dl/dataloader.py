@@ -177,12 +177,25 @@ class _Worker:
                 raise RuntimeError(f"tokenizer worker {self.i} did not answer within {timeout:.0f} s; its stderr: {self.stderr()}")
         return self.frames.popleft()
 
-    def close(self, timeout):
-        try: self.proc.stdin.close()
-        except OSError: pass
-        try: self.proc.wait(timeout)
+    def hang_up(self):
+        "Close both pipes: an idle worker reads end-of-input, a busy one fails its next write (answers nobody will read); either exits."
+        for f in (self.proc.stdin, self.proc.stdout):
+            try: f.close()
+            except OSError: pass
+
+    def close(self, deadline):
+        "Hang up and wait for the process until `deadline` (`time.monotonic()`), then kill it."
+        self.hang_up()
+        try: self.proc.wait(max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired: self.proc.kill(); self.proc.wait()
-        self.proc.stdout.close(); self.err.close()
+        self.err.close()
+
+def _close_workers(workers, timeout):
+    if not workers: return                            # closed already
+    for w in workers: w.hang_up()                      # all of them first: they exit side by side
+    deadline = time.monotonic() + timeout
+    for w in workers: w.close(deadline)
+    workers.clear()
 
 class ProcessEncoder:
     "`DocEncoder`'s interface with the encoding in `workers` worker processes (tiktoken tokenizers, POSIX)."
@@ -194,9 +207,10 @@ class ProcessEncoder:
             raise TypeError(f"ProcessEncoder needs a tokenizer with a tiktoken core (`.enc`), got {type(tokenizer).__name__}; "
                             "use DocEncoder (threads) for other tokenizers")
         init = pickle.dumps((enc.name, enc._pat_str, enc._mergeable_ranks, enc._special_tokens, self.bos))
-        self._w, self._next = [], 0
+        self._w, self._next, self._broken = [], 0, None
         self.encode_cpu_s = 0.0   # CPU seconds the workers spent encoding (what they report with each answer)
         self._cpu = [0.0] * self.workers   # each worker's CPU seconds so far, as of its last answer
+        self._finalizer = weakref.finalize(self, _close_workers, self._w, 10.0)   # dropped without close(): the workers still go
         try:
             for i in range(self.workers):
                 self._w.append(_Worker(i)); self._w[-1].send(init)
@@ -219,31 +233,48 @@ class ProcessEncoder:
         k = -(-len(texts) // n) if texts else 0
         # every chunk pickled before any is sent: one that cannot be pickled must not leave the others' answers unread
         msgs = [pickle.dumps(texts[j:j + k], protocol=pickle.HIGHEST_PROTOCOL) for j in range(0, len(texts), k or 1)]
+        self._check()
         handle = []
-        for m in msgs:
-            i = self._next; self._next = (self._next + 1) % n
-            self._w[i].send(m); handle.append(i)
+        try:
+            for m in msgs:
+                i = self._next; self._next = (self._next + 1) % n
+                self._w[i].send(m); handle.append(i)
+        except BaseException as e: self._broken = e; raise
         return handle
+
+    def _check(self):
+        # a send or a wait cut short (a worker gone, an interrupt) leaves answers in the pipes that would be taken
+        # for the next call's: from then on this encoder refuses to work rather than hand out another call's ids
+        if self._broken is not None:
+            raise RuntimeError(f"this ProcessEncoder stopped after {self._broken!r}; its pipes may hold answers of an earlier call: "
+                               "close it and start a new one")
+        if not self._w: raise RuntimeError("this ProcessEncoder is closed")
 
     def result(self, handle) -> FlatDocs:
         "The documents of a `submit`, in order (waits for the workers' answers)."
+        self._check()
         parts, failed = [], None
-        for i in handle:   # every answer of the handle is read, even after a failure: the next result must not get this one's
-            ok, lens, flat, cpu = self._w[i].get()
-            if not ok:
-                failed = failed or RuntimeError(f"tokenizer worker {i} failed:\n{lens}")
-                continue
-            self.encode_cpu_s += cpu[0]; self._cpu[i] = cpu[1]
-            parts.append(FlatDocs(lens, flat))
+        try:
+            for i in handle:   # every answer of the handle is read, even after a failure: the next result must not get this one's
+                ok, lens, flat, cpu = self._w[i].get()
+                if not ok:
+                    failed = failed or RuntimeError(f"tokenizer worker {i} failed:\n{lens}")
+                    continue
+                self.encode_cpu_s += cpu[0]; self._cpu[i] = cpu[1]
+                parts.append(FlatDocs(lens, flat))
+        except BaseException as e: self._broken = e; raise
         if failed: raise failed
         return FlatDocs.concat(parts)
 
     def __call__(self, texts) -> FlatDocs: return self.result(self.submit(texts))
 
     def close(self, timeout=10.0):
-        "Close the workers' input; wait for them to exit (kill them after `timeout`)."
-        for w in self._w: w.close(timeout)
-        self._w = []
+        "Hang up on the workers; wait for them to exit (kill those left after `timeout`). Idempotent."
+        _close_workers(self._w, timeout)
+
+    def kill(self):
+        "Kill the worker processes, from any thread (a thread waiting on them sees them gone); `close()` still releases the pipes."
+        for w in self._w: w.proc.kill()
 
     def __repr__(self): return f"ProcessEncoder(workers={self.workers}, bos={self.bos})"
 
@@ -386,10 +417,15 @@ def _run(producer, q, stop):
 
 _LIVE = weakref.WeakSet()   # loaders with a running thread, stopped at interpreter exit
 
-def _shutdown(producer, thread, q, stop, timeout=60.0):
+_JOIN_TIMEOUT = 10.0   # seconds a closing loader waits for its thread (then kills unresponsive workers, and waits again)
+
+def _shutdown(producer, thread, q, stop, timeout=None):
     stop.set()
+    timeout = _JOIN_TIMEOUT if timeout is None else timeout
     if thread is not None and thread is not threading.current_thread():
         thread.join(timeout)
+        if thread.is_alive() and hasattr(producer.encoder, 'kill'):   # waiting on a worker that does not answer
+            producer.encoder.kill(); thread.join(timeout)
         if thread.is_alive():
             warnings.warn(f"the loader's background thread did not stop within {timeout:.0f} s"); return
     while True:
@@ -436,17 +472,20 @@ class PackedLoader:
         self.files = [Path(p) for p in (split_files(split, data_dir) if files is None else files)]
         if not self.files: raise ValueError("PackedLoader needs at least one shard file, got none")
         self.device = resolve_device(device)
+        read_ahead = check_int('read_ahead', read_ahead, 0)
+        self.fingerprint = dict(data=data_fingerprint(self.files), tokenizer=tokenizer_fingerprint(tokenizer))
         reader = RowGroupReader(self.files, rank, world_size, tokenizer_batch_size, shuffle=shuffle, seed=seed,
                                 text_column=text_column)
-        encoder = make_encoder(tokenizer, tokenizer_threads, tokenize_in)
-        try: packer = Packer(self.T, buffer_size, strategy, bos_id=encoder.bos, pad_id=pad_id, max_docs_per_row=max_docs_per_row)
-        except BaseException: encoder.close(); raise
-        self.config = dict(split=split, B=self.B, T=self.T, strategy=strategy, buffer_size=packer.buffer_size,
-                           tokenizer_batch_size=reader.batch_size, rank=reader.rank, world_size=reader.world_size,
-                           shuffle=reader.shuffle, seed=reader.seed, text_column=text_column, pad_id=packer.pad_id,
-                           max_docs_per_row=packer.max_docs_per_row)
-        self.fingerprint = dict(data=data_fingerprint(self.files), tokenizer=tokenizer_fingerprint(tokenizer))
-        self._producer = _Producer(reader, encoder, packer, self.B, self.config, self.fingerprint, check_int('read_ahead', read_ahead, 0))
+        encoder = make_encoder(tokenizer, tokenizer_threads, tokenize_in)   # from here on, a failure must close it again
+        try:
+            packer = Packer(self.T, buffer_size, strategy, bos_id=encoder.bos, pad_id=pad_id, max_docs_per_row=max_docs_per_row)
+            self.config = dict(split=split, B=self.B, T=self.T, strategy=strategy, buffer_size=packer.buffer_size,
+                               tokenizer_batch_size=reader.batch_size, rank=reader.rank, world_size=reader.world_size,
+                               shuffle=reader.shuffle, seed=reader.seed, text_column=text_column, pad_id=packer.pad_id,
+                               max_docs_per_row=packer.max_docs_per_row)
+            self._producer = _Producer(reader, encoder, packer, self.B, self.config, self.fingerprint, read_ahead)
+        except BaseException:
+            reader.close(); encoder.close(); raise
         self.resumed = None
         try:
             if resume_state_dict is not None: self._resume(resume_state_dict)
@@ -524,6 +563,7 @@ class PackedLoader:
         while True:
             try: item = self._q.get(timeout=0.1)
             except queue.Empty:
+                if self._closed: raise RuntimeError("this loader was closed while waiting for a batch")
                 if not self._thread.is_alive(): raise RuntimeError("the loader's background thread stopped without a batch or an error")
                 continue
             if isinstance(item, _Failure):
@@ -536,7 +576,7 @@ class PackedLoader:
 
     def __next__(self) -> LoaderBatch:
         if self._error is not None:
-            raise RuntimeError(f"this loader stopped after an error in its background thread: {self._error!r}")
+            raise RuntimeError(f"this loader stopped after an error: {self._error!r}")
         if self._closed: raise RuntimeError("this loader is closed")
         t0 = time.perf_counter()
         if self._t_first is None: self._t_first = t0

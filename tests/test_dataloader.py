@@ -1,5 +1,6 @@
 """Tests for nanochat_dl.dataloader that read better as pytest: a property test of exact resume over random
-settings, the drop-in against the reference at several shapes, worker failures, and interpreter exit."""
+settings, the drop-in against the reference at several shapes, worker failures (a lost, hung or interrupted
+worker, a constructor that fails after starting workers, a close with unread answers), and interpreter exit."""
 import itertools, json, os, subprocess, sys, textwrap, time
 from pathlib import Path
 
@@ -157,3 +158,111 @@ def test_run_bench_table_at_a_toy_size(env):
                  "(d') tokenize, 1 worker", 'b/a = ', 'identical batches: True', 'c/a = ', 'CPU outside tokenization',
                  'tokenized tokens/s below tokenizing alone'):
         assert line in text, line
+
+
+# -- worker processes when things go wrong: nothing stale, nothing left running, nothing stuck ------------------------
+
+def _my_workers() -> list[int]:
+    "Live (not zombie) tokenizer worker processes whose parent is this process (Linux /proc)."
+    out = []
+    for d in Path('/proc').iterdir():
+        if not d.name.isdigit(): continue
+        try:
+            stat, cmd = (d / 'stat').read_text(), (d / 'cmdline').read_bytes()
+        except OSError: continue
+        state, ppid = stat.rsplit(')', 1)[1].split()[:2]
+        if int(ppid) == os.getpid() and state != 'Z' and b'nanochat_dl._tokworker' in cmd: out.append(int(d.name))
+    return out
+
+
+def _until(cond, seconds=10.0):
+    deadline = time.monotonic() + seconds
+    while not cond():
+        if time.monotonic() > deadline: return False
+        time.sleep(0.05)
+    return True
+
+
+linux_only = pytest.mark.skipif(not Path('/proc/self/stat').exists(), reason='reads /proc')
+
+
+@pytest.mark.timeout(60)
+def test_encoder_close_is_prompt_with_answers_nobody_read(env):
+    """Answers larger than a pipe, never read: each worker is blocked writing. Closing hangs up on both pipes, so the
+    workers exit at once (they used to be waited for 10 s each, then killed)."""
+    from nanochat_dl.dataloader import ProcessEncoder
+    enc = ProcessEncoder(env['tok'], 2)
+    procs = list(enc._procs)
+    enc.submit([' '.join(f"w{i}x{j}" for j in range(30_000)) for i in range(16)])   # ~8 MB of ids for 2 MiB of pipes
+    time.sleep(1.0)                                                                   # let the workers fill their pipes
+    t0 = time.monotonic(); enc.close(); took = time.monotonic() - t0
+    assert all(p.poll() is not None for p in procs)
+    assert took < 5, f"close() took {took:.1f} s"
+    with pytest.raises(RuntimeError, match='is closed'): enc(['after close'])
+
+
+def test_encoder_refuses_to_go_on_after_losing_a_worker(env):
+    """A worker gone in the middle of a call leaves the other workers' answers in their pipes: the encoder must not
+    hand them to the next call as if they were its own."""
+    from nanochat_dl.dataloader import ProcessEncoder
+    enc = ProcessEncoder(env['tok'], 2)
+    try:
+        enc._procs[0].kill(); enc._procs[0].wait()
+        with pytest.raises(RuntimeError, match=r'tokenizer worker 0 .*exit code -9'): enc(['alpha alpha', 'beta beta'])
+        with pytest.raises(RuntimeError, match='stopped after'): enc(['gamma'])
+    finally: enc.close()
+
+
+@linux_only
+def test_a_loader_that_fails_to_start_leaves_no_workers(env, tmp_path):
+    bad = tmp_path / 'shard_00000.parquet'
+    bad.write_bytes(b'not parquet at all' * 100)
+    before = set(_my_workers())
+    with pytest.raises(ValueError, match=r'shard_00000\.parquet: not a readable parquet shard'):
+        PackedLoader(env['tok'], 2, 64, files=[bad], device='cpu', tokenizer_threads=2, tokenize_in='processes')
+    with pytest.raises(ValueError, match='read_ahead'):
+        PackedLoader(env['tok'], 2, 64, files=env['toy'], device='cpu', tokenizer_threads=2, tokenize_in='processes', read_ahead=-1)
+    assert _until(lambda: not set(_my_workers()) - before), f"workers left running: {set(_my_workers()) - before}"
+
+
+@linux_only
+@pytest.mark.timeout(60)
+def test_close_frees_a_consumer_stuck_on_a_hung_worker(env, monkeypatch):
+    """A worker that stops answering (SIGSTOP here) blocks the next batch. `close()` from another thread kills the
+    workers once the background thread does not stop in time, and the waiting consumer gets a clear error."""
+    import signal, threading
+    from nanochat_dl import dataloader
+    monkeypatch.setattr(dataloader, '_JOIN_TIMEOUT', 1.0)
+    ld = PackedLoader(env['tok'], 4, 256, files=split_files('train', env['data']), device='cpu', tokenizer_threads=2,
+                      tokenize_in='processes', buffer_size=20)
+    next(ld)
+    procs = list(ld._producer.encoder._procs)
+    os.kill(procs[0].pid, signal.SIGSTOP)
+    got = {}
+    def consume():
+        try:
+            for _ in range(10_000): next(ld)
+        except Exception as e: got['error'] = str(e)
+    th = threading.Thread(target=consume, daemon=True); th.start()
+    th.join(2.0)
+    assert th.is_alive()                                   # waiting on the stopped worker
+    ld.close()
+    th.join(10)
+    assert not th.is_alive() and 'closed while waiting' in got['error'], got
+    assert all(p.poll() is not None for p in procs) and not ld._thread.is_alive()
+
+
+@linux_only
+@pytest.mark.timeout(60)
+def test_worker_survives_ctrl_c(env):
+    "Ctrl-C reaches every process of the terminal's group: the workers ignore it, the training script decides."
+    import signal
+    from nanochat_dl.dataloader import ProcessEncoder
+    enc = ProcessEncoder(env['tok'], 1)
+    try:
+        want = enc(['hello world'])[0].tolist()
+        os.kill(enc._procs[0].pid, signal.SIGINT)
+        time.sleep(0.3)
+        assert enc._procs[0].poll() is None
+        assert enc(['hello world'])[0].tolist() == want
+    finally: enc.close()
