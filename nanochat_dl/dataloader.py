@@ -468,7 +468,16 @@ class PackedLoader:
         self.B, self.T = check_int('B', B), check_int('T', T)
         self.prefetch = check_int('prefetch', prefetch, 0)
         if strategy not in STRATEGIES: raise ValueError(f"unknown strategy {strategy!r}: expected one of {list(STRATEGIES)}")
+        tokenizer_batch_size = check_int('tokenizer_batch_size', tokenizer_batch_size)
+        if not isinstance(shuffle, (bool, np.bool_)): raise ValueError(f"shuffle={shuffle!r} is invalid: expected True or False")
+        if pad_id is not None:
+            vocab = int(tokenizer.get_vocab_size())
+            if isinstance(pad_id, bool) or not isinstance(pad_id, (int, np.integer)) or not 0 <= pad_id < vocab:
+                raise ValueError(f"pad_id={pad_id!r} is invalid: expected a token id in [0, {vocab}) (the tokenizer's vocabulary)")
         rank, world_size = _dist(rank, world_size)
+        if isinstance(files, (str, os.PathLike)):   # one path, not a list of them
+            if Path(files).is_dir(): raise ValueError(f"files={str(files)!r} is a folder: pass data_dir={str(files)!r}, or a list of shard files")
+            files = [files]
         self.files = [Path(p) for p in (split_files(split, data_dir) if files is None else files)]
         if not self.files: raise ValueError("PackedLoader needs at least one shard file, got none")
         self.device = resolve_device(device)
@@ -527,6 +536,8 @@ class PackedLoader:
                 raise ValueError(f"resume_state_dict has keys {sorted(sd)}: expected a state from this loader (with 'format') "
                                  "or nanochat's {'pq_idx', 'rg_idx', 'epoch'}")
             if cfg['shuffle']: raise ValueError("a nanochat state {pq_idx, rg_idx, epoch} can only be continued with shuffle=False")
+            for k, lo in (('pq_idx', 0), ('rg_idx', 0), ('epoch', 1)):
+                if k in sd: check_int(f"resume_state_dict[{k!r}]", sd[k], lo)
             p.reader.close()
             p.reader = RowGroupReader.from_nanochat_state(self.files, sd, cfg['rank'], cfg['world_size'],
                                                           cfg['tokenizer_batch_size'], cfg['text_column'])
@@ -618,7 +629,8 @@ def metrics_table(batches, every=1) -> str:
 
 # %% ../nbs/06_dataloader.ipynb #efbb7ad4
 def _dropin_device(device):
-    dev = device if isinstance(device, torch.device) else torch.device(device)
+    try: dev = device if isinstance(device, torch.device) else torch.device(device)
+    except (RuntimeError, TypeError, ValueError): return resolve_device(device)   # its error names the value and what is expected
     if dev.type == 'cuda' and not torch.cuda.is_available():
         warnings.warn(f"device={device!r} but CUDA is not available: batches stay on the CPU", stacklevel=3)
         return 'cpu'
@@ -666,9 +678,18 @@ def _ensure_tokenizer(data_dir, tokenizer_dir, vocab_size, out=print):
     out(f"  trained on {tok.train_info['chars']:,} characters in {time.perf_counter() - t0:.1f} s")
     return tok
 
+def _sample_target(d) -> bool:
+    "Whether folder `d` has no shards and the sample shards may be written there; refuses a folder of someone else's data too small to split."
+    if d.exists() and not d.is_dir(): raise ValueError(f"{d} is not a directory: expected a folder of parquet shards")
+    have = list_parquet_files(d)
+    if len(have) == 1:
+        raise ValueError(f"{d} holds one parquet shard ({have[0].name}): a split needs at least two (the last one is the "
+                         "validation shard); add shards, or point --data-dir at an empty folder for the offline sample")
+    return not have
+
 def _ensure_shards(data_dir, out=print):
     d = get_data_dir(data_dir)
-    if len(list_parquet_files(d)) < 2:
+    if _sample_target(d):
         out(f"no shards in {d}: writing the offline sample shards (Python's own documentation, no download)")
         make_sample_shards(d)
     return d
@@ -676,7 +697,7 @@ def _ensure_shards(data_dir, out=print):
 def long_document_shards(data_dir=None, chars_per_token=4.4, seed=0) -> Path:
     "The offline corpus with its texts joined end to end into long documents: each grows until it reaches a target drawn from the packing chapter's FineWeb-Edu length model (`fineweb_like_lengths`, in tokens, times `chars_per_token`), so they average about 6,700 characters (~1,500 tokens) with a long tail. Shards in `data_dir` (default: the cache's `sample_long/`), written once."
     d = Path(data_dir) if data_dir is not None else get_base_dir()/'sample_long'
-    if len(list_parquet_files(d)) >= 2: return d
+    if not _sample_target(d): return d
     texts = sample_documents(seed)
     targets = iter(fineweb_like_lengths(len(texts), np.random.default_rng(seed)) * chars_per_token)
     docs, cur, n, want = [], [], 0, next(targets)
@@ -690,6 +711,9 @@ def long_document_shards(data_dir=None, chars_per_token=4.4, seed=0) -> Path:
 def run_demo(data_dir=None, tokenizer_dir=None, vocab_size=8192, B=16, T=1024, steps=24, strategy='bestfit-crop',
              buffer_size=1000, threads=2, device='auto', picture=None, every=4, out=print) -> dict:
     "The demo: shards and tokenizer if missing, `steps` batches, a table, a resume check, a picture. Returns its results."
+    B, T, every = check_int('B', B), check_int('T', T), check_int('every', every)
+    steps = check_int('steps', steps, 2)                 # it resumes from the middle: at least one batch on each side
+    resolve_device(device)                                # a device that cannot be had: refused before any work
     d = _ensure_shards(data_dir, out)
     tok = _ensure_tokenizer(d, tokenizer_dir, vocab_size, out)
     kw = dict(data_dir=d, strategy=strategy, buffer_size=buffer_size, tokenizer_threads=threads, device=device)
@@ -816,7 +840,7 @@ def bench_one(kind, data_dir=None, tokenizer_dir=None, B=32, T=2048, warmup=3, b
               best='bestfit-split', docs=None, skip=0, gc_mode='freeze') -> dict:
     "Time one contender of the benchmark in this process: 'reference', 'dropin', 'best', or 'tokenize' (`docs` documents after the first `skip`)."
     if kind not in BENCH_KINDS: raise ValueError(f"kind={kind!r}: expected one of {BENCH_KINDS}")
-    if gc_mode not in ('freeze', 'on'): raise ValueError(f"gc_mode={gc_mode!r}: expected 'freeze' or 'on'")
+    _check_bench(B, T, warmup, batches, threads, buffer_size, best, 1, gc_mode)
     tok, files = get_tokenizer(tokenizer_dir), split_files('train', data_dir)
     os.environ['NANOCHAT_DL_DATA_DIR'] = str(get_data_dir(data_dir))     # where the drop-in looks
     mem = _PeakMemory()
@@ -881,9 +905,17 @@ def _bench_subprocess(spec) -> dict:
         raise RuntimeError(f"benchmark of {spec['kind']!r} failed (exit {r.returncode}):\n{r.stderr[-3000:]}")
     return json.loads(lines[-1][6:])
 
+def _check_bench(B, T, warmup, batches, threads, buffer_size, best, repeats, gc_mode):
+    "The benchmark's settings, refused before any contender runs."
+    for name, v, lo in (('B', B, 1), ('T', T, 1), ('warmup', warmup, 0), ('batches', batches, 1), ('threads', threads, 1),
+                        ('buffer_size', buffer_size, 1), ('repeats', repeats, 1)): check_int(name, v, lo)
+    if best not in STRATEGIES: raise ValueError(f"best={best!r}: expected one of {list(STRATEGIES)}")
+    if gc_mode not in ('freeze', 'on'): raise ValueError(f"gc_mode={gc_mode!r}: expected 'freeze' or 'on'")
+
 def run_bench(data_dir=None, tokenizer_dir=None, B=32, T=2048, warmup=3, batches=30, threads=4, buffer_size=1000,
               best='bestfit-split', repeats=3, gc_mode='freeze', progress=print) -> dict:
     "The four contenders (and (b), (d) again with one tokenizer worker), each in a fresh process on the same shards and tokenizer, `repeats` rounds; the best round of each, and the ratios."
+    _check_bench(B, T, warmup, batches, threads, buffer_size, best, repeats, gc_mode)
     spec = dict(data_dir=None if data_dir is None else str(data_dir), tokenizer_dir=None if tokenizer_dir is None else str(tokenizer_dir),
                 B=B, T=T, warmup=warmup, batches=batches, threads=threads, buffer_size=buffer_size, best=best, repeats=repeats,
                 gc_mode=gc_mode)
@@ -953,6 +985,7 @@ def bench_cli(data_dir: str = None,        # shard folder (default: $NANOCHAT_DL
               long_docs: bool = False):    # long documents: the sample corpus joined into documents of ~1,500 tokens on average (in --data-dir, default the cache's sample_long/)
     "Benchmark nanochat's loader structure against the drop-in, the best strategy and raw tokenization; print a table."
     try:
+        _check_bench(B, T, warmup, batches, threads, buffer_size, best, repeats, gc_mode)
         d = long_document_shards(data_dir) if long_docs else _ensure_shards(data_dir)
         _ensure_tokenizer(d, tokenizer_dir, vocab_size)
         r = run_bench(d, tokenizer_dir, B, T, warmup, batches, threads, buffer_size, best, repeats, gc_mode)

@@ -72,8 +72,12 @@ def data_dir_source(data_dir=None) -> str | None:
     return f.read_text().strip() if f.is_file() else None
 
 def claim_data_dir(data_dir, source: str) -> Path:
-    "Mark `data_dir` as holding `source`'s shards; `ValueError` if it already holds another dataset's."
+    "Mark `data_dir` as holding `source`'s shards; `ValueError` if it already holds another dataset's, or is not a folder."
     d = get_data_dir(data_dir)
+    there = next((q for q in (d, *d.parents) if q.exists()), None)     # the folder itself, or the nearest parent that exists
+    if there is not None and not there.is_dir():
+        raise ValueError(f"{there} is not a directory" + ('' if there == d else f" (so {d} cannot be created)")
+                         + ": expected a folder to hold the shards")
     have = data_dir_source(d)
     if have is not None and have != source:
         raise ValueError(f"{d} already holds {have!r} shards (see {d/SOURCE_FILE}), not {source!r}: "
@@ -231,10 +235,17 @@ def _fetch(session, url, f, where, timeout, max_retries, backoff, chunk_size, on
         if written and not ranges: restart()     # cannot resume: the server does not do ranges
         time.sleep(_backoff_s(body_failures, backoff))
 
+def _check_timeout(timeout, name='timeout'):
+    "`ValueError` unless `timeout` is a positive, finite number of seconds (None: wait forever)."
+    ok = timeout is None or (isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and 0 < timeout < float('inf'))
+    if not ok: raise ValueError(f"{name} must be a positive number of seconds, got {timeout!r}")
+    return timeout
+
 def download_single_file(index, data_dir=None, preset=DEFAULT_PRESET, base_url=None, session=None, timeout=30,
                          max_retries=5, backoff=1.0, chunk_size=1 << 20, on_bytes=None, on_size=None) -> DownloadResult:
     "Fetch shard `index` into `data_dir` through a temp file, resume/retry, verify, rename; skip it if a valid copy is there."
     p = get_preset(preset)
+    _check_timeout(timeout)
     if not 0 <= index <= p.max_shard:
         raise ValueError(f"shard index {index} is out of range for preset {p.name!r}: expected 0..{p.max_shard}")
     d, fname = get_data_dir(data_dir), p.filename(index)
@@ -392,6 +403,7 @@ def download(n=8, workers=4, data_dir=None, preset=DEFAULT_PRESET, base_url=None
     p, d = get_preset(preset), get_data_dir(data_dir)
     idx, url = shard_indices(n, p, val), resolve_base_url(p, base_url)
     if workers < 1: raise ValueError(f"workers must be >= 1, got {workers}")
+    _check_timeout(timeout)
     claim_data_dir(d, p.name)
     if verbose:
         note = f" (asked for {n}; the preset has {p.max_shard + 1})" if n > p.max_shard + 1 else ''
@@ -424,6 +436,7 @@ def download_cli(Num_files:int=8,          # shards to download: indices 0..n-1;
                 ) -> int:
     "Download parquet shards in parallel; exit code 1 if any shard failed, 2 for bad arguments."
     try:
+        _check_timeout(timeout, '--timeout')
         res = download(Num_files, Workers, data_dir, preset, base_url, progress=progress, val=val,
                        timeout=timeout, max_retries=max_retries)
     except ValueError as e:
@@ -523,6 +536,11 @@ def _write_shard(table, path, row_group_size):
         if os.path.exists(tmp): os.unlink(tmp)
     return path
 
+def _mixed_split(d, why, n_shards):
+    "The error for a folder whose shards are not (all) from the split of `n_shards` being written."
+    return ValueError(f"{d}: {why}; keeping them would mix two splits of the documents (val documents in train): "
+                      f"pass overwrite=True (--overwrite) to rewrite the folder as {n_shards} shards, or use another folder")
+
 def make_sample_shards(data_dir=None, n_shards=5, row_group_size=256, overwrite=False, seed=0, docs=None) -> list[Path]:
     "Write the offline corpus (or `docs`) as `n_shards` parquet shards in `data_dir`; the last one is the val shard."
     if n_shards < 2: raise ValueError(f"n_shards must be >= 2 (at least one train shard and the val shard), got {n_shards}")
@@ -530,13 +548,23 @@ def make_sample_shards(data_dir=None, n_shards=5, row_group_size=256, overwrite=
     d = claim_data_dir(data_dir, 'sample')
     fmt = PRESETS[DEFAULT_PRESET]
     paths = [d/fmt.filename(i) for i in range(n_shards)]
+    extra = sorted(f for f in os.listdir(d) if (m := re.fullmatch(r'shard_(\d{5,})\.parquet', f)) and int(m[1]) >= n_shards)
+    if extra and not overwrite:
+        raise _mixed_split(d, f"it holds {len(extra)} shard(s) beyond the {n_shards} asked for ({', '.join(extra)})", n_shards)
     todo = [i for i, p in enumerate(paths) if overwrite or not is_valid_shard(p)]
     if not todo: return paths
     docs = sample_documents(seed) if docs is None else list(docs)
     if len(docs) < n_shards: raise ValueError(f"{len(docs)} documents cannot fill {n_shards} shards")
     bounds = [round(i * len(docs) / n_shards) for i in range(n_shards + 1)]
+    for i, p in enumerate(paths):                # shards we keep must be this split's
+        if i in todo: continue
+        have = pq.read_table(p, columns=['text']).column('text').to_pylist()
+        if have != docs[bounds[i]:bounds[i + 1]]:
+            raise _mixed_split(d, f"{p.name} holds {len(have):,} documents that are not documents {bounds[i]:,}.."
+                                  f"{bounds[i + 1] - 1:,} of a {n_shards}-shard split", n_shards)
     for i in todo:
         _write_shard(pa.table({'text': pa.array(docs[bounds[i]:bounds[i + 1]], pa.string())}), paths[i], row_group_size)
+    for f in extra: (d/f).unlink(missing_ok=True)   # only with overwrite, and only once the new set is complete
     return paths
 
 # %% ../nbs/01_dataset.ipynb #6db7770d

@@ -194,17 +194,26 @@ class RowGroupReader:
 
     # -- the cursor --
     def _no_work(self):
-        counts = [len(self._rows(f)) for f in range(len(self.files))]
+        layout = [self._rows(f) for f in range(len(self.files))]
+        counts, who = [len(rows) for rows in layout], f"rank {self.rank} of world_size {self.world_size}"
+        full = [(f, g) for f, rows in enumerate(layout) for g, n in enumerate(rows) if n > 0]
+        if not full:   # no world_size helps: the split itself is empty
+            folders = sorted({str(Path(f).parent) for f in self.files})
+            names = ', '.join(Path(f).name for f in self.files[:5]) + (', ...' if len(self.files) > 5 else '')
+            return ValueError(f"{who} has no documents to read: the {len(self.files)} shard file(s) ({names}) in "
+                              f"{', '.join(folders)} hold no documents ({counts} row groups per file, every one empty "
+                              f"or none at all). Put shards with documents there")
         if self.balanced:
-            full = sum(n > 0 for f in range(len(self.files)) for n in self._rows(f))
-            return ValueError(f"rank {self.rank} of world_size {self.world_size} has no documents to read: the split has "
-                              f"{full} non-empty row groups in all ({counts} row groups per file). Use "
-                              f"world_size <= {full}, or shards with more row groups")
+            return ValueError(f"{who} has no documents to read: the split has {len(full)} non-empty row groups in all "
+                              f"({counts} row groups per file). Use world_size <= {len(full)}, or shards with more row groups")
+        # nanochat's striding: rank r owns row groups g with g % world_size == r; the largest W such that every
+        # world size up to W gives each rank a non-empty row group
+        ok = lambda W: len({g % W for _, g in full}) == W
+        most = next(W for W in range(1, max(counts) + 2) if not ok(W)) - 1
         return ValueError(
-            f"rank {self.rank} of world_size {self.world_size} has no documents to read: it owns row groups "
-            f"{self.rank}, {self.rank + self.world_size}, ... of each file, and the {len(counts)} files have "
-            f"{counts} row groups (none of its own non-empty). Use world_size <= {max(counts)}, or shards with "
-            f"more row groups")
+            f"{who} has no documents to read: it owns row groups {self.rank}, {self.rank + self.world_size}, ... "
+            f"of each file, and the {len(counts)} files have {counts} row groups (none of its own non-empty). "
+            f"Use world_size <= {most}, or shards with more non-empty row groups")
 
     def _settle(self):
         "Move the cursor to the next document that exists: past the end of a row group, a file, an epoch."

@@ -13,7 +13,7 @@ from pathlib import Path
 import tiktoken
 from fastcore.basics import patch
 from fastcore.script import call_parse
-from .core import atomic_write, get_data_dir, get_tokenizer_dir
+from .core import atomic_write, check_int, get_data_dir, get_tokenizer_dir
 from .dataset import list_parquet_files
 
 # %% ../nbs/03_tokenizer.ipynb #46465dfb
@@ -254,23 +254,27 @@ RustBPETokenizer = Tokenizer  # nanochat's name, for drop-in imports
 # %% ../nbs/03_tokenizer.ipynb #e39cdfff
 def iter_texts(files, max_chars: int | None = None, doc_cap: int | None = None, text_column: str = "text",
                stats: dict | None = None, progress: bool = False):
-    "Documents of parquet `files`, row group by row group, each cropped to `doc_cap`, `max_chars` in total."
-    import pyarrow.parquet as pq
+    "Documents of parquet `files`, row group by row group, each cropped to `doc_cap` (None: no cap), `max_chars` in total."
+    import pyarrow as pa
     from tqdm.auto import tqdm
+    from nanochat_dl.shards import _open_shard, shard_layout  # shards imports core and dataset only: no cycle
+    if doc_cap is not None: check_int('doc_cap', doc_cap, 1)
     files = [Path(f) for f in files]
     stats = {} if stats is None else stats
     stats.update(chars=0, docs=0, row_groups=0)
     if max_chars is not None and max_chars <= 0: return
-    total = sum(pq.read_metadata(f).num_row_groups for f in files) if progress else None
+    total = sum(map(len, shard_layout(files, text_column))) if progress else None
     bar = tqdm(total=total, unit='row group', disable=not progress, desc='tokenizer text')
     try:
         for f in files:
-            with pq.ParquetFile(f) as pf:  # one file open at a time, one row group in memory
-                if text_column not in pf.schema_arrow.names:
-                    raise ValueError(f"{f}: no {text_column!r} column (columns: {pf.schema_arrow.names})")
+            with _open_shard(f, text_column) as pf:  # one file open at a time, one row group in memory
                 for rg in range(pf.num_row_groups):
                     stats['row_groups'] += 1
-                    for doc in pf.read_row_group(rg, columns=[text_column]).column(text_column).to_pylist():
+                    try: docs = pf.read_row_group(rg, columns=[text_column]).column(text_column).to_pylist()
+                    except (pa.ArrowException, OSError) as e:
+                        raise ValueError(f"{f}: row group {rg} could not be read ({e}); expected a parquet row group "
+                                         f"with a string column {text_column!r}") from None
+                    for doc in docs:
                         if doc is None: continue
                         if doc_cap is not None: doc = doc[:doc_cap]
                         last = max_chars is not None and stats['chars'] + len(doc) >= max_chars
@@ -281,22 +285,36 @@ def iter_texts(files, max_chars: int | None = None, doc_cap: int | None = None, 
                     bar.update(1); bar.set_postfix(chars=f"{stats['chars']:,}")
     finally: bar.close()
 
-# %% ../nbs/03_tokenizer.ipynb #6fcc12df
+# %% ../nbs/03_tokenizer.ipynb #36817de4
 _NO_SHARDS = "run `nanochat-dl sample` (offline sample shards) or `nanochat-dl download` first"
 
-def train_tokenizer(data_dir=None, vocab_size: int = 8192, max_chars: int = 2_000_000_000, doc_cap: int = 10_000,
-                    out_dir=None, progress: bool = True) -> Tokenizer:
+def _check_out_dir(out: Path):
+    "A `ValueError` now, not after training, if `out` is a file or sits under one."
+    p = out
+    while not p.exists() and p != p.parent: p = p.parent
+    if p.is_dir(): return
+    where = "is a file" if p == out else f"cannot be created: {p} is a file"
+    raise ValueError(f"out_dir {out} {where}; expected a folder to save the tokenizer in (created if missing)")
+
+def train_tokenizer(data_dir=None, vocab_size: int = 8192, max_chars: int | None = 2_000_000_000,
+                    doc_cap: int | None = 10_000, out_dir=None, progress: bool = True) -> Tokenizer:
     "Train on the text of the local train shards (all but the last) and save to `out_dir` (default: `get_tokenizer_dir()`)."
+    from nanochat_dl.shards import shard_layout
+    if max_chars is not None: check_int('max_chars', max_chars, 1)
+    if doc_cap is not None: check_int('doc_cap', doc_cap, 1)
+    out = get_tokenizer_dir() if out_dir is None else Path(out_dir)
+    _check_out_dir(out)
     files = list_parquet_files(data_dir)
     if len(files) < 2:
         found = f"only one shard ({files[0].name})" if files else "no parquet shards"
         raise FileNotFoundError(f"{found} in {get_data_dir(data_dir)}: training needs at least 2 (the last one is kept "
                                 f"for validation); {_NO_SHARDS}")
+    shard_layout(files)  # every shard, val included, must open as parquet with a string `text` column: fail before training
     stats, t0 = {}, time.perf_counter()
     tok = Tokenizer.train_from_iterator(iter_texts(files[:-1], max_chars, doc_cap, stats=stats, progress=progress), vocab_size)
     tok.train_info = dict(stats, train_files=[f.name for f in files[:-1]], max_chars=max_chars, doc_cap=doc_cap,
                           seconds=round(time.perf_counter() - t0, 3))
-    tok.save(get_tokenizer_dir() if out_dir is None else out_dir)
+    tok.save(out)
     return tok
 
 @call_parse
@@ -305,12 +323,15 @@ def train_tokenizer_cli(vocab_size: int = 8192,  # number of token ids, special 
                         doc_cap: int = 10_000,  # crop every document to this many characters
                         data_dir: str = None,  # shard folder (default: NANOCHAT_DL_DATA_DIR or the cache)
                         out_dir: str = None):  # where to save (default: the cache's tokenizer/ folder)
-    "Train a BPE tokenizer on the local train shards and save it."
-    try: tok = train_tokenizer(data_dir, vocab_size, max_chars, doc_cap, out_dir, progress=sys.stderr.isatty())
+    "Train a BPE tokenizer on the local train shards and save it; exit code 2 for bad arguments or shards, 1 if saving fails."
+    try:
+        val = list(iter_texts(list_parquet_files(data_dir)[-1:], max_chars=1_000_000, doc_cap=doc_cap))  # read before anything is saved
+        tok = train_tokenizer(data_dir, vocab_size, max_chars, doc_cap, out_dir, progress=sys.stderr.isatty())
     except (FileNotFoundError, ValueError) as e:
+        print(f"nanochat-dl train-tokenizer: error: {e}", file=sys.stderr); return 2
+    except OSError as e:  # e.g. no permission to write the tokenizer
         print(f"nanochat-dl train-tokenizer: error: {e}", file=sys.stderr); return 1
     info, out = tok.train_info, get_tokenizer_dir() if out_dir is None else Path(out_dir)
-    val = list(iter_texts(list_parquet_files(data_dir)[-1:], max_chars=1_000_000, doc_cap=doc_cap))
     print(f"trained on {info['chars']:,} chars ({info['docs']:,} docs, {info['row_groups']:,} row groups, "
           f"{len(info['train_files'])} train shards) in {info['seconds']:.2f} s")
     print(f"vocab size {tok.get_vocab_size():,} ({len(tok.get_special_tokens())} special, bos {tok.bos_token}={tok.get_bos_token_id()})")

@@ -348,8 +348,8 @@ def test_cli_through_router(tmp_path, capsys):
     assert re.search(rf"val compression: \d+\.\d\d bytes/token on {1 + len(HELDOUT)} docs of the val shard", out), out
     assert f"saved to {tmp_path/'out'}" in out
     assert Tokenizer.load(tmp_path/'out').get_vocab_size() == 700
-    # bad vocab size: error message, exit code 1, nothing saved
-    assert train_tokenizer_cli(vocab_size=100, data_dir=str(data), out_dir=str(tmp_path/'out2')) == 1
+    # bad vocab size: error message, exit code 2 (bad argument), nothing saved
+    assert train_tokenizer_cli(vocab_size=100, data_dir=str(data), out_dir=str(tmp_path/'out2')) == 2
     assert "vocab_size=100 is too small" in capsys.readouterr().err
     assert not (tmp_path/'out2').exists()
 
@@ -358,7 +358,7 @@ def test_cli_no_shards_subprocess(tmp_path):
     env = dict(os.environ, NANOCHAT_DL_BASE_DIR=str(tmp_path))
     r = subprocess.run([sys.executable, '-c', 'import sys; from nanochat_dl.cli import main; sys.exit(main())',
                         'train-tokenizer', '--vocab-size', '300'], env=env, capture_output=True, text=True, timeout=120)
-    assert r.returncode == 1, (r.stdout, r.stderr)
+    assert r.returncode == 2, (r.stdout, r.stderr)
     assert "no parquet shards in" in r.stderr and "nanochat-dl sample" in r.stderr and "nanochat-dl download" in r.stderr
 
 
