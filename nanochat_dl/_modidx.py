@@ -383,6 +383,7 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                      'nanochat_dl.packing._PackerBase.state_dict': ( 'packing.html#_packerbase.state_dict',
                                                                                      'nanochat_dl/packing.py'),
                                      'nanochat_dl.packing._Phi': ('packing.html#_phi', 'nanochat_dl/packing.py'),
+                                     'nanochat_dl.packing._bench_pack_args': ('packing.html#_bench_pack_args', 'nanochat_dl/packing.py'),
                                      'nanochat_dl.packing._pct': ('packing.html#_pct', 'nanochat_dl/packing.py'),
                                      'nanochat_dl.packing.bench_pack': ('packing.html#bench_pack', 'nanochat_dl/packing.py'),
                                      'nanochat_dl.packing.bench_pack_cli': ('packing.html#bench_pack_cli', 'nanochat_dl/packing.py'),

@@ -679,8 +679,7 @@ def _ensure_tokenizer(data_dir, tokenizer_dir, vocab_size, out=print):
     return tok
 
 def _sample_target(d) -> bool:
-    "Whether folder `d` has no shards and the sample shards may be written there; refuses a folder of someone else's data too small to split."
-    if d.exists() and not d.is_dir(): raise ValueError(f"{d} is not a directory: expected a folder of parquet shards")
+    "Whether folder `d` has no shards and the sample shards may be written there; refuses a folder of someone else's data too small to split (a file where the folder should be is `claim_data_dir`'s to refuse)."
     have = list_parquet_files(d)
     if len(have) == 1:
         raise ValueError(f"{d} holds one parquet shard ({have[0].name}): a split needs at least two (the last one is the "

@@ -596,10 +596,14 @@ def measure_tokenize_rate(min_time=0.5) -> dict:
     one, many = rate(1), rate(cores)
     return dict(tokens_per_s=max(one, many), one_thread=one, all_threads=many, threads=cores)
 
+def _bench_pack_args(B, T, buffer_size, batches, seed) -> tuple:
+    "The benchmark's settings as ints, or a `ValueError` naming the bad one (numpy seeds are non-negative)."
+    return tuple(check_int(name, v, lo) for name, v, lo in
+                 [('B', B, 1), ('T', T, 1), ('buffer_size', buffer_size, 1), ('batches', batches, 1), ('seed', seed, 0)])
+
 def bench_pack(B=32, T=2048, buffer_size=1000, batches=20, seed=0, repeats=3, warmup_docs=None, tokens_per_s=None) -> dict:
     "Time `ReferencePacker` and `Packer` on identical steady-state work; `tokens_per_s` defaults to `measure_tokenize_rate()`."
-    B, T, size, batches = check_int('B', B, 1), check_int('T', T, 1), check_int('buffer_size', buffer_size, 1), check_int('batches', batches, 1)
-    seed = check_int('seed', seed, 0)   # numpy seeds are non-negative
+    B, T, size, batches, seed = _bench_pack_args(B, T, buffer_size, batches, seed)
     stream = SyntheticStream(seed, T=T)
     warm = Packer(T, size, bos_id=stream.bos_id)
     while stream.next_key < (20 * size if warmup_docs is None else warmup_docs): warm.next_batch(B, stream)
@@ -664,9 +668,7 @@ def bench_pack_cli(B: int = 32,             # rows per batch
                    batches: int = 20,       # timed batches per packer
                    seed: int = 0):          # seed of the synthetic document stream
     "Benchmark nanochat's best-fit loop against the indexed packer on FineWeb-like document lengths."
-    try:   # bad arguments are exit 2 (as argparse's own errors), before any work; exit 1 means the rows differ
-        for name, v, lo in [('B', B, 1), ('T', T, 1), ('buffer_size', buffer_size, 1), ('batches', batches, 1), ('seed', seed, 0)]:
-            check_int(name, v, lo)
+    try: _bench_pack_args(B, T, buffer_size, batches, seed)   # bad arguments: exit 2 before any work (exit 1 means the rows differ)
     except ValueError as e:
         print(f"nanochat-dl bench-pack: error: {e}", file=sys.stderr); return 2
     mu, sigma = calibrate_lognormal(T=2048)
