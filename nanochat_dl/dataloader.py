@@ -347,11 +347,37 @@ class _Produced(NamedTuple):
     state: dict
     timing: dict
 
+_GROUP_DOCS = 256   # documents per message to a tokenizer worker, at least (see "Slices in groups" above)
+
+def _group_size(encoder, batch_size) -> int:
+    "Slices sent to `encoder` in one call: enough for about `_GROUP_DOCS` documents per worker or thread."
+    par = getattr(encoder, 'workers', None) or getattr(encoder, 'threads', 1)
+    return max(1, -(-_GROUP_DOCS * par // batch_size))
+
+def _split_docs(docs, counts) -> list:
+    "Cut a `FlatDocs` into consecutive parts of `counts[i]` documents, each with a copy of its tokens (a part kept long must not pin the rest)."
+    out, ends = [], np.cumsum(docs.lens)
+    a = s = 0
+    for c in counts:
+        e = int(ends[a + c - 1]) if c else s
+        out.append(FlatDocs(docs.lens[a:a + c], docs.flat[s:e].copy()))
+        a, s = a + c, e
+    return out
+
+class _Group:
+    "Slices encoded by one encoder call; each slice's documents are cut out of the answer when it is first needed."
+    def __init__(self, handle, counts): self.handle, self.counts, self.parts = handle, counts, None
+    def take(self, encoder, j) -> FlatDocs:
+        if self.parts is None: self.parts = _split_docs(encoder.result(self.handle), self.counts)
+        part, self.parts[j] = self.parts[j], None
+        return part
+
 class _Producer:
     "Reader, encoder and packer: everything the background thread touches, and nothing of the consumer's."
     def __init__(self, reader, encoder, packer, B, config, fingerprint, read_ahead=2):
         self.reader, self.encoder, self.packer, self.B = reader, encoder, packer, B
         self.config, self.fingerprint, self.read_ahead = config, fingerprint, read_ahead
+        self.group = _group_size(encoder, reader.batch_size) if read_ahead else 1
         self.last, self.step = None, 0   # nanochat's {pq_idx, rg_idx, epoch} of the last slice packed; batches packed so far
         self.ahead = deque()             # slices read and sent to the encoder, not yet pulled by the packer
         self.read_s = self.tokenize_s = 0.0
@@ -363,19 +389,22 @@ class _Producer:
         self.reader_state = self.reader.state_dict()   # the cursor after the last slice the *packer* pulled
 
     def _read_ahead(self):
-        while len(self.ahead) <= self.read_ahead:
+        while len(self.ahead) < self.read_ahead + self.group:   # `read_ahead` slices in flight, and a whole group
             t0 = time.perf_counter()
-            docs = next(self.reader)
-            after = self.reader.state_dict()
+            got = []
+            for _ in range(self.group):
+                docs = next(self.reader)
+                got.append((docs, self.reader.state_dict()))
             self.read_s += time.perf_counter() - t0
-            self.ahead.append((docs, after, self.encoder.submit(docs.texts)))
+            g = _Group(self.encoder.submit([t for docs, _ in got for t in docs.texts]), [len(docs.texts) for docs, _ in got])
+            self.ahead.extend((docs, after, g, j) for j, (docs, after) in enumerate(got))
 
     def pull(self):
         if not self.ahead: self._read_ahead()           # the first pull (after a start or a resume)
-        docs, after, handle = self.ahead.popleft()
+        docs, after, group, j = self.ahead.popleft()
         self._read_ahead()                              # keep the encoder busy while we wait and pack
         t0 = time.perf_counter()
-        arrays = self.encoder.result(handle)
+        arrays = group.take(self.encoder, j)
         self.tokenize_s += time.perf_counter() - t0
         self.reader_state, self.last = after, nanochat_state(docs)
         e = docs.epoch
@@ -848,14 +877,15 @@ def bench_one(kind, data_dir=None, tokenizer_dir=None, B=32, T=2048, warmup=3, b
         reader, texts = RowGroupReader(files, batch_size=128), []
         while len(texts) < skip + docs: texts += next(reader).texts
         texts = texts[skip:skip + docs]     # the documents a loader pulled in its timed batches, in the same order
-        slices = [texts[i:i + 128] for i in range(0, docs, 128)]
         enc = make_encoder(tok, threads)
+        k = 128 * _group_size(enc, 128)                              # the loader's calls: a group of 128-document slices
+        slices = [texts[i:i + k] for i in range(0, docs, k)]
         enc(slices[0])                                                # start the workers outside the timing
         _settle_gc(gc_mode)
-        workers, cpu = getattr(enc, 'workers', getattr(enc, 'threads', 1)), _CpuMeter(enc)
+        cpu = _CpuMeter(enc)
         cpu.start()
-        # the same documents three times over, with every worker kept busy: a ceiling, not a short sprint
-        n, dt = tokenize_rate(enc, slices * 3, ahead=max(2, 2 * workers))
+        # the same documents three times over, a call in flight while the next is sent: a ceiling, not a short sprint
+        n, dt = tokenize_rate(enc, slices * 3, ahead=2)
         used = cpu.stop()
         enc.close()
         return dict(kind=kind, wall_s=dt, tokenize_s=dt, tokenized=n, delivered=None, waste_pct=None, docs=docs, skip=skip,

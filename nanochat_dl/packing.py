@@ -380,19 +380,21 @@ class Packer(_PackerBase):
         flat = type(docs) is FlatDocs
         items = (zip(repeat(docs.flat), docs.starts.tolist(), keys, docs.lens.tolist()) if flat
                  else zip(docs, repeat(0), keys, map(len, docs)))
-        if self._fifo_mode or self._split:
+        if self._fifo_mode:
             for src, s, key, L in items:
                 if flat and L > C: src, s = src[s:s + L].copy(), 0   # a long stay in the buffer: do not pin the whole array
-                if self._split and L > C:      # pieces: doc[:T+1], then BOS + the next T tokens, ...
-                    self._add(src, s, key, 0, C)
-                    for off in range(C, L, T): self._add(src, s, key, off, 1 + min(T, L - off))
-                else: self._add(src, s, key, 0, L)
+                self._add(src, s, key, 0, L)
         else:   # the best-fit rules: short entries inline (the hot path), long ones through `_add`
-            ent, qs, lens, seq, n = self._ent, self._q, self._lens, self._seq, 0
+            ent, qs, lens, seq, n, split = self._ent, self._q, self._lens, self._seq, 0, self._split
             for src, s, key, L in items:
                 if L > C:
                     if flat: src, s = src[s:s + L].copy(), 0
-                    self._seq = seq; self._add(src, s, key, 0, L); seq = self._seq
+                    self._seq = seq
+                    if split:                  # pieces: doc[:T+1], then BOS + the next T tokens, ...
+                        self._add(src, s, key, 0, C)
+                        for off in range(C, L, T): self._add(src, s, key, off, 1 + min(T, L - off))
+                    else: self._add(src, s, key, 0, L)
+                    seq = self._seq
                     continue
                 ent[seq] = (src, s, key, 0, L)
                 q = qs.get(L)
