@@ -381,6 +381,7 @@ class _Producer:
         self.last, self.step = None, 0   # nanochat's {pq_idx, rg_idx, epoch} of the last slice packed; batches packed so far
         self.ahead = deque()             # slices read and sent to the encoder, not yet pulled by the packer
         self.read_s = self.tokenize_s = 0.0
+        self.pull_cpu_s = self.pack_cpu_s = 0.0   # this thread's CPU in `pull`, and in packing proper (so far)
         self.rewind()
 
     def rewind(self):
@@ -400,6 +401,7 @@ class _Producer:
             self.ahead.extend((docs, after, g, j) for j, (docs, after) in enumerate(got))
 
     def pull(self):
+        c0 = time.thread_time()
         if not self.ahead: self._read_ahead()           # the first pull (after a start or a resume)
         docs, after, group, j = self.ahead.popleft()
         self._read_ahead()                              # keep the encoder busy while we wait and pack
@@ -408,7 +410,9 @@ class _Producer:
         self.tokenize_s += time.perf_counter() - t0
         self.reader_state, self.last = after, nanochat_state(docs)
         e = docs.epoch
-        return arrays, [(e, f, g, r) for f, g, r in docs.addrs]
+        keys = [(e, f, g, r) for f, g, r in docs.addrs]
+        self.pull_cpu_s += time.thread_time() - c0
+        return arrays, keys
 
     def state(self) -> dict:
         sd = dict(self.last) if self.last else {}
@@ -417,12 +421,14 @@ class _Producer:
         return sd
 
     def produce(self) -> _Produced:
-        r0, k0, t0 = self.read_s, self.tokenize_s, time.perf_counter()
+        r0, k0, t0, p0, c0 = self.read_s, self.tokenize_s, time.perf_counter(), self.pull_cpu_s, time.thread_time()
         packed = self.packer.next_batch(self.B, self.pull)
+        pack_cpu = time.thread_time() - c0 - (self.pull_cpu_s - p0)   # placing and taking in, without reading and receiving
+        self.pack_cpu_s += pack_cpu
         self.step += 1
         state = self.state()
         dt, read, tok = time.perf_counter() - t0, self.read_s - r0, self.tokenize_s - k0
-        return _Produced(packed, state, dict(produce_s=dt, read_s=read, tokenize_s=tok, pack_s=dt - read - tok))
+        return _Produced(packed, state, dict(produce_s=dt, read_s=read, tokenize_s=tok, pack_s=dt - read - tok, pack_cpu_s=pack_cpu))
 
     def close(self):
         self.reader.close(); self.encoder.close()
@@ -850,19 +856,22 @@ def _settle_gc(gc_mode):
     if gc_mode == 'freeze': gc.collect(); gc.freeze(); gc.disable()
 
 class _CpuMeter:
-    "CPU used between `start()` and `stop()` by this process and by `encoder`'s worker processes, and what the encoder reports spending on encoding."
-    def __init__(self, encoder): self.enc = encoder
-    def _now(self): return time.process_time(), getattr(self.enc, 'worker_cpu_s', None), getattr(self.enc, 'encode_cpu_s', None)
+    "CPU used between `start()` and `stop()` by this process and by `encoder`'s worker processes, what the encoder reports spending on encoding, and what `producer` spent packing."
+    def __init__(self, encoder, producer=None): self.enc, self.prod = encoder, producer
+    def _now(self): return (time.process_time(), getattr(self.enc, 'worker_cpu_s', None), getattr(self.enc, 'encode_cpu_s', None),
+                            getattr(self.prod, 'pack_cpu_s', None))
     def start(self): self.t0 = self._now()
     def stop(self, not_mine=0.0) -> dict:
-        "`main_cpu_s` (less `not_mine`, the benchmark's own work), `worker_cpu_s`, `encode_cpu_s`, and `outside_pct`: the share of all that CPU not spent encoding (None where it is not known)."
-        (c0, w0, e0), (c1, w1, e1) = self.t0, self._now()
+        "`main_cpu_s` (less `not_mine`, the benchmark's own work), `worker_cpu_s`, `encode_cpu_s`, `pack_cpu_s`; `outside_pct`: the share of all that CPU not spent encoding, and `outside_nopack_pct`: the same with the packing CPU left out (None where not known)."
+        (c0, w0, e0, p0), (c1, w1, e1, p1) = self.t0, self._now()
         main = c1 - c0 - not_mine
         work = None if w0 is None else w1 - w0        # None: threads, their CPU is this process's
         enc = None if e0 is None else e1 - e0
+        pack = None if p0 is None else min(p1 - p0, max(main, 0.0))   # (a batch under way at either end: never more than the process used)
         total = main + (work or 0.0)
-        return dict(main_cpu_s=main, worker_cpu_s=work, encode_cpu_s=enc,
-                    outside_pct=100.0 * (1 - enc / total) if enc is not None and total > 0 else None)
+        share = lambda t: 100.0 * (1 - enc / t) if enc is not None and t > 0 else None
+        return dict(main_cpu_s=main, worker_cpu_s=work, encode_cpu_s=enc, pack_cpu_s=pack, outside_pct=share(total),
+                    outside_nopack_pct=max(0.0, share(total - pack)) if pack is not None and enc is not None else None)
 
 def bench_one(kind, data_dir=None, tokenizer_dir=None, B=32, T=2048, warmup=3, batches=20, threads=4, buffer_size=1000,
               best='bestfit-split', docs=None, skip=0, gc_mode='freeze') -> dict:
@@ -900,7 +909,7 @@ def bench_one(kind, data_dir=None, tokenizer_dir=None, B=32, T=2048, warmup=3, b
     else:
         it = ld = PackedLoader(tok, B, T, files=files, strategy=best, tokenizer_threads=threads, buffer_size=buffer_size, device='cpu')
     packer = ld.packer if ld is not None else packer
-    cpu = _CpuMeter(ld._producer.encoder if ld is not None else None)
+    cpu = _CpuMeter(*((ld._producer.encoder, ld._producer) if ld is not None else (None, None)))
     digests, tok_s, tokenized, padded, digest_cpu = [], 0.0, 0, 0, 0.0
     for i in range(warmup + batches):
         if i == warmup:
@@ -993,6 +1002,9 @@ def format_bench_table(r) -> str:
     pct = lambda k: f"{res[k]['outside_pct']:.1f}%" if res[k]['outside_pct'] is not None else 'n/a'
     out.append(f"CPU outside tokenization (1 - encoding CPU / all CPU, workers included): (b) {pct('dropin')}, (c) {pct('best')}, "
                f"(b') {pct('dropin1')} (target < 10%); tokenizing alone through the same workers, (d): {pct('tokenize')}, (d') {pct('tokenize1')}")
+    nop = lambda k: f"{res[k]['outside_nopack_pct']:.1f}%" if res[k].get('outside_nopack_pct') is not None else 'n/a'
+    out.append(f"the same with the packing CPU left out (what a packer that cost nothing would leave): (b) {nop('dropin')}, "
+               f"(c) {nop('best')}, (b') {nop('dropin1')}")
     sl = r['slower_pct']
     out.append(f"tokenized tokens/s below tokenizing alone (median of the rounds' ratios, same workers): (b) {sl['dropin']:.1f}%, "
                f"(c) {sl['best']:.1f}%, (b') {sl['dropin1']:.1f}%")
