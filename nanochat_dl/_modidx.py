@@ -8,6 +8,7 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                   'nanochat_dl.core._env_int': ('core.html#_env_int', 'nanochat_dl/core.py'),
                                   'nanochat_dl.core.atomic_write': ('core.html#atomic_write', 'nanochat_dl/core.py'),
                                   'nanochat_dl.core.check_int': ('core.html#check_int', 'nanochat_dl/core.py'),
+                                  'nanochat_dl.core.file_in_the_way': ('core.html#file_in_the_way', 'nanochat_dl/core.py'),
                                   'nanochat_dl.core.get_base_dir': ('core.html#get_base_dir', 'nanochat_dl/core.py'),
                                   'nanochat_dl.core.get_data_dir': ('core.html#get_data_dir', 'nanochat_dl/core.py'),
                                   'nanochat_dl.core.get_dist_info': ('core.html#get_dist_info', 'nanochat_dl/core.py'),

@@ -4,7 +4,7 @@
 
 # %% auto #0
 __all__ = ['DistInfo', 'get_dist_info', 'get_base_dir', 'get_data_dir', 'get_tokenizer_dir', 'atomic_write', 'check_int',
-           'human_bytes']
+           'file_in_the_way', 'human_bytes']
 
 # %% ../nbs/00_core.ipynb #4db050d3
 import os
@@ -91,6 +91,12 @@ def check_int(name, v, lo=1) -> int:
     if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < lo:
         raise ValueError(f"{name}={v!r} is invalid: expected an int >= {lo}")
     return int(v)
+
+def file_in_the_way(path):
+    "The file that keeps folder `path` from being used or created: `path` itself, or the nearest existing parent, if that is not a folder (else None)."
+    p = Path(path)
+    there = next((q for q in (p, *p.parents) if q.exists()), None)
+    return there if there is not None and not there.is_dir() else None
 
 def human_bytes(n: float) -> str:
     "`1536` -> `'1.5 KiB'`"

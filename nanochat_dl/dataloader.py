@@ -356,19 +356,17 @@ def _group_size(encoder, batch_size) -> int:
 
 def _split_docs(docs, counts) -> list:
     "Cut a `FlatDocs` into consecutive parts of `counts[i]` documents, each with a copy of its tokens (a part kept long must not pin the rest)."
-    out, ends = [], np.cumsum(docs.lens)
-    a = s = 0
+    edges, out, a = np.append(docs.starts, docs.ntokens).tolist(), [], 0   # where each document starts, and the end
     for c in counts:
-        e = int(ends[a + c - 1]) if c else s
-        out.append(FlatDocs(docs.lens[a:a + c], docs.flat[s:e].copy()))
-        a, s = a + c, e
+        out.append(FlatDocs(docs.lens[a:a + c], docs.flat[edges[a]:edges[a + c]].copy()))
+        a += c
     return out
 
 class _Group:
-    "Slices encoded by one encoder call; each slice's documents are cut out of the answer when it is first needed."
-    def __init__(self, handle, counts): self.handle, self.counts, self.parts = handle, counts, None
-    def take(self, encoder, j) -> FlatDocs:
-        if self.parts is None: self.parts = _split_docs(encoder.result(self.handle), self.counts)
+    "Slices encoded by one `encoder` call; each slice's documents are cut out of the answer when it is first needed."
+    def __init__(self, encoder, handle, counts): self.encoder, self.handle, self.counts, self.parts = encoder, handle, counts, None
+    def take(self, j) -> FlatDocs:
+        if self.parts is None: self.parts = _split_docs(self.encoder.result(self.handle), self.counts)
         part, self.parts[j] = self.parts[j], None
         return part
 
@@ -397,7 +395,7 @@ class _Producer:
                 docs = next(self.reader)
                 got.append((docs, self.reader.state_dict()))
             self.read_s += time.perf_counter() - t0
-            g = _Group(self.encoder.submit([t for docs, _ in got for t in docs.texts]), [len(docs.texts) for docs, _ in got])
+            g = _Group(self.encoder, self.encoder.submit([t for docs, _ in got for t in docs.texts]), [len(docs.texts) for docs, _ in got])
             self.ahead.extend((docs, after, g, j) for j, (docs, after) in enumerate(got))
 
     def pull(self):
@@ -406,7 +404,7 @@ class _Producer:
         docs, after, group, j = self.ahead.popleft()
         self._read_ahead()                              # keep the encoder busy while we wait and pack
         t0 = time.perf_counter()
-        arrays = group.take(self.encoder, j)
+        arrays = group.take(j)
         self.tokenize_s += time.perf_counter() - t0
         self.reader_state, self.last = after, nanochat_state(docs)
         e = docs.epoch

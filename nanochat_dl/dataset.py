@@ -25,7 +25,7 @@ from requests.adapters import HTTPAdapter
 from urllib3.util import Retry
 from tqdm import tqdm
 from fastcore.script import call_parse
-from .core import get_data_dir, human_bytes
+from .core import file_in_the_way, get_data_dir, human_bytes
 
 # %% ../nbs/01_dataset.ipynb #3db2fe88
 @dataclass(frozen=True)
@@ -74,8 +74,7 @@ def data_dir_source(data_dir=None) -> str | None:
 def claim_data_dir(data_dir, source: str) -> Path:
     "Mark `data_dir` as holding `source`'s shards; `ValueError` if it already holds another dataset's, or is not a folder."
     d = get_data_dir(data_dir)
-    there = next((q for q in (d, *d.parents) if q.exists()), None)     # the folder itself, or the nearest parent that exists
-    if there is not None and not there.is_dir():
+    if (there := file_in_the_way(d)) is not None:
         raise ValueError(f"{there} is not a directory" + ('' if there == d else f" (so {d} cannot be created)")
                          + ": expected a folder to hold the shards")
     have = data_dir_source(d)

@@ -13,7 +13,7 @@ from pathlib import Path
 import tiktoken
 from fastcore.basics import patch
 from fastcore.script import call_parse
-from .core import atomic_write, check_int, get_data_dir, get_tokenizer_dir
+from .core import atomic_write, check_int, file_in_the_way, get_data_dir, get_tokenizer_dir
 from .dataset import list_parquet_files
 
 # %% ../nbs/03_tokenizer.ipynb #46465dfb
@@ -290,9 +290,8 @@ _NO_SHARDS = "run `nanochat-dl sample` (offline sample shards) or `nanochat-dl d
 
 def _check_out_dir(out: Path):
     "A `ValueError` now, not after training, if `out` is a file or sits under one."
-    p = out
-    while not p.exists() and p != p.parent: p = p.parent
-    if p.is_dir(): return
+    p = file_in_the_way(out)
+    if p is None: return
     where = "is a file" if p == out else f"cannot be created: {p} is a file"
     raise ValueError(f"out_dir {out} {where}; expected a folder to save the tokenizer in (created if missing)")
 
