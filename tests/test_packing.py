@@ -7,7 +7,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from nanochat_dl.packing import (STRATEGIES, Packer, ReferencePacker, ListPull, Segment, FlatDocs, cu_seqlens, position_ids,
-                                 pad_mask, bench_pack_cli)
+                                 pad_mask)
+from nanochat_dl.bench import bench_pack_cli
 
 BOS = 0
 SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
