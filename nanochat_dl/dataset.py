@@ -10,9 +10,10 @@ __all__ = ['PRESETS', 'DEFAULT_PRESET', 'SOURCE_FILE', 'BASE_URL_ENV', 'RETRY_ST
            'ShardStats', 'ShardSummary', 'shard_summary', 'plot_shard_layout', 'sample_cli']
 
 # %% ../nbs/01_dataset.ipynb #6ca97cbb
-import inspect, json, os, random, re, secrets, subprocess, sys, threading, time, warnings
+import hashlib, inspect, json, os, random, re, secrets, subprocess, sys, threading, time, warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from email.utils import formatdate
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import NamedTuple
@@ -276,6 +277,8 @@ def download_single_file(index, data_dir=None, preset=DEFAULT_PRESET, base_url=N
         if own_session: session.close()
 
 # %% ../nbs/01_dataset.ipynb #29555b16
+_HTML_PAGE = '<!DOCTYPE html><html><body><h1>Service busy</h1><p>Please retry later.</p></body></html>'
+
 class _ShardHandler(BaseHTTPRequestHandler):
     server_ref = None                 # the ShardServer, set on a per-server subclass
     def log_message(self, *args): pass
@@ -294,17 +297,15 @@ class _ShardHandler(BaseHTTPRequestHandler):
         srv = self.server_ref
         name = unquote(self.path.split('?', 1)[0].lstrip('/'))
         rng, fault = self.headers.get('Range'), srv._next_fault(name)
-        srv._record(name, rng, fault)
+        srv._record(name, rng, fault, self.headers.get('If-Range'))
         if fault == 'stall': time.sleep(srv.stall_s)
         if isinstance(fault, int): return self._simple(fault, f'injected HTTP {fault} for {name}\n', body=body)
-        if fault == 'html':
-            return self._simple(200, '<!DOCTYPE html><html><body><h1>Service busy</h1><p>Please retry later.</p></body></html>',
-                                'text/html', body)
-        path = srv.root/name
-        if '/' in name or name.startswith('.') or not path.is_file():
+        if fault == 'html': return self._simple(200, _HTML_PAGE, 'text/html', body)
+        if '/' in name or name.startswith('.') or (got := srv._content(name)) is None:
             return self._simple(404, f'{name} not found\n', body=body)
-        data, status, extra = path.read_bytes(), 200, []
-        if rng and srv.ranges and fault != 'ignore_range':
+        data, validators = got
+        status, extra = 200, [(k, v) for k, v in validators.items() if v]
+        if rng and srv.ranges and fault != 'ignore_range' and srv._range_applies(self.headers.get('If-Range'), validators):
             m = re.fullmatch(r'bytes=(\d+)-(\d*)', rng.strip())
             if m:
                 start, end = int(m[1]), min(int(m[2]) if m[2] else len(data) - 1, len(data) - 1)
@@ -318,25 +319,42 @@ class _ShardHandler(BaseHTTPRequestHandler):
         if srv.ranges: self.send_header('Accept-Ranges', 'bytes')
         for k, v in extra: self.send_header(k, v)
         self.end_headers()
-        if not body: return
+        if body: self._send_body(data, fault)
+
+    def _send_body(self, data, fault):
+        srv = self.server_ref
         if fault == 'drop': data = data[:len(data) // 2]
         elif fault == 'short': data = data[:len(data) - max(1, len(data) // 10)]
-        self.wfile.write(data); self.wfile.flush()
-        if fault in ('drop', 'short'): self.close_connection = True
+        elif fault == 'flip': data = data[:len(data) // 2] + bytes([data[len(data) // 2] ^ 0xFF]) + data[len(data) // 2 + 1:]
+        if fault == 'trickle':                   # one byte per trickle_s for stall_s, then hang up
+            end = time.monotonic() + srv.stall_s
+            for b in data:
+                if time.monotonic() >= end: break
+                self.wfile.write(bytes([b])); self.wfile.flush(); time.sleep(srv.trickle_s)
+        else: self.wfile.write(data); self.wfile.flush()
+        if fault in ('drop', 'short', 'trickle'): self.close_connection = True
 
 class _QuietHTTPServer(ThreadingHTTPServer):
     daemon_threads = True
     def handle_error(self, request, client_address): pass   # clients that hang up mid-answer are expected here
 
 class ShardServer:
-    "Serve the files of `root` on 127.0.0.1 over HTTP with Range support, a request log and injectable faults."
-    def __init__(self, root, ranges=True, port=0, stall_s=1.0):
-        self.root, self.ranges, self.port, self.stall_s = Path(root), ranges, port, stall_s
+    "Serve the files of `root` on 127.0.0.1 over HTTP like a real host (Range, If-Range, validators), with a request log and injectable faults."
+    def __init__(self, root, ranges=True, port=0, stall_s=1.0, trickle_s=0.5, etag=True, last_modified=True,
+                 if_range=True, sha256=False):
+        self.root, self.ranges, self.port, self.stall_s, self.trickle_s = Path(root), ranges, port, stall_s, trickle_s
+        self.etag, self.last_modified, self.if_range, self.sha256 = etag, last_modified, if_range, sha256
         self.faults, self.log, self._lock, self._httpd, self._url = {}, [], threading.Lock(), None, None
+        self._swaps, self._versions = {}, {}
 
     def fail(self, name, *faults):
         "Make the next requests for file `name` fail with `faults`, one per request, in order."
         with self._lock: self.faults.setdefault(name, []).extend(faults)
+        return self
+
+    def swap(self, name, data, after=1):
+        "Serve `data` as file `name` (a new version: new ETag, Last-Modified, sha256) once `after` more requests have seen the current one."
+        with self._lock: self._swaps[name] = [after, bytes(data)]
         return self
 
     def _next_fault(self, name):
@@ -344,11 +362,34 @@ class ShardServer:
             q = self.faults.get(name)
             return q.pop(0) if q else None
 
-    def _record(self, name, rng, fault):
-        with self._lock: self.log.append(dict(name=name, range=rng, fault=fault))
+    def _content(self, name):
+        "The bytes this request gets for `name` and the headers that name their version; None if there is no such file."
+        with self._lock:
+            if (s := self._swaps.get(name)) is not None:
+                if s[0] > 0: s[0] -= 1
+                else: self._versions[name] = (self._versions.get(name, (0, None))[0] + 1, s[1]); del self._swaps[name]
+            version, data = self._versions.get(name, (0, None))
+        path = self.root/name
+        if data is None:
+            if not path.is_file(): return None
+            data = path.read_bytes()
+        digest = hashlib.sha256(data).hexdigest()
+        mtime = int(path.stat().st_mtime) if path.is_file() else 0
+        return data, {'ETag': f'"{digest[:32]}"' if self.etag else None,
+                      'Last-Modified': formatdate(mtime + 3600 * version, usegmt=True) if self.last_modified else None,
+                      'X-Linked-Etag': f'"{digest}"' if self.sha256 else None}
+
+    def _range_applies(self, if_range, validators):
+        "RFC 9110: a Range counts only if `If-Range` (when sent) names the current version, by strong ETag or exact date."
+        if if_range is None or not self.if_range: return True
+        if if_range.startswith(('"', 'W/')): return not if_range.startswith('W/') and if_range == validators['ETag']
+        return if_range == validators['Last-Modified']
+
+    def _record(self, name, rng, fault, if_range=None):
+        with self._lock: self.log.append(dict(name=name, range=rng, fault=fault, if_range=if_range))
 
     def requests_for(self, name) -> list[dict]:
-        "The requests seen for file `name`: dicts with its `Range` header (or None) and the fault served."
+        "The requests seen for file `name`: dicts with its `Range` and `If-Range` headers (or None) and the fault served."
         with self._lock: return [r for r in self.log if r['name'] == name]
 
     @property
