@@ -105,7 +105,9 @@ def human_bytes(n: float) -> str:
         n /= 1024
 
 # %% ../nbs/00_core.ipynb #a1c0f002
-def usable_folder(path, what='a folder') -> Path:
+def usable_folder(path,             # the folder: created (with its parents) if missing
+                  what='a folder',  # what it is for, as error messages say it
+                 ) -> Path:
     "Folder `path`, created if missing; a `ValueError` naming it when a file is in the way or the system refuses it."
     p = Path(path)
     try:
@@ -147,7 +149,9 @@ def _busy(d, lock, wait_s):
                       "for it: let it finish, or use another folder")
 
 @contextmanager
-def folder_lock(path, wait_s: float | None = None):
+def folder_lock(path,                        # an existing folder
+                wait_s: float | None = None, # seconds to wait for another process's lock (None: `LOCK_WAIT_S`)
+               ):
     "Hold folder `path`'s advisory write lock (`fcntl.flock` on its `.nanochat_dl.lock`) for the `with` block; yields True if this call took it, False if this process already held it."
     d, wait_s = Path(path), LOCK_WAIT_S if wait_s is None else wait_s
     lock, key, unlocked = d/LOCK_FILE, os.path.realpath(d), False

@@ -101,7 +101,10 @@ def _remove_temps(d, names=None) -> int:
     return len(gone)
 
 @contextmanager
-def writing_data_dir(data_dir, source: str, wait_s: float | None = None):
+def writing_data_dir(data_dir,                    # the folder (None: `get_data_dir()`)
+                     source: str,                 # what is written: 'sample' or a preset name
+                     wait_s: float | None = None, # seconds to wait for another writer (None: `core.LOCK_WAIT_S`)
+                    ):
     "Claim `data_dir` for `source`'s shards and hold its lock for the `with` block; yields the folder."
     d = claim_data_dir(data_dir, source)
     with folder_lock(d, wait_s) as took:
