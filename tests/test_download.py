@@ -1,6 +1,8 @@
 """Download path of nanochat_dl.dataset against a real HTTP server on 127.0.0.1 with injected faults:
-retries, resume with Range, servers that ignore Range, HTML pages served as 200, short bodies, 404s,
-skipping valid files, the parallel `download` summary and the CLI exit codes."""
+retries, resume with Range and If-Range, files re-uploaded between requests, servers that ignore Range
+or If-Range, HTML pages served as 200, short, changed and trickling bodies, 404s, skipping valid files,
+the parallel `download` summary, Ctrl-C on a real process, the folder lock between real processes
+(download and sample), stale temp files, and the CLI exit codes."""
 import hashlib, os, shutil, socket, time
 from pathlib import Path
 
@@ -591,3 +593,28 @@ def test_a_data_dir_under_an_unreadable_folder_is_a_one_line_error(server, tmp_p
     finally: locked.chmod(0o755)
     err = capsys.readouterr().err
     assert err.startswith(f'nanochat-dl {cmd}: error: {locked/"data"}') and 'Permission denied' in err and len(err.splitlines()) == 1, err
+
+
+def test_a_206_must_continue_the_version_and_size_of_the_first_answer():
+    "Offset, total size and validator of a 206 are checked against the first answer; any mismatch starts the file over."
+    import io, re
+    from types import SimpleNamespace
+    from requests.structures import CaseInsensitiveDict
+    from nanochat_dl.dataset import _Body, _Retry
+    def resp(status, **headers): return SimpleNamespace(status_code=status, headers=CaseInsensitiveDict(headers), history=[])
+    first = {'Content-Length': '100', 'Accept-Ranges': 'bytes', 'ETag': '"v1"', 'Last-Modified': 'Mon, 01 Jan 2024 00:00:00 GMT'}
+    def holding_40(**over):
+        b = _Body(io.BytesIO()); assert b.take(resp(200, **{**first, **over})); b.write(b'x' * 40); return b
+    b = holding_40()
+    assert b.resume_headers() == {'Range': 'bytes=40-', 'If-Range': '"v1"'}
+    assert b.take(resp(206, **{'Content-Range': 'bytes 40-99/100', 'ETag': '"v1"'})) and b.written == 40
+    for headers, why in [({'Content-Range': 'bytes 40-119/120'}, 'the file changed on the server: 120 bytes, the first answer said 100'),
+                         ({'Content-Range': 'bytes 40-99/100', 'ETag': '"v2"'}, 'the file changed on the server: "v2", the first answer said "v1"'),
+                         ({'Content-Range': 'bytes 0-99/100'}, "asked for bytes from 40, got Content-Range 'bytes 0-99/100'")]:
+        b = holding_40()
+        with pytest.raises(_Retry, match=re.escape(why)): b.take(resp(206, **headers))
+        assert b.written == 0 and b.f.getvalue() == b''
+    assert holding_40(ETag='W/"weak"').resume_headers()['If-Range'] == first['Last-Modified']   # a weak ETag cannot be used
+    b = holding_40(**{'Accept-Ranges': 'none'})
+    assert b.resume_headers() == {} and b.written == 0                   # no ranges: ask for the whole file again
+    assert not holding_40().take(resp(404))                              # anything else: the caller's error
