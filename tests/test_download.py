@@ -466,14 +466,9 @@ sys.exit(ds.sample_cli(data_dir=folder, n_shards=n))
 """
 
 
-def split_of(docs, n):
-    b = [round(i * len(docs) / n) for i in range(n + 1)]
-    return [docs[b[i]:b[i + 1]] for i in range(n)]
-
-
 def test_racing_sample_runs_leave_one_split(tmp_path):
     "Two `sample` runs with different --n-shards at once: one wins, the other refuses; the folder holds one split."
-    from nanochat_dl.dataset import list_parquet_files, sample_documents
+    from nanochat_dl.dataset import list_parquet_files, sample_shard_documents
     folder, go = tmp_path/'data', tmp_path/'go'
     procs = {n: subprocess.Popen([sys.executable, '-c', RACER, str(folder), str(n), str(delay), str(go)],
                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -485,7 +480,7 @@ def test_racing_sample_runs_leave_one_split(tmp_path):
     loser_err = next(err for rc, err in res.values() if rc == 2)
     assert loser_err.startswith('nanochat-dl sample: error: ') and len(loser_err.splitlines()) == 1, loser_err
     texts = [pq.read_table(f).column('text').to_pylist() for f in list_parquet_files(folder)]
-    assert texts == split_of(sample_documents(), winner)
+    assert texts == sample_shard_documents(winner)
     for n in (3, 5):                                           # later runs see it too
         assert sample_cli(data_dir=str(folder), n_shards=n) == (0 if n == winner else 2)
 
