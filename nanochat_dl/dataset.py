@@ -6,21 +6,18 @@
 __all__ = ['PRESETS', 'DEFAULT_PRESET', 'SOURCE_FILE', 'BASE_URL_ENV', 'RETRY_STATUS', 'MIN_SPEED', 'SAMPLE_MODULES',
            'SAMPLE_CHARS', 'CHARS_PER_TOKEN', 'Preset', 'list_parquet_files', 'data_dir_source', 'claim_data_dir',
            'mark_data_dir', 'writing_data_dir', 'get_preset', 'resolve_base_url', 'check_shard', 'is_valid_shard',
-           'verify_shard', 'make_session', 'DownloadResult', 'DownloadError', 'download_single_file', 'ShardServer',
-           'shard_indices', 'download', 'download_cli', 'stdlib_documents', 'sample_documents',
-           'fineweb_like_documents', 'sample_shard_documents', 'make_sample_shards', 'ShardStats', 'ShardSummary',
-           'shard_summary', 'plot_shard_layout', 'sample_cli']
+           'verify_shard', 'make_session', 'DownloadResult', 'DownloadError', 'download_single_file', 'shard_indices',
+           'download', 'download_cli', 'stdlib_documents', 'sample_documents', 'fineweb_like_documents',
+           'sample_shard_documents', 'make_sample_shards', 'ShardStats', 'ShardSummary', 'shard_summary',
+           'plot_shard_layout', 'sample_cli']
 
 # %% ../nbs/01_dataset.ipynb #6ca97cbb
 import hashlib, inspect, json, os, random, re, secrets, subprocess, sys, threading, time, warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
-from email.utils import formatdate
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import NamedTuple
 import numpy as np
-from urllib.parse import unquote
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
@@ -399,145 +396,6 @@ def download_single_file(index, data_dir=None, preset=DEFAULT_PRESET, base_url=N
         finally:
             if tmp is not None: tmp.unlink(missing_ok=True)
             if own_session: session.close()
-
-# %% ../nbs/01_dataset.ipynb #29555b16
-_HTML_PAGE = '<!DOCTYPE html><html><body><h1>Service busy</h1><p>Please retry later.</p></body></html>'
-
-class _ShardHandler(BaseHTTPRequestHandler):
-    server_ref = None                 # the ShardServer, set on a per-server subclass
-    def log_message(self, *args): pass
-    def do_GET(self): self._serve(body=True)
-    def do_HEAD(self): self._serve(body=False)
-
-    def _simple(self, status, text, ctype='text/plain', body=True, extra=()):
-        data = text.encode()
-        self.send_response(status)
-        self.send_header('Content-Type', ctype); self.send_header('Content-Length', str(len(data)))
-        for k, v in extra: self.send_header(k, v)
-        self.end_headers()
-        if body: self.wfile.write(data)
-
-    def _serve(self, body):
-        srv = self.server_ref
-        name = unquote(self.path.split('?', 1)[0].lstrip('/'))
-        rng, fault = self.headers.get('Range'), srv._next_fault(name)
-        srv._record(name, rng, fault, self.headers.get('If-Range'))
-        if fault == 'stall': time.sleep(srv.stall_s)
-        if isinstance(fault, int): return self._simple(fault, f'injected HTTP {fault} for {name}\n', body=body)
-        if fault == 'html': return self._simple(200, _HTML_PAGE, 'text/html', body)
-        if '/' in name or name.startswith('.') or (got := srv._content(name)) is None:
-            return self._simple(404, f'{name} not found\n', body=body)
-        data, validators = got
-        status, extra = 200, [(k, v) for k, v in validators.items() if v]
-        if rng and srv.ranges and fault != 'ignore_range' and srv._range_applies(self.headers.get('If-Range'), validators):
-            m = re.fullmatch(r'bytes=(\d+)-(\d*)', rng.strip())
-            if m:
-                start, end = int(m[1]), min(int(m[2]) if m[2] else len(data) - 1, len(data) - 1)
-                if start >= len(data):
-                    return self._simple(416, 'range not satisfiable\n', body=body, extra=[('Content-Range', f'bytes */{len(data)}')])
-                extra.append(('Content-Range', f'bytes {start}-{end}/{len(data)}'))
-                data, status = data[start:end + 1], 206
-        self.send_response(status)
-        self.send_header('Content-Type', 'application/vnd.apache.parquet')
-        self.send_header('Content-Length', str(len(data)))
-        if srv.ranges: self.send_header('Accept-Ranges', 'bytes')
-        for k, v in extra: self.send_header(k, v)
-        self.end_headers()
-        if body: self._send_body(data, fault)
-
-    def _send_body(self, data, fault):
-        srv = self.server_ref
-        if fault == 'drop': data = data[:len(data) // 2]
-        elif fault == 'short': data = data[:len(data) - max(1, len(data) // 10)]
-        elif fault == 'flip': data = data[:len(data) // 2] + bytes([data[len(data) // 2] ^ 0xFF]) + data[len(data) // 2 + 1:]
-        if fault == 'trickle':                   # one byte per trickle_s for stall_s, then hang up
-            end = time.monotonic() + srv.stall_s
-            for b in data:
-                if time.monotonic() >= end: break
-                self.wfile.write(bytes([b])); self.wfile.flush(); time.sleep(srv.trickle_s)
-        else: self.wfile.write(data); self.wfile.flush()
-        if fault in ('drop', 'short', 'trickle'): self.close_connection = True
-
-class _QuietHTTPServer(ThreadingHTTPServer):
-    daemon_threads = True
-    def handle_error(self, request, client_address): pass   # clients that hang up mid-answer are expected here
-
-class ShardServer:
-    "Serve the files of `root` on 127.0.0.1 over HTTP like a real host (Range, If-Range, validators), with a request log and injectable faults."
-    def __init__(self, root, ranges=True, port=0, stall_s=1.0, trickle_s=0.5, etag=True, last_modified=True,
-                 if_range=True, sha256=False):
-        self.root, self.ranges, self.port, self.stall_s, self.trickle_s = Path(root), ranges, port, stall_s, trickle_s
-        self.etag, self.last_modified, self.if_range, self.sha256 = etag, last_modified, if_range, sha256
-        self.faults, self.log, self._lock, self._httpd, self._url = {}, [], threading.Lock(), None, None
-        self._swaps, self._versions = {}, {}
-
-    def fail(self, name, *faults):
-        "Make the next requests for file `name` fail with `faults`, one per request, in order."
-        with self._lock: self.faults.setdefault(name, []).extend(faults)
-        return self
-
-    def swap(self, name, data, after=1):
-        "Serve `data` as file `name` (a new version: new ETag, Last-Modified, sha256) once `after` more requests have seen the current one."
-        with self._lock: self._swaps[name] = [after, bytes(data)]
-        return self
-
-    def _next_fault(self, name):
-        with self._lock:
-            q = self.faults.get(name)
-            return q.pop(0) if q else None
-
-    def _content(self, name):
-        "The bytes this request gets for `name` and the headers that name their version; None if there is no such file."
-        with self._lock:
-            if (s := self._swaps.get(name)) is not None:
-                if s[0] > 0: s[0] -= 1
-                else: self._versions[name] = (self._versions.get(name, (0, None))[0] + 1, s[1]); del self._swaps[name]
-            version, data = self._versions.get(name, (0, None))
-        path = self.root/name
-        if data is None:
-            if not path.is_file(): return None
-            data = path.read_bytes()
-        digest = hashlib.sha256(data).hexdigest()
-        mtime = int(path.stat().st_mtime) if path.is_file() else 0
-        return data, {'ETag': f'"{digest[:32]}"' if self.etag else None,
-                      'Last-Modified': formatdate(mtime + 3600 * version, usegmt=True) if self.last_modified else None,
-                      'X-Linked-Etag': f'"{digest}"' if self.sha256 else None}
-
-    def _range_applies(self, if_range, validators):
-        "RFC 9110: a Range counts only if `If-Range` (when sent) names the current version, by strong ETag or exact date."
-        if if_range is None or not self.if_range: return True
-        if if_range.startswith(('"', 'W/')): return not if_range.startswith('W/') and if_range == validators['ETag']
-        return if_range == validators['Last-Modified']
-
-    def _record(self, name, rng, fault, if_range=None):
-        with self._lock: self.log.append(dict(name=name, range=rng, fault=fault, if_range=if_range))
-
-    def requests_for(self, name) -> list[dict]:
-        "The requests seen for file `name`: dicts with its `Range` and `If-Range` headers (or None) and the fault served."
-        with self._lock: return [r for r in self.log if r['name'] == name]
-
-    @property
-    def url(self) -> str:
-        "Base URL of the running server, e.g. `http://127.0.0.1:54321`."
-        if self._url is None: raise RuntimeError("ShardServer is not started: use `with ShardServer(root) as srv:` or .start()")
-        return self._url
-
-    def start(self):
-        handler = type('Handler', (_ShardHandler,), {'server_ref': self})
-        self._httpd = _QuietHTTPServer(('127.0.0.1', self.port), handler)
-        self._url = f'http://127.0.0.1:{self._httpd.server_address[1]}'
-        self._thread = threading.Thread(target=self._httpd.serve_forever, kwargs=dict(poll_interval=0.05), daemon=True)
-        self._thread.start()
-        return self
-
-    def stop(self):
-        if self._httpd is None: return
-        self._httpd.shutdown(); self._httpd.server_close()
-        self._thread.join(timeout=5)
-        self._httpd = None
-
-    def __enter__(self): return self.start()
-    def __exit__(self, *exc): self.stop()
 
 # %% ../nbs/01_dataset.ipynb #dfbc0e4b
 def shard_indices(n, preset=DEFAULT_PRESET, val=False) -> list[int]:

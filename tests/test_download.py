@@ -13,7 +13,8 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from nanochat_dl.core import LOCK_FILE
 
-from nanochat_dl.dataset import (BASE_URL_ENV, SOURCE_FILE, DownloadResult, ShardServer, download, download_cli, download_single_file,
+from nanochat_dl.testing import ShardServer
+from nanochat_dl.dataset import (BASE_URL_ENV, SOURCE_FILE, DownloadResult, download, download_cli, download_single_file,
                                  make_sample_shards, sample_cli, shard_summary)
 
 FAST = dict(backoff=0.001, timeout=5)        # keep retries quick
