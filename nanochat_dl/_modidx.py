@@ -47,6 +47,7 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                    'nanochat_dl.arrow._as_fingerprint': ('arrow.html#_as_fingerprint', 'nanochat_dl/arrow.py'),
                                    'nanochat_dl.arrow._as_ids': ('arrow.html#_as_ids', 'nanochat_dl/arrow.py'),
                                    'nanochat_dl.arrow._await_records': ('arrow.html#_await_records', 'nanochat_dl/arrow.py'),
+                                   'nanochat_dl.arrow._barrier': ('arrow.html#_barrier', 'nanochat_dl/arrow.py'),
                                    'nanochat_dl.arrow._check_dataset_name': ('arrow.html#_check_dataset_name', 'nanochat_dl/arrow.py'),
                                    'nanochat_dl.arrow._check_target': ('arrow.html#_check_target', 'nanochat_dl/arrow.py'),
                                    'nanochat_dl.arrow._check_tokenizers': ('arrow.html#_check_tokenizers', 'nanochat_dl/arrow.py'),

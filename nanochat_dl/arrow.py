@@ -658,6 +658,7 @@ def _execute(p, progress=True, say=print) -> TokenizeResult:
     done = [n for n in res if n not in failed]
     docs, toks, secs = sum(recs[n]['documents'] for n in done), sum(recs[n]['tokens'] for n in done), time.perf_counter() - t0
     say(f"rank {p.rank}: {len(done)} written ({docs:,} documents, {toks:,} tokens, {toks / secs:,.0f} tokens/s), {len(skipped)} kept, {len(failed)} failed in {secs:.1f} s")
+    _barrier(p)
     manifest = _finalize(p, recs, say) if p.rank == 0 and not failed else None
     return TokenizeResult(sorted(done), sorted(skipped), failed, docs, toks, secs, manifest)
 
@@ -668,10 +669,13 @@ def _rows(src) -> int:
     except Exception: return 0   # a broken shard: its worker says why
 
 # %% ../nbs/12_arrow.ipynb #f7d96992
+def _barrier(p):
+    "Every rank meets here when a `torch.distributed` group is initialised: then rank 0 finds all records at once."
+    import torch.distributed as dist
+    if p.world > 1 and dist.is_available() and dist.is_initialized(): dist.barrier()
+
 def _await_records(p, recs, say, poll=0.2) -> dict:
     "Rank 0: every shard's valid record, waiting for other ranks' sidecars until `p.wait` seconds pass without a new one."
-    import torch.distributed as dist
-    if p.world > 1 and dist.is_available() and dist.is_initialized(): dist.barrier()   # a group: no long wait
     recs, waiting, deadline = dict(recs), False, time.monotonic() + p.wait
     while True:
         for i, src in enumerate(p.shards):
