@@ -19,6 +19,7 @@ from types import SimpleNamespace
 from typing import NamedTuple
 import numpy as np
 import pyarrow as pa
+from fastcore.basics import patch
 from fastcore.script import call_parse
 from .core import check_int, file_in_the_way, get_data_dir, get_dist_info, get_tokenizer_dir
 from .dataset import list_parquet_files
@@ -52,14 +53,15 @@ class FileRecord(NamedTuple):
 
 def _tail_digest(size, tail) -> str: return hashlib.sha256(f"{size}\n".encode() + bytes(tail)).hexdigest()
 
-def tail_sha256(path) -> str:
+def tail_sha256(path,   # a file
+                ) -> str:
     "The quick hash of file `path`: sha256 of its size and its last `TAIL_BYTES` bytes, which hold an IPC file's footer."
     with open(path, 'rb') as f:
         size = os.fstat(f.fileno()).st_size
         f.seek(max(0, size - TAIL_BYTES))
         return _tail_digest(size, f.read())
 
-# %% ../nbs/12_arrow.ipynb #be7d077b
+# %% ../nbs/12_arrow.ipynb #26e3aa83
 class _HashingSink:
     "A write-only file for pyarrow: bytes go on to `f` through a sha256; the last ones are kept for the quick hash."
     closed = False
@@ -72,6 +74,7 @@ class _HashingSink:
     def flush(self): self.f.flush()
     def close(self): pass
 
+# %% ../nbs/12_arrow.ipynb #be7d077b
 class TokenWriter:
     "Write one token file a document at a time into a hidden temp file; `close()` renames it into place and returns its `FileRecord`."
     def __init__(self, path):  # where the file goes (its folder is created)
@@ -179,13 +182,16 @@ class FileInfo(NamedTuple):
     docs: int      # documents (record batches)
     tokens: int    # token ids in all
 
-def list_datasets(root) -> list:
+def list_datasets(root,   # the token root
+                  ) -> list:
     "The dataset folders under `root`: every folder but `meta` and hidden ones, sorted."
     r = Path(root)
     if not r.is_dir(): raise FileNotFoundError(f"token root {r} does not exist: write one with `nanochat-dl tokenize --out {r}`")
     return sorted(p.name for p in r.iterdir() if p.is_dir() and p.name != META and not p.name.startswith('.'))
 
-def dataset_files(root, dataset) -> list:
+def dataset_files(root,      # the token root
+                  dataset,   # a dataset folder's name
+                  ) -> list:
     "The `.arrow` files of `dataset` under `root`, as sorted '/'-separated paths inside the dataset folder (hidden ones skipped)."
     d = Path(root)/dataset
     out = []
@@ -196,7 +202,8 @@ def dataset_files(root, dataset) -> list:
     return sorted(out)
 
 # %% ../nbs/12_arrow.ipynb #8eb1abc7
-def counts_files(root) -> list:
+def counts_files(root,   # the token root
+                 ) -> list:
     "The counts files fms-fsdp would consider: `ROOT/meta/*counts*.csv`, sorted."
     m = Path(root)/META
     return sorted(p for p in m.iterdir() if 'counts' in p.name and p.name.endswith('.csv')) if m.is_dir() else []
@@ -214,7 +221,9 @@ def _counts_rows(p):
             raise ValueError(f"{p}: header {rd.fieldnames}, expected {','.join(COUNTS_HEADER)}")
         yield from enumerate(rd, 2)
 
-def read_counts(root, datasets) -> dict:
+def read_counts(root,       # the token root
+                datasets,   # names of the datasets whose rows are wanted
+                ) -> dict:
     "`{(dataset, file): (documents, tokens)}` from ROOT's counts files, for the datasets named (other rows are ignored)."
     names, out = set(datasets), {}
     for p in counts_files(root):
@@ -247,11 +256,16 @@ def _counts_text(rows) -> str:
     w.writerow(COUNTS_HEADER); w.writerows(sorted(rows, key=lambda r: r[0]))
     return buf.getvalue()
 
-def write_counts(root, counts) -> Path:
+def write_counts(root,     # the token root
+                 counts,   # `{(dataset, file): (documents, tokens)}`
+                 ) -> Path:
     "Write `{(dataset, file): (documents, tokens)}` as `ROOT/meta/combined_counts.csv`, rows sorted, atomically."
     return _write_meta(Path(root)/META/COUNTS_FILE, _counts_text([(f"/{ds}/{f}", int(n), int(t)) for (ds, f), (n, t) in counts.items()]))
 
-def update_counts(root, dataset, counts) -> Path:
+def update_counts(root,      # the token root
+                  dataset,   # the dataset whose rows are replaced
+                  counts,    # `{file: (documents, tokens)}`, paths inside the dataset folder
+                  ) -> Path:
     "Replace `dataset`'s rows of `ROOT/meta/combined_counts.csv` by `counts` (`{file: (documents, tokens)}`), keeping every other row."
     p, names = Path(root)/META/COUNTS_FILE, {dataset, *list_datasets(root)}
     keep = [(r['dataset/filename'], r['documents'], r['tokens']) for _, r in (_counts_rows(p) if p.exists() else ())
@@ -262,7 +276,8 @@ def update_counts(root, dataset, counts) -> Path:
 MANIFEST = 'manifest.json'                 # beside the counts file: ROOT/meta/manifest.json
 MANIFEST_FORMAT = 'nanochat_dl.tokens/1'
 
-def tokenizer_record(tokenizer) -> dict:
+def tokenizer_record(tokenizer,   # a `Tokenizer`, or anything with `get_vocab_size`, `get_bos_token_id` and `encode`
+                     ) -> dict:
     "What the manifest keeps of a tokenizer: its fingerprint (`tokenizer_fingerprint`), BOS id, EOS id (None without one) and special tokens."
     from nanochat_dl.dataloader import tokenizer_fingerprint   # imports torch: only when a tokenizer is recorded
     fp = tokenizer_fingerprint(tokenizer)
@@ -277,7 +292,8 @@ def _manifest_error(p, what):
 
 _RECORD_KEYS = {'bytes': int, 'sha256': str, 'tail_sha256': str, 'documents': int, 'tokens': int}
 
-def read_manifest(root) -> dict:
+def read_manifest(root,   # the token root
+                  ) -> dict:
     "ROOT/meta/manifest.json as a dict, its structure checked; None if there is none."
     p = Path(root)/META/MANIFEST
     try: m = json.loads(p.read_text())
@@ -314,7 +330,8 @@ def _sha256_file(path) -> str:
         while b := f.read(1 << 20): h.update(b)
     return h.hexdigest()
 
-def file_record(path) -> FileRecord:
+def file_record(path,   # a token file
+                ) -> FileRecord:
     "The `FileRecord` of a token file already on disk (reads all of it)."
     with TokenFile(path) as tf: n, t = len(tf), tf.ntokens
     return FileRecord(Path(path).stat().st_size, _sha256_file(path), tail_sha256(path), n, t)
@@ -407,23 +424,6 @@ class TokenRoot:
         counts = read_counts(self.root, datasets)
         self.files, self._open = {}, OrderedDict()
         for ds in datasets: self.files[ds] = self._infos(ds, counts, verify)
-    def _infos(self, ds, counts, verify) -> list:
-        rel = dataset_files(self.root, ds)
-        if not rel: raise ValueError(f"dataset {ds!r} ({self.root/ds}) holds no .arrow files")
-        entry = (self.manifest or {}).get('datasets', {}).get(ds)
-        if entry is None: return [FileInfo(ds, f, *counts[(ds, f)]) if (ds, f) in counts else self._counted(ds, f) for f in rel]
-        verify_dataset(self.root, ds, verify, self.manifest)
-        out = []
-        for f in rel:
-            r = entry['files'][f]
-            if counts.get((ds, f), (r['documents'], r['tokens'])) != (r['documents'], r['tokens']):
-                raise ValueError(f"the counts file says {ds}/{f} holds {counts[(ds, f)][0]} documents and {counts[(ds, f)][1]} tokens, but "
-                                 f"{self.root/META/MANIFEST} records {r['documents']} and {r['tokens']}: rewrite both with {_rebuild(self.root, ds, entry)}")
-            out.append(FileInfo(ds, f, r['documents'], r['tokens']))
-        return out
-    def _counted(self, ds, f) -> FileInfo:
-        tf = self.open(ds, f)
-        return FileInfo(ds, f, len(tf), tf.ntokens)
     def path(self, dataset, file) -> Path: return self.root/dataset/file
     def open(self, dataset, file) -> TokenFile:
         "The open `TokenFile` for `file` of `dataset` (mapped on first use; its count checked against the counts file)."
@@ -451,6 +451,29 @@ class TokenRoot:
         return (f"TokenRoot({str(self.root)!r}, " + ', '.join(f"{d}: {len(fs)} files, {sum(i.docs for i in fs)} docs, "
                 f"{sum(i.tokens for i in fs)} tokens" for d, fs in self.files.items()) + ")")
 
+# %% ../nbs/12_arrow.ipynb #b7b05e84
+@patch
+def _infos(self: TokenRoot, ds, counts, verify) -> list:
+    "The `FileInfo`s of dataset `ds`: checked against the manifest and counted by it where it lists `ds`, else by the counts file or the files."
+    rel = dataset_files(self.root, ds)
+    if not rel: raise ValueError(f"dataset {ds!r} ({self.root/ds}) holds no .arrow files")
+    entry = (self.manifest or {}).get('datasets', {}).get(ds)
+    if entry is None: return [FileInfo(ds, f, *counts[(ds, f)]) if (ds, f) in counts else self._counted(ds, f) for f in rel]
+    verify_dataset(self.root, ds, verify, self.manifest)
+    out = []
+    for f in rel:
+        r = entry['files'][f]
+        if counts.get((ds, f), (r['documents'], r['tokens'])) != (r['documents'], r['tokens']):
+            raise ValueError(f"the counts file says {ds}/{f} holds {counts[(ds, f)][0]} documents and {counts[(ds, f)][1]} tokens, but "
+                             f"{self.root/META/MANIFEST} records {r['documents']} and {r['tokens']}: rewrite both with {_rebuild(self.root, ds, entry)}")
+        out.append(FileInfo(ds, f, r['documents'], r['tokens']))
+    return out
+
+@patch
+def _counted(self: TokenRoot, ds, f) -> FileInfo:
+    tf = self.open(ds, f)
+    return FileInfo(ds, f, len(tf), tf.ntokens)
+
 # %% ../nbs/12_arrow.ipynb #74e2daba
 def tokenize_shard(src,                # a parquet text shard
                    dst,                # the token file to write
@@ -468,7 +491,7 @@ def tokenize_shard(src,                # a parquet text shard
             if on_progress is not None: on_progress(len(texts), sum(map(len, texts)))
     return dict(w.record._asdict(), source=dict(name=src.name, bytes=size))
 
-# %% ../nbs/12_arrow.ipynb #9cae1f59
+# %% ../nbs/12_arrow.ipynb #dd653dac
 def _serve_tokenize(tokenizer_dir):
     "A worker process: load the tokenizer, say `ready`, then tokenize one shard per JSON line of stdin, answering JSON lines."
     signal.signal(signal.SIGINT, signal.SIG_IGN)       # Ctrl-C is the parent's to handle: it ends the workers
@@ -482,6 +505,7 @@ def _serve_tokenize(tokenizer_dir):
         try: send(done=tokenize_shard(t['src'], t['dst'], enc, t['text_column'], lambda d, c: send(progress=[d, c])))
         except Exception as e: send(error=str(e) if t['src'] in str(e) else f"{t['src']}: {type(e).__name__}: {e}")
 
+# %% ../nbs/12_arrow.ipynb #9cae1f59
 _WORKER_CODE = 'import sys; from nanochat_dl.arrow import _serve_tokenize; _serve_tokenize(sys.argv[1])'
 
 class _Worker:
@@ -517,7 +541,6 @@ class _Worker:
 def _run_tasks(tasks, tokenizer_dir, workers, text_column='text', on_progress=None) -> dict:
     "Tokenize `tasks` (`[(src, dst)]`) in up to `workers` worker processes; `{dst name: its record, or an error message}`."
     todo, out, answers, pool = list(tasks), {}, queue.Queue(), []
-    spare = len(todo)                     # a worker that dies mid-shard is replaced, at most once per task
     with tempfile.TemporaryDirectory(prefix='nanochat-dl-tokenize-') as cwd:
         try:
             pool += [_Worker(tokenizer_dir, cwd, answers) for _ in range(min(workers, len(todo)))]
@@ -527,8 +550,9 @@ def _run_tasks(tasks, tokenizer_dir, workers, text_column='text', on_progress=No
                 if m is None:                                   # a worker ended
                     live -= 1; rc = w.proc.wait()
                     if not w.ready: raise RuntimeError(f"a tokenize worker failed to start (exit code {rc}): {w.stderr()}")
-                    if w.task is not None: out[w.task[1].name] = f"{w.task[0]}: the worker tokenizing it died (exit code {rc}): {w.stderr()}"
-                    if w.task is not None and todo and spare: spare -= 1; pool.append(_Worker(tokenizer_dir, cwd, answers)); live += 1
+                    if w.task is None: continue                 # its input was closed: done
+                    out[w.task[1].name] = f"{w.task[0]}: the worker tokenizing it died (exit code {rc}): {w.stderr()}"
+                    if todo: pool.append(_Worker(tokenizer_dir, cwd, answers)); live += 1   # each death costs one shard: bounded
                 elif 'progress' in m:
                     if on_progress is not None: on_progress(*m['progress'])
                 else:
@@ -538,7 +562,6 @@ def _run_tasks(tasks, tokenizer_dir, workers, text_column='text', on_progress=No
                     else: w.proc.stdin.close()
         finally:
             for w in pool: w.close()
-    for src, dst in todo: out[dst.name] = f"{src}: not tokenized: its workers died"
     return out
 
 # %% ../nbs/12_arrow.ipynb #b2466197
