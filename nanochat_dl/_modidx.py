@@ -50,6 +50,7 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                    'nanochat_dl.arrow._barrier': ('arrow.html#_barrier', 'nanochat_dl/arrow.py'),
                                    'nanochat_dl.arrow._check_dataset_name': ('arrow.html#_check_dataset_name', 'nanochat_dl/arrow.py'),
                                    'nanochat_dl.arrow._check_target': ('arrow.html#_check_target', 'nanochat_dl/arrow.py'),
+                                   'nanochat_dl.arrow._check_text_column': ('arrow.html#_check_text_column', 'nanochat_dl/arrow.py'),
                                    'nanochat_dl.arrow._check_tokenizers': ('arrow.html#_check_tokenizers', 'nanochat_dl/arrow.py'),
                                    'nanochat_dl.arrow._check_verify': ('arrow.html#_check_verify', 'nanochat_dl/arrow.py'),
                                    'nanochat_dl.arrow._counts_rows': ('arrow.html#_counts_rows', 'nanochat_dl/arrow.py'),

@@ -575,6 +575,14 @@ def _source_shards(data_dir, split) -> list:
     if not files: raise FileNotFoundError(f"no .parquet shards in {d}: download shards (`nanochat-dl download`) or write the offline sample (`nanochat-dl sample`) first")
     return files
 
+def _check_text_column(shard, text_column):
+    "A text column the first shard lacks is a bad argument; a shard that does not open is left to its worker to report."
+    import pyarrow.parquet as pq
+    try:
+        with pq.ParquetFile(shard) as pf: names = pf.schema_arrow.names
+    except Exception: return
+    if text_column not in names: raise ValueError(f"text_column {text_column!r} is not a column of {shard} (its columns: {names})")
+
 def _check_dataset_name(name):
     if not isinstance(name, str) or not name or name == META or name.startswith('.') or '/' in name or os.sep in name:
         raise ValueError(f"dataset {name!r} is invalid: expected a folder name (not empty, no '/', not starting with '.', not {META!r})")
@@ -600,6 +608,7 @@ def _prepare(data_dir, out, dataset, tokenizer_dir, workers, rank, world_size, s
     root = Path(out).expanduser().absolute()
     if (f := file_in_the_way(root/dataset)) is not None: raise ValueError(f"out {root}: {f} is a file; expected folders there (created if missing)")
     shards = _source_shards(data_dir, split)
+    _check_text_column(shards[0], text_column)
     tok_dir = (get_tokenizer_dir() if tokenizer_dir is None else Path(tokenizer_dir)).expanduser().absolute()
     tok = get_tokenizer(tok_dir)
     p = SimpleNamespace(root=root, dataset=dataset, shards=shards, workers=workers, rank=rank, world=world, text_column=text_column,
