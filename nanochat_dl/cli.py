@@ -13,6 +13,7 @@ COMMANDS = {
     'sample':          ('nanochat_dl.dataset',    'sample_cli',          'write the offline sample shards (no download)'),
     'download':        ('nanochat_dl.dataset',    'download_cli',        'download parquet shards in parallel'),
     'train-tokenizer': ('nanochat_dl.tokenizer',  'train_tokenizer_cli', 'train a BPE tokenizer on the local train shards'),
+    'tokenize':        ('nanochat_dl.arrow',      'tokenize_cli',        'tokenize parquet shards into arrow token files (fms-fsdp layout) with counts and manifest'),
     'bench-pack':      ('nanochat_dl.bench',      'bench_pack_cli',      'benchmark reference vs fast best-fit packing'),
     'demo':            ('nanochat_dl.dataloader', 'demo_cli',            'the main job: sample data, tokenizer, stream batches, check resume'),
     'bench':           ('nanochat_dl.dataloader', 'bench_cli',           'benchmark the loaders against the reference'),

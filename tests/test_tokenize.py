@@ -1,0 +1,195 @@
+"""`nanochat-dl tokenize` as a command and as a cluster job: exit codes and messages, two ranks as two real processes
+(with `--rank/--world-size`, and under `torchrun` with and without a gloo process group), rank 0 giving up, worker
+processes that cannot import from the current folder, and a worker killed in the middle of a shard."""
+import json, os, shutil, signal, subprocess, sys, textwrap
+from pathlib import Path
+
+import pyarrow as pa, pyarrow.parquet as pq
+import pytest
+
+from nanochat_dl.arrow import TokenRoot, _run_tasks, read_manifest, tokenize
+from nanochat_dl.cli import main
+from nanochat_dl.dataset import make_sample_shards
+from nanochat_dl.tokenizer import Tokenizer, train_tokenizer
+
+BIN = Path(sys.executable).parent
+CLI = shutil.which('nanochat-dl') or str(BIN / 'nanochat-dl')
+TORCHRUN = shutil.which('torchrun') or str(BIN / 'torchrun')
+NAMES = [f'shard_{i:05d}.arrow' for i in range(5)]
+
+
+@pytest.fixture(scope='module')
+def corpus(tmp_path_factory):
+    "Sample shards, a small tokenizer, and the root a single process makes of them (the reference)."
+    d = tmp_path_factory.mktemp('corpus')
+    make_sample_shards(d / 'src')
+    train_tokenizer(d / 'src', vocab_size=512, out_dir=d / 'tok', progress=False)
+    tokenize(d / 'src', d / 'ref', 'web', d / 'tok', workers=2, progress=False, verbose=False)
+    return d
+
+
+def _cli(*args, cwd=None, env=None, timeout=240):
+    return subprocess.run([CLI, 'tokenize', *map(str, args)], capture_output=True, text=True, cwd=cwd,
+                          env=dict(os.environ, **(env or {})), timeout=timeout)
+
+
+def _same_as_reference(root, corpus, dataset='web'):
+    "The files and the manifest's records are those of the single-process run, byte for byte."
+    ref = read_manifest(corpus / 'ref')['datasets']['web']
+    got = read_manifest(root)['datasets'][dataset]
+    assert got['files'] == ref['files'] and got['tokenizer'] == ref['tokenizer']
+    for n in NAMES: assert (root / dataset / n).read_bytes() == (corpus / 'ref' / 'web' / n).read_bytes()
+    assert (root / 'meta' / 'combined_counts.csv').read_text() == (corpus / 'ref' / 'meta' / 'combined_counts.csv').read_text()
+    assert os.listdir(root / 'meta' / '.records' / dataset) == []
+
+
+@pytest.mark.parametrize('args, msg', [
+    ([], "out (--out) is required: the token root that holds one folder per dataset"),
+    (['--out', '{o}'], "dataset (--dataset) is required: the name of the dataset's folder under the token root"),
+    (['--out', '{o}', '--dataset', '.web'], "dataset '.web' is invalid: expected a folder name"),
+    (['--out', '{o}', '--dataset', 'web', '-w', '0'], "workers=0 is invalid: expected an int >= 1"),
+    (['--out', '{o}', '--dataset', 'web', '--rank', '1'], "rank and world_size go together: give both or neither"),
+    (['--out', '{o}', '--dataset', 'web', '--rank', '2', '--world-size', '2'], "rank=2 is invalid for world_size=2: expected 0 <= rank < world_size"),
+    (['--out', '{o}', '--dataset', 'web', '--split', 'test'], "split 'test' is invalid: expected one of all, train, val"),
+    (['--out', '{o}', '--dataset', 'web', '--wait', '-1'], "wait=-1.0 is invalid: expected seconds > 0"),
+    (['--out', '{o}', '--dataset', 'web', '--tokenizer-dir', '{c}/nothing'], "no trained tokenizer in {c}/nothing"),
+    (['--out', '{o}', '--dataset', 'web', '--data-dir', '{c}/tok'], "no .parquet shards in {c}/tok"),
+])
+def test_bad_arguments_exit_2_with_one_line(corpus, tmp_path, capsys, args, msg):
+    base = ['--data-dir', str(corpus / 'src'), '--tokenizer-dir', str(corpus / 'tok'), '--no-progress']
+    fill = lambda s: s.format(o=tmp_path / 'out', c=corpus)
+    assert main(['tokenize', *base, *map(fill, args)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"nanochat-dl tokenize: error: {fill(msg)}") and err.count('\n') == 1, err
+    assert not (tmp_path / 'out').exists()
+
+
+def test_the_command_writes_then_keeps(corpus, tmp_path):
+    r = _cli('--data-dir', corpus / 'src', '--out', tmp_path, '--dataset', 'web', '--tokenizer-dir', corpus / 'tok', '-w', '2', '--no-progress')
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0] == f"tokenize: 5 of 5 shards of {corpus / 'src'} -> {tmp_path / 'web'} (rank 0 of 1, 2 workers): 5 to do, 0 finished before"
+    assert lines[1].startswith("rank 0: 5 written (8,722 documents, ") and lines[2].startswith(f"wrote {tmp_path}/meta/combined_counts.csv and ")
+    _same_as_reference(tmp_path, corpus)
+    r = _cli('--data-dir', corpus / 'src', '--out', tmp_path, '--dataset', 'web', '--tokenizer-dir', corpus / 'tok', '--no-progress')
+    assert r.returncode == 0 and r.stdout.splitlines()[0].endswith(': 0 to do, 5 finished before'), r.stdout + r.stderr
+
+
+def test_a_corrupt_shard_is_named_the_others_finish_exit_1(corpus, tmp_path):
+    src = Path(shutil.copytree(corpus / 'src', tmp_path / 'src'))
+    (src / 'shard_00002.parquet').write_bytes(b'PAR1 this is not parquet')
+    r = _cli('--data-dir', src, '--out', tmp_path / 'out', '--dataset', 'web', '--tokenizer-dir', corpus / 'tok', '--no-progress')
+    assert r.returncode == 1
+    err = r.stderr.splitlines()
+    assert len(err) == 1 and err[0].startswith(f"nanochat-dl tokenize: error: shard_00002.arrow: {src}/shard_00002.parquet: "
+                                               "not a readable parquet shard ("), r.stderr
+    assert sorted(os.listdir(tmp_path / 'out' / 'web')) == [n for n in NAMES if n != 'shard_00002.arrow']
+    assert not (tmp_path / 'out' / 'meta' / 'manifest.json').exists()
+    (src / 'shard_00002.parquet').write_bytes((corpus / 'src' / 'shard_00002.parquet').read_bytes())   # mended: only it is done
+    r = _cli('--data-dir', src, '--out', tmp_path / 'out', '--dataset', 'web', '--tokenizer-dir', corpus / 'tok', '--no-progress')
+    assert r.returncode == 0 and ': 1 to do, 4 finished before' in r.stdout, r.stdout + r.stderr
+
+
+def test_two_ranks_as_two_processes(corpus, tmp_path):
+    args = ['--data-dir', corpus / 'src', '--out', tmp_path, '--dataset', 'web', '--tokenizer-dir', corpus / 'tok', '-w', '1',
+            '--world-size', '2', '--no-progress', '--wait', '120']
+    procs = [subprocess.Popen([CLI, 'tokenize', *map(str, args), '--rank', str(r)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in (0, 1)]
+    outs = [p.communicate(timeout=240) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    assert ': 3 to do' in outs[0][0] and ': 2 to do' in outs[1][0] and 'wrote' not in outs[1][0]
+    _same_as_reference(tmp_path, corpus)
+
+
+def test_rank_0_gives_up_naming_what_is_missing(corpus, tmp_path):
+    r = _cli('--data-dir', corpus / 'src', '--out', tmp_path, '--dataset', 'web', '--tokenizer-dir', corpus / 'tok', '--rank', '0',
+             '--world-size', '2', '--wait', '0.5', '--no-progress')
+    assert r.returncode == 1
+    assert r.stderr == ("nanochat-dl tokenize: error: rank 0 waited 0.5 s without a new shard finishing; 2 of 5 are not done: "
+                        "shard_00001.arrow (rank 1), shard_00003.arrow (rank 1). Run those ranks again (finished shards are kept), "
+                        "then rank 0, which writes the manifest\n")
+    assert sorted(os.listdir(tmp_path / 'meta' / '.records' / 'web')) == [f'{n}.json' for n in NAMES[0::2]]
+
+
+GLOO = """
+import sys, time, torch.distributed as dist
+from nanochat_dl.arrow import tokenize
+dist.init_process_group('gloo')
+if dist.get_rank() == 1: time.sleep(3)     # rank 0 finishes first; without the barrier its 1 ms wait would give up
+res = tokenize(sys.argv[1], sys.argv[2], 'web', sys.argv[3], workers=1, wait=0.001 if dist.get_rank() == 0 else 600, progress=False)
+print('RESULT', dist.get_rank(), dist.get_world_size(), len(res.done), res.manifest is not None, flush=True)
+dist.destroy_process_group()
+"""
+
+
+def _torchrun(*args, timeout=240):
+    if not Path(TORCHRUN).exists(): pytest.skip('torchrun is not installed')
+    return subprocess.run([TORCHRUN, '--standalone', '--nproc_per_node', '2', *map(str, args)], capture_output=True, text=True,
+                          timeout=timeout, env=dict(os.environ, OMP_NUM_THREADS='1'))
+
+
+@pytest.mark.timeout(300)
+def test_torchrun_with_a_gloo_group(corpus, tmp_path):
+    "With a process group, rank 0 waits at a barrier for rank 1, which starts late, instead of polling for its records."
+    (tmp_path / 'job.py').write_text(textwrap.dedent(GLOO))
+    r = _torchrun(tmp_path / 'job.py', corpus / 'src', tmp_path / 'out', corpus / 'tok')
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    assert sorted(l for l in r.stdout.splitlines() if l.startswith('RESULT')) == ['RESULT 0 2 3 True', 'RESULT 1 2 2 False']
+    _same_as_reference(tmp_path / 'out', corpus)
+
+
+@pytest.mark.timeout(300)
+def test_torchrun_the_command_reads_rank_and_world_size(corpus, tmp_path):
+    r = _torchrun('--no-python', CLI, 'tokenize', '--data-dir', corpus / 'src', '--out', tmp_path, '--dataset', 'web',
+                  '--tokenizer-dir', corpus / 'tok', '-w', '1', '--no-progress', '--wait', '120')
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    assert '(rank 0 of 2, 1 workers): 3 to do' in r.stdout and '(rank 1 of 2, 1 workers): 2 to do' in r.stdout
+    _same_as_reference(tmp_path, corpus)
+
+
+def test_workers_cannot_import_from_the_current_folder(corpus, tmp_path):
+    "Modules in the folder the command runs from never replace the real ones in the worker processes."
+    here = tmp_path / 'here'; here.mkdir()
+    for mod in ('numpy', 'pyarrow', 'tiktoken', 'json'): (here / f'{mod}.py').write_text(f"raise ImportError('the {mod}.py of the current folder')\n")
+    (here / 'nanochat_dl').mkdir(); (here / 'nanochat_dl' / '__init__.py').write_text("raise ImportError('a nanochat_dl of the current folder')\n")
+    r = _cli('--data-dir', corpus / 'src', '--out', tmp_path / 'out', '--dataset', 'web', '--tokenizer-dir', corpus / 'tok', '--no-progress', cwd=here)
+    assert r.returncode == 0, r.stderr
+    _same_as_reference(tmp_path / 'out', corpus)
+
+
+def _children(name):
+    "Pids of this process's children whose command line holds `name` (Linux /proc)."
+    out = []
+    for p in Path('/proc').iterdir():
+        try:
+            if p.name.isdigit() and int((p / 'stat').read_text().rsplit(')', 1)[1].split()[1]) == os.getpid() \
+                    and name in (p / 'cmdline').read_bytes().decode(errors='replace'): out.append(int(p.name))
+        except (OSError, ValueError, IndexError): pass
+    return out
+
+
+@pytest.mark.skipif(not Path('/proc/self/stat').exists(), reason='needs Linux /proc')
+def test_a_worker_killed_mid_shard_fails_that_shard_alone(corpus, tmp_path):
+    text = ' '.join(f'word{i} and some more text' for i in range(150))
+    w = pq.ParquetWriter(tmp_path / 'big.parquet', pa.schema([('text', pa.string())]))
+    for g in range(150): w.write_table(pa.table({'text': [f'{g} {text}'] * 40}))
+    w.close()
+    shutil.copy(corpus / 'src' / 'shard_00000.parquet', tmp_path / 'small.parquet')
+    killed = []
+    def on_progress(docs, chars):
+        if not killed:
+            pids = _children('_serve_tokenize'); assert len(pids) == 1, pids
+            os.kill(pids[0], signal.SIGKILL); killed.append(pids[0])
+    tasks = [(tmp_path / 'big.parquet', tmp_path / 'out' / 'big.arrow'), (tmp_path / 'small.parquet', tmp_path / 'out' / 'small.arrow')]
+    out = _run_tasks(tasks, corpus / 'tok', workers=1, on_progress=on_progress)
+    assert out['big.arrow'].startswith(f"{tmp_path}/big.parquet: the worker tokenizing it died (exit code -9): "), out['big.arrow']
+    assert out['small.arrow']['documents'] == 1744                       # the replacement worker did the next shard
+    assert sorted(os.listdir(tmp_path / 'out'))[-1] == 'small.arrow' and not (tmp_path / 'out' / 'big.arrow').exists()
+    assert _children('_serve_tokenize') == []
+
+
+def test_a_worker_that_cannot_start_stops_the_run(corpus, tmp_path):
+    with pytest.raises(RuntimeError, match=r"^a tokenize worker failed to start \(exit code 1\): .*FileNotFoundError: no tokenizer directory at "
+                                           + str(tmp_path / 'gone')):
+        _run_tasks([(corpus / 'src' / 'shard_00000.parquet', tmp_path / 'a.arrow')], tmp_path / 'gone', workers=2)
+    assert list(tmp_path.iterdir()) == []
