@@ -21,7 +21,7 @@ import numpy as np
 import pyarrow as pa
 from fastcore.basics import patch
 from fastcore.script import call_parse
-from .core import check_int, file_in_the_way, get_data_dir, get_dist_info, get_tokenizer_dir
+from .core import check_int, file_in_the_way, folder_lock, get_data_dir, get_dist_info, get_tokenizer_dir
 from .dataset import list_parquet_files
 from .shards import split_files, _open_shard, _read_group
 
@@ -727,8 +727,9 @@ def _finalize(p, recs, say) -> Path:
     recs = _await_records(p, recs, say)
     for f in p.extras: (p.root/p.dataset/f).unlink(missing_ok=True)
     files = {n: {k: r[k] for k in (*_RECORD_KEYS, 'source')} for n, r in recs.items()}
-    update_counts(p.root, p.dataset, {n: (r['documents'], r['tokens']) for n, r in files.items()})
-    path = update_manifest(p.root, p.dataset, files, p.tok, p.source)
+    with folder_lock(p.root):   # another run may be updating another dataset's rows: one read-modify-write at a time
+        update_counts(p.root, p.dataset, {n: (r['documents'], r['tokens']) for n, r in files.items()})
+        path = update_manifest(p.root, p.dataset, files, p.tok, p.source)
     for n in files: _sidecar(p.root, p.dataset, n).unlink(missing_ok=True)
     say(f"wrote {p.root/META/COUNTS_FILE} and {path}: {p.dataset}: {len(files)} files, "
         f"{sum(r['documents'] for r in files.values()):,} documents, {sum(r['tokens'] for r in files.values()):,} tokens")

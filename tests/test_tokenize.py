@@ -69,7 +69,8 @@ def test_the_command_writes_then_keeps(corpus, tmp_path):
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
     assert lines[0] == f"tokenize: 5 of 5 shards of {corpus / 'src'} -> {tmp_path / 'web'} (rank 0 of 1, 2 workers): 5 to do, 0 finished before"
-    assert lines[1].startswith("rank 0: 5 written (8,722 documents, ") and lines[2].startswith(f"wrote {tmp_path}/meta/combined_counts.csv and ")
+    n_docs = sum(f["documents"] for f in read_manifest(corpus / "ref")["datasets"]["web"]["files"].values())
+    assert lines[1].startswith(f"rank 0: 5 written ({n_docs:,} documents, ") and lines[2].startswith(f"wrote {tmp_path}/meta/combined_counts.csv and ")
     _same_as_reference(tmp_path, corpus)
     r = _cli('--data-dir', corpus / 'src', '--out', tmp_path, '--dataset', 'web', '--tokenizer-dir', corpus / 'tok', '--no-progress')
     assert r.returncode == 0 and r.stdout.splitlines()[0].endswith(': 0 to do, 5 finished before'), r.stdout + r.stderr
@@ -183,7 +184,7 @@ def test_a_worker_killed_mid_shard_fails_that_shard_alone(corpus, tmp_path):
     tasks = [(tmp_path / 'big.parquet', tmp_path / 'out' / 'big.arrow'), (tmp_path / 'small.parquet', tmp_path / 'out' / 'small.arrow')]
     out = _run_tasks(tasks, corpus / 'tok', workers=1, on_progress=on_progress)
     assert out['big.arrow'].startswith(f"{tmp_path}/big.parquet: the worker tokenizing it died (exit code -9): "), out['big.arrow']
-    assert out['small.arrow']['documents'] == 1744                       # the replacement worker did the next shard
+    assert out['small.arrow']['documents'] == pq.ParquetFile(tmp_path / 'small.parquet').metadata.num_rows   # the replacement worker did the next shard
     assert sorted(os.listdir(tmp_path / 'out'))[-1] == 'small.arrow' and not (tmp_path / 'out' / 'big.arrow').exists()
     assert _children('_serve_tokenize') == []
 
@@ -193,3 +194,30 @@ def test_a_worker_that_cannot_start_stops_the_run(corpus, tmp_path):
                                            + str(tmp_path / 'gone')):
         _run_tasks([(corpus / 'src' / 'shard_00000.parquet', tmp_path / 'a.arrow')], tmp_path / 'gone', workers=2)
     assert list(tmp_path.iterdir()) == []
+
+
+LOCKER = """
+import sys, time
+from pathlib import Path
+from nanochat_dl.core import folder_lock
+root = Path(sys.argv[1]); root.mkdir(parents=True, exist_ok=True)
+with folder_lock(root):
+    print('locked', flush=True)
+    time.sleep(float(sys.argv[2]))
+"""
+
+
+def test_rank0_writes_counts_and_manifest_under_the_folder_lock(corpus, tmp_path, monkeypatch):
+    "Two tokenize runs into one root (other datasets) must not interleave their read-modify-write of the counts and manifest."
+    import nanochat_dl.core as core
+    monkeypatch.setattr(core, 'LOCK_WAIT_S', 0.3)
+    root = tmp_path / 'root'
+    holder = subprocess.Popen([sys.executable, '-c', LOCKER, str(root), '30'], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == 'locked\n'
+        with pytest.raises(ValueError, match=r"is being written by another process \(pid \d+"):
+            tokenize(corpus / 'src', root, 'web', corpus / 'tok', workers=1, progress=False, verbose=False)
+    finally: holder.kill(); holder.wait()
+    assert read_manifest(root) is None and not (root / 'meta' / 'combined_counts.csv').exists()
+    tokenize(corpus / 'src', root, 'web', corpus / 'tok', workers=1, progress=False, verbose=False)   # the lock is free again
+    _same_as_reference(root, corpus)
