@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import NamedTuple
 from urllib.parse import urlsplit
 import pyarrow.fs as pafs
+from fastcore.basics import patch
 from .core import atomic_write, check_int, file_in_the_way, get_base_dir, human_bytes
 try: import fcntl                  # POSIX; the cache's locks need it
 except ImportError: fcntl = None
@@ -27,16 +28,20 @@ except ImportError: fcntl = None
 ENDPOINT_ENVS = ('AWS_ENDPOINT_URL_S3', 'AWS_ENDPOINT_URL')   # the first one set wins, as in the AWS SDKs
 REGION_ENVS = ('AWS_REGION', 'AWS_DEFAULT_REGION')
 
-def uri_scheme(root) -> str:
+def uri_scheme(root,                # a URI or a path
+               ) -> str:
     "`'s3'` for `s3://b/p`; `''` for a plain path (so `file://` and plain paths are the local ones)."
     m = re.match(r'([A-Za-z][A-Za-z0-9+.-]+)://', str(root))
     return m[1].lower() if m else ''
 
-def is_local(root) -> bool:
+def is_local(root,                  # a URI or a path
+             ) -> bool:
     "Whether `root` is on this machine's filesystem: a plain path or a `file://` URI."
     return uri_scheme(root) in ('', 'file')
 
-def s3_filesystem(env=None, timeout=30.0) -> pafs.S3FileSystem:
+def s3_filesystem(env=None,          # environment to read (default: os.environ)
+                  timeout=30.0,      # seconds a request may stall (and at most 10 s to connect)
+                  ) -> pafs.S3FileSystem:
     "A pyarrow `S3FileSystem` from the standard settings: endpoint `$AWS_ENDPOINT_URL_S3`/`$AWS_ENDPOINT_URL`, region `$AWS_REGION`/`$AWS_DEFAULT_REGION`, credentials by the AWS SDK's own chain; no retries of its own."
     env = os.environ if env is None else env
     kw = dict(retry_strategy=pafs.AwsStandardS3RetryStrategy(max_attempts=1),
@@ -49,7 +54,10 @@ def s3_filesystem(env=None, timeout=30.0) -> pafs.S3FileSystem:
     if region: kw['region'] = region
     return pafs.S3FileSystem(**kw)
 
-def open_uri(root, env=None, timeout=30.0) -> tuple:
+def open_uri(root,                  # `s3://bucket/prefix`, `gs://...`, `file://...`, `memory://...`, or a local path
+             env=None,              # environment for S3 settings (default: os.environ)
+             timeout=30.0,          # seconds an S3 request may stall
+             ) -> tuple:
     "`(filesystem, path)` for `root`: local, `s3://`, `gs://`, `hdfs://` natively in pyarrow; any other scheme through fsspec."
     s, scheme = str(root), uri_scheme(root)
     if scheme in ('', 'file'):
@@ -73,7 +81,11 @@ class RemoteFile(NamedTuple):
     path: str   # '/'-separated path under the root
     size: int   # bytes
 
-def list_files(root, suffix=None, env=None, fs=None) -> list:
+def list_files(root,                # a URI or a local path (a path on `fs` when `fs` is given)
+               suffix=None,         # keep only names ending in this (a string or a tuple)
+               env=None,            # environment for S3 settings (default: os.environ)
+               fs=None,             # a pyarrow filesystem `root` is on (default: made from `root`)
+               ) -> list:
     "The files under `root` (recursively, hidden names skipped, sorted), as `RemoteFile(path, size)`; only names ending in `suffix` (a string or tuple) if given."
     if fs is None: fs, base = open_uri(root, env)
     else: base = str(root).rstrip('/')
@@ -91,25 +103,35 @@ def list_files(root, suffix=None, env=None, fs=None) -> list:
 _PERMANENT = re.compile(r'ACCESS_DENIED|NO_SUCH_(BUCKET|KEY|UPLOAD)|INVALID_ACCESS_KEY_ID|SIGNATURE_DOES_NOT_MATCH|'
                         r'HTTP status 40[0-4]\b|AccessDenied|NoSuch(Key|Bucket)|InvalidAccessKeyId|SignatureDoesNotMatch')
 
-def is_transient(e: BaseException) -> bool:
+def is_transient(e: BaseException,  # the exception a request raised
+                 ) -> bool:
     "Whether another try may succeed: OS/network errors, 5xx, throttling; not a missing file, a denied access or a bad key."
     if isinstance(e, (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)): return False
     return isinstance(e, OSError) and not _PERMANENT.search(str(e))
 
-def backoff_s(k, backoff=0.5, max_backoff=30.0) -> float:
+def backoff_s(k,                    # failures so far (1 for the wait after the first)
+              backoff=0.5,          # seconds of the first wait
+              max_backoff=30.0,     # cap on one wait
+              ) -> float:
     "Seconds to wait before try `k+1` after `k` failures: `backoff * 2**(k-1)`, capped at `max_backoff`, with up to 50% random jitter."
     return min(max_backoff, backoff * 2 ** (k - 1)) * random.uniform(0.5, 1.0)
 
 class FetchError(OSError):
     "A file could not be fetched or did not check out; the message names its URI and what was expected."
-    def __init__(self, uri, msg, tries=0):
-        super().__init__(f"{uri}: {msg}"); self.uri, self.tries = uri, tries
+    def __init__(self, uri,         # the file (or root) that failed
+                 msg,               # what happened, or what was expected and what came
+                 tries=0):          # requests made
+        super().__init__(f"{uri}: {msg}"); self.uri, self.msg, self.tries = uri, msg, tries
+    def __reduce__(self): return (FetchError, (self.uri, self.msg, self.tries))   # survives a trip between processes
 
 # %% ../nbs/14_remote.ipynb #8e1cf8f5
 class _Mismatch(Exception): pass
 class Cancelled(Exception): "The cache was closed while a file was being fetched."
 
-def new_temp(tmp_dir, name, size=None) -> tuple:
+def new_temp(tmp_dir,               # the folder (on the same filesystem as the final file)
+             name,                  # the final file's name, which the temp name starts with
+             size=None,             # the bytes it will hold, recorded in its name
+             ) -> tuple:
     "Create and lock `<name>.<size>.<random>.part` in `tmp_dir`; returns `(fd, path)`. The lock tells other processes its writer is alive; the size in the name is the room it will take."
     tmp_dir = Path(tmp_dir); tmp_dir.mkdir(parents=True, exist_ok=True)
     while True:
@@ -198,7 +220,8 @@ INDEX = 'index.json'       # the cached listing, in the cache folder
 
 def _digest(s, n=16) -> str: return hashlib.sha256(str(s).encode()).hexdigest()[:n]
 
-def default_cache_dir(root) -> Path:
+def default_cache_dir(root,         # the root URI
+                      ) -> Path:
     "`remote/<readable name>-<hash>` under the base dir: one folder per root."
     name = re.sub(r'[^A-Za-z0-9._-]+', '_', str(root)).strip('_')[-60:]
     return get_base_dir()/'remote'/f"{name}-{_digest(root, 8)}"
@@ -230,8 +253,6 @@ class _Entry(NamedTuple):
     size: int
 
 # %% ../nbs/14_remote.ipynb #b9c17bab
-from fastcore.basics import patch
-
 _COUNTERS = ('hits', 'waits', 'misses', 'refetched', 'prefetched', 'fetched_bytes', 'retries', 'evictions', 'evicted_bytes',
              'deferred', 'over_cap', 'errors')
 _LIVE = weakref.WeakSet()
@@ -527,7 +548,7 @@ def pin(self:FileCache, rel) -> Path:
     if self.local_root is not None: self._count('hits'); return self.path(rel)
     path = self.path(rel)
     with self._lock:
-        if rel in self._pins: self._pins[rel][1] += 1; self._n['hits'] += 1; return path
+        if rel in self._pins: self._pins[rel][1] += 1; self._n['hits'] += 1; return self._touch(path)
     for k in range(100):                       # a second pass only if another process evicted the copy meanwhile
         how = self._ensure(rel)
         self._count({'hit': 'hits', 'wait': 'waits', 'miss': 'misses'}[how] if k == 0 else 'refetched')
@@ -540,16 +561,21 @@ def pin(self:FileCache, rel) -> Path:
         with self._lock:
             if rel in self._pins: self._pins[rel][1] += 1; os.close(fd)
             else: self._pins[rel] = [fd, 1]
-        try: os.utime(path)                    # last use, for least-recently-used eviction
-        except OSError: pass
-        return path
+        return self._touch(path)
     raise RuntimeError(f"{self.uri(rel)} was evicted 100 times before it could be pinned: cache_size={self.cache_size} "
                        "is too small for the files in use at once")
 
 @patch
+def _touch(self:FileCache, path) -> Path:
+    "Mark `path` used now (its modification time): the order least-recently-used eviction goes by, in every process."
+    try: os.utime(path)
+    except OSError: pass
+    return path
+
+@patch
 def unpin(self:FileCache, rel):
-    "Let `rel`'s copy be evicted again (once every `pin` of it in this process is matched)."
-    if self.local_root is not None: return
+    "Let `rel`'s copy be evicted again (once every `pin` of it in this process is matched; after `close`, a no-op)."
+    if self.local_root is not None or self._stop.is_set(): return
     with self._lock:
         p = self._pins.get(rel)
         if p is None: raise ValueError(f"{rel!r} is not pinned: unpin matches an earlier pin")

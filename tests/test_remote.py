@@ -165,6 +165,25 @@ def test_transient_faults_are_retried(s3, tmp_path, proxy, fault):
     c.close()
 
 
+def test_a_body_shorter_than_its_size_is_refused(tmp_path):
+    "A filesystem that says 5000 bytes and then ends its body at 3000 (as a silently cut stream would): never renamed into place."
+    import io
+    import pyarrow.fs as pafs
+    from fsspec.implementations.memory import MemoryFileSystem
+    from nanochat_dl.remote import fetch_file
+    class Cut(io.BytesIO):
+        def read(self, n=-1):
+            return super().read(max(0, min(n if n >= 0 else 1 << 30, 3000 - self.tell())))
+    class ShortReads(MemoryFileSystem):
+        def _open(self, path, mode='rb', **kw):
+            return Cut(self.cat_file(path)) if 'r' in mode else super()._open(path, mode, **kw)
+    m = ShortReads(); m.pipe('/short/a.bin', b'y' * 5000)
+    fs = pafs.PyFileSystem(pafs.FSSpecHandler(m))
+    with pytest.raises(FetchError, match=r"memory://short/a.bin: received 3,000 bytes, expected 5,000; refused after 2 tries"):
+        fetch_file(fs, '/short/a.bin', tmp_path/'a.bin', size=5000, uri='memory://short/a.bin', backoff=0.01)
+    assert sorted(os.listdir(tmp_path)) == []
+
+
 def test_truncated_object_refused_then_named(s3, tmp_path, proxy):
     root, objs = s3
     n = NAMES[3]
@@ -208,6 +227,9 @@ def test_permanent_errors_are_not_retried(s3, tmp_path, proxy, moto):
     proxy.add('status', path=NAMES[6], method='HEAD', status=403)
     with pytest.raises(FetchError, match=rf"{root}/{NAMES[6]}: OSError: .*ACCESS_DENIED") as e: c.local(NAMES[6])
     assert e.value.tries == 1 and c.stats()['retries'] == 0
+    import pickle                                                   # an error from a worker process arrives whole
+    back = pickle.loads(pickle.dumps(e.value))
+    assert (type(back), str(back), back.uri, back.tries) == (FetchError, str(e.value), f'{root}/{NAMES[6]}', 1)
     with pytest.raises(FileNotFoundError, match=r"'nope.bin' is not a file under s3://"): c.local('nope.bin')
 
 
@@ -262,6 +284,32 @@ def test_pinned_files_are_not_evicted(s3, tmp_path):
     assert NAMES[0] not in finished(tmp_path/'c')
     with pytest.raises(ValueError, match=f"'{NAMES[0]}' is not pinned"): c.unpin(NAMES[0])
     with pytest.raises(ValueError, match='smaller than .*part_007.bin'): FileCache(root, tmp_path/'c', cache_size=1000)
+
+
+PINNER = r'''
+import sys
+from nanochat_dl.remote import FileCache
+c = FileCache(sys.argv[1], sys.argv[2], cache_size=int(sys.argv[3]), prefetch=0, backoff=0.01, max_backoff=0.05, timeout=5)
+c.pin(sys.argv[4]); print('pinned', flush=True)
+sys.stdin.readline()                                      # hold the pin until told to go
+'''
+
+
+def test_a_pin_holds_across_processes(s3, tmp_path):
+    "A copy pinned by another process sharing the folder is passed over by eviction, and evicted once that process is gone."
+    root, objs = s3
+    cap = 2 * max(len(v) for v in objs.values())
+    p = subprocess.Popen([sys.executable, '-c', PINNER, root, str(tmp_path/'c'), str(cap), NAMES[0]],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline().strip() == 'pinned'
+        c = FileCache(root, tmp_path/'c', cache_size=cap, prefetch=0, **FAST)
+        for n in NAMES[1:5]: assert c.local(n).read_bytes() == objs[n]
+        assert NAMES[0] in finished(tmp_path/'c') and c.stats()['evictions'] == 2   # 1 and 2 went, 0 stayed
+    finally:
+        p.communicate('\n', timeout=60)
+    for n in NAMES[5:7]: c.local(n)
+    assert NAMES[0] not in finished(tmp_path/'c')
 
 
 def test_open_file_survives_eviction(s3, tmp_path):
@@ -337,11 +385,10 @@ FileCache(sys.argv[1], sys.argv[2], timeout=60, chunk_size=1 << 16).local(sys.ar
 def test_kill_9_mid_fetch_leaves_nothing_to_read(s3, tmp_path, proxy):
     root, objs = s3
     n = NAMES[7]
-    proxy.add('stall', path=n, after=100_000)                      # half the body, then nothing
+    proxy.add('stall', path=n, after=30_000, skip=1)               # the first 64 KiB chunk, then part of the second, then nothing
     p = subprocess.Popen([sys.executable, '-c', CRASHER, root, str(tmp_path/'c'), n], stderr=subprocess.PIPE)
     try:
-        until(lambda: any((tmp_path/'c'/'.tmp').glob('*.part')) and
-              max(f.stat().st_size for f in (tmp_path/'c'/'.tmp').glob('*.part')) > 0, what='a partial download')
+        until(lambda: [f.stat().st_size for f in (tmp_path/'c'/'.tmp').glob('*.part')] == [1 << 16], what='a partial download')
     finally:
         p.send_signal(signal.SIGKILL); p.wait(30)
     proxy.release()
