@@ -69,7 +69,7 @@ def s3(moto, proxy, monkeypatch, request):
 # ---- URIs and listings ------------------------------------------------------------------------------
 
 def test_open_uri_forms(tmp_path, monkeypatch):
-    monkeypatch.setenv('AWS_ENDPOINT_URL', 'http://127.0.0.1:9')
+    for k, v in s3_env('http://127.0.0.1:9').items(): monkeypatch.setenv(k, v)   # full settings: the SDK looks nowhere else
     fs, p = open_uri(tmp_path)
     assert (fs.type_name, p) == ('local', tmp_path.as_posix())
     assert open_uri(f'file://{tmp_path}/x')[1] == f'{tmp_path}/x'
