@@ -167,6 +167,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                       'nanochat_dl/dataloader.py'),
                                         'nanochat_dl.dataloader._check_bench': ( 'dataloader.html#_check_bench',
                                                                                  'nanochat_dl/dataloader.py'),
+                                        'nanochat_dl.dataloader._check_ready': ( 'dataloader.html#_check_ready',
+                                                                                 'nanochat_dl/dataloader.py'),
                                         'nanochat_dl.dataloader._close_all': ('dataloader.html#_close_all', 'nanochat_dl/dataloader.py'),
                                         'nanochat_dl.dataloader._close_workers': ( 'dataloader.html#_close_workers',
                                                                                    'nanochat_dl/dataloader.py'),

@@ -26,7 +26,7 @@ from .shards import RowGroupReader, split_files, read_documents, nanochat_state
 from .tokenizer import get_tokenizer, train_tokenizer
 from .packing import Packer, ReferencePacker, PackedBatch, FlatDocs, STRATEGIES, position_ids, cu_seqlens, show_batch, _pct, fineweb_like_lengths
 from .transfer import DeviceTransfer, SingleBufferTransfer, resolve_device
-from ._tokworker import encode_flat, WORKER_CMD
+from ._tokworker import encode_flat, worker_cmd, _module_files
 
 # %% ../nbs/06_dataloader.ipynb #336c5629
 def _dist(rank, world_size):
@@ -113,15 +113,11 @@ def _widen_pipe(fd, size=1 << 20):
         fcntl.fcntl(fd, getattr(fcntl, 'F_SETPIPE_SZ', 1031), size)
     except (ImportError, OSError): pass   # elsewhere, or above the system's limit: the default buffer works, a little slower
 
-_PKG_PARENT = str(Path(sys.modules[encode_flat.__module__].__file__).resolve().parents[1])   # workers import this copy of the package
-
 class _Worker:
     "One worker process and the two ends of its pipes, driven without helper threads."
     def __init__(self, i):
         self.i, self.err = i, tempfile.TemporaryFile()
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([_PKG_PARENT] + [p for p in [os.environ.get('PYTHONPATH')] if p]))
-        self.proc = subprocess.Popen(WORKER_CMD, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=self.err, bufsize=0, env=env)
+        self.proc = subprocess.Popen(worker_cmd(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.err, bufsize=0)
         self.wfd, self.rfd = self.proc.stdin.fileno(), self.proc.stdout.fileno()
         _widen_pipe(self.wfd); _widen_pipe(self.rfd)
         os.set_blocking(self.wfd, False)
@@ -190,6 +186,16 @@ class _Worker:
         except subprocess.TimeoutExpired: self.proc.kill(); self.proc.wait()
         self.err.close()
 
+def _check_ready(w, answer):
+    "A worker's first answer must be 'ready', with numpy and tiktoken from the files this process uses."
+    if not (isinstance(answer, tuple) and len(answer) == 2 and answer[0] == 'ready' and isinstance(answer[1], dict)):
+        raise RuntimeError(f"tokenizer worker {w.i} (pid {w.proc.pid}) did not start properly: it answered {answer!r:.200}")
+    real = lambda f: f and os.path.realpath(f)
+    for m, mine in _module_files().items():
+        if mine and real(answer[1].get(m)) != real(mine):
+            raise RuntimeError(f"tokenizer worker {w.i} (pid {w.proc.pid}) imported {m} from {answer[1].get(m)}, but this process "
+                               f"uses {mine}: the workers must run the same code (see `worker_cmd`)")
+
 def _close_workers(workers, timeout):
     if not workers: return                            # closed already
     for w in workers: w.hang_up()                      # all of them first: they exit side by side
@@ -214,8 +220,7 @@ class ProcessEncoder:
         try:
             for i in range(self.workers):
                 self._w.append(_Worker(i)); self._w[-1].send(init)
-            for w in self._w:
-                if w.get(start_timeout) != 'ready': raise RuntimeError(f"tokenizer worker {w.i} did not start properly")
+            for w in self._w: _check_ready(w, w.get(start_timeout))
         except BaseException:
             self.close(); raise
 

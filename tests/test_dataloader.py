@@ -266,3 +266,81 @@ def test_worker_survives_ctrl_c(env):
         assert enc._procs[0].poll() is None
         assert enc(['hello world'])[0].tolist() == want
     finally: enc.close()
+
+
+# -- worker processes import what the loader's process imports, never a file of the current directory ----------------
+
+POISON = "open({marker!r}, 'a').write({name!r} + '\\n')\nraise ImportError('the {name}.py of the current directory was imported')\n"
+
+
+def _poison(folder, marker):
+    for name in ('tiktoken', 'numpy', 'regex'):
+        (folder / f'{name}.py').write_text(POISON.format(marker=str(marker), name=name))
+
+
+@pytest.mark.timeout(120)
+def test_workers_ignore_modules_in_the_current_directory(env, tmp_path, monkeypatch):
+    """A training run started in a folder that holds a `tiktoken.py` or `numpy.py`: the workers must not run them
+    (`python -c` puts the current directory first on `sys.path`), they import what this process imported."""
+    from nanochat_dl.dataloader import DocEncoder, ProcessEncoder
+    marker = tmp_path / 'imported.txt'
+    run_dir = tmp_path / 'run'; run_dir.mkdir()
+    _poison(run_dir, marker)
+    texts = [words(f, g, r) for f in range(3) for g in range(3) for r in range(5)]
+    want = [a.tolist() for a in DocEncoder(env['tok'], 1)(texts)]
+    kw = dict(files=env['toy'], device='cpu', tokenizer_threads=2, buffer_size=6, tokenizer_batch_size=4)
+    with PackedLoader(env['tok'], 2, 32, tokenize_in='threads', **kw) as ld:
+        ref = [b.inputs.clone() for b in itertools.islice(ld, 5)]
+    monkeypatch.chdir(run_dir)
+    enc = ProcessEncoder(env['tok'], 2)
+    try: got = [a.tolist() for a in enc(texts)]
+    finally: enc.close()
+    with PackedLoader(env['tok'], 2, 32, tokenize_in='processes', **kw) as ld:
+        again = [b.inputs.clone() for b in itertools.islice(ld, 5)]
+    assert not marker.exists(), marker.read_text()
+    assert got == want and all(torch.equal(a, b) for a, b in zip(again, ref))
+
+
+SOURCE_RUN = """
+import json, sys
+import nanochat_dl
+from nanochat_dl.dataloader import ProcessEncoder
+from nanochat_dl.tokenizer import Tokenizer
+assert nanochat_dl.__file__.startswith(sys.argv[1]), nanochat_dl.__file__
+enc = ProcessEncoder(Tokenizer.load(sys.argv[2]), 1)
+ids = enc(['hello world', 'a second document'])
+print(json.dumps([a.tolist() for a in ids]))
+enc.close()
+"""
+
+
+@pytest.mark.timeout(120)
+def test_workers_of_a_source_checkout_on_pythonpath(env, tmp_path):
+    """The loader's process imports nanochat_dl from a source checkout named by PYTHONPATH (here a copy of the package)
+    and runs in a folder with a poisoned `tiktoken.py`: the workers run the checkout's code and the installed tiktoken."""
+    import shutil, nanochat_dl
+    from nanochat_dl.dataloader import DocEncoder
+    src = tmp_path / 'checkout'
+    shutil.copytree(Path(nanochat_dl.__file__).parent, src / 'nanochat_dl', ignore=shutil.ignore_patterns('__pycache__'))
+    scripts, run_dir, marker = tmp_path / 'scripts', tmp_path / 'run', tmp_path / 'imported.txt'
+    scripts.mkdir(); run_dir.mkdir()
+    _poison(run_dir, marker)
+    (scripts / 'train.py').write_text(SOURCE_RUN)
+    r = subprocess.run([sys.executable, str(scripts / 'train.py'), str(src), str(env['tok_dir'])], cwd=run_dir, capture_output=True,
+                       text=True, timeout=100, env=dict(os.environ, PYTHONPATH=str(src)))
+    assert r.returncode == 0, r.stderr
+    assert not marker.exists(), marker.read_text()
+    assert json.loads(r.stdout.strip().splitlines()[-1]) == [a.tolist() for a in DocEncoder(env['tok'], 1)(['hello world', 'a second document'])]
+
+
+def test_a_worker_with_other_modules_is_refused():
+    "A worker whose tiktoken is not this process's (a path mix-up this test fakes) is refused, naming both files."
+    from types import SimpleNamespace
+    from nanochat_dl.dataloader import _check_ready
+    from nanochat_dl._tokworker import _module_files
+    w = SimpleNamespace(i=1, proc=SimpleNamespace(pid=4321))
+    _check_ready(w, ('ready', _module_files()))
+    other = dict(_module_files(), tiktoken='/elsewhere/tiktoken/__init__.py')
+    with pytest.raises(RuntimeError, match=r"worker 1 \(pid 4321\) imported tiktoken from /elsewhere/tiktoken/__init__.py, but this process uses"):
+        _check_ready(w, ('ready', other))
+    with pytest.raises(RuntimeError, match="did not start properly: it answered 'ready'"): _check_ready(w, 'ready')
