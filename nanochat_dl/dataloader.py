@@ -113,6 +113,30 @@ def _widen_pipe(fd, size=1 << 20):
         fcntl.fcntl(fd, getattr(fcntl, 'F_SETPIPE_SZ', 1031), size)
     except (ImportError, OSError): pass   # elsewhere, or above the system's limit: the default buffer works, a little slower
 
+def _awake(t0, expected) -> float:
+    "Seconds since `t0` of a wait that should take at most `expected`: a longer one means this process was stopped (a suspended job), which is nobody's fault, so it counts as `expected` only."
+    return min(time.monotonic() - t0, expected + 0.5)
+
+_STATES = dict(R='running', S='sleeping', D='waiting for the disk', T='stopped', t='stopped by a debugger', Z='exited')
+
+def _proc_state(pid) -> str:
+    "'; its state: T (stopped)' from /proc (Linux), else ''."
+    try: s = Path(f'/proc/{pid}/stat').read_text().rsplit(')', 1)[1].split()[0]
+    except (OSError, IndexError): return ''
+    return f"; its state: {s} ({_STATES.get(s, '?')})"
+
+def _chars(texts) -> int:
+    "Characters in `texts` (what is not text counts as none: the worker reports it)."
+    try: return sum(map(len, texts))
+    except TypeError: return sum(len(t) for t in texts if isinstance(t, str))
+
+def _check_timeout(name, v):
+    "`None`, or a pair `(seconds > 0, seconds per character >= 0)` as floats."
+    ok = v is None or (isinstance(v, tuple) and len(v) == 2 and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in v)
+                       and v[0] > 0 and v[1] >= 0 and all(map(math.isfinite, v)))
+    if not ok: raise ValueError(f"{name}={v!r} is invalid: expected None or (seconds, seconds per character), e.g. (60.0, 1e-05)")
+    return None if v is None else (float(v[0]), float(v[1]))
+
 class _Worker:
     "One worker process and the two ends of its pipes, driven without helper threads."
     def __init__(self, i):
@@ -122,6 +146,8 @@ class _Worker:
         _widen_pipe(self.wfd); _widen_pipe(self.rfd)
         os.set_blocking(self.wfd, False)
         self.inbuf, self.frames, self.eof = bytearray(), deque(), False
+        self.pending = deque()   # (documents, characters, time sent) of each message not answered yet, oldest first
+        self.hung = False        # it did not answer in the time allowed: closing kills it without waiting
         # reads land in this buffer, kept for the worker's life: `os.read(fd, 4 MiB)` would allocate (mmap) and free
         # a 4 MiB bytes object on every call, which costs more than the read itself
         self.rview = memoryview(bytearray(1 << 20))
@@ -148,10 +174,18 @@ class _Worker:
             self.frames.append(pickle.loads(memoryview(buf)[8:8 + n]))
             del buf[:8 + n]
 
-    def send(self, data: bytes):
-        "Write a frame; while the pipe is full, read the worker's answers so that it can go on (no deadlock)."
-        view = memoryview(struct.pack('<Q', len(data)) + data)
+    def stuck(self, what) -> RuntimeError:
+        "The error for a worker that did not answer in the time allowed (`what` it was doing, and for how long); it is killed on close."
+        self.hung = True
+        return RuntimeError(f"tokenizer worker {self.i} (pid {self.proc.pid}) {what}{_proc_state(self.proc.pid)}: it looks hung (stopped, "
+                            "deadlocked or starved of CPU) and is killed when the encoder closes; if it was only slow, allow more time "
+                            f"(PackedLoader's worker_timeout, ProcessEncoder's timeout). Its stderr: {self.stderr()}")
+
+    def send(self, data: bytes, what=(None, 0), allowed=None, rule=''):
+        "Write a frame of `what` = (documents, characters); while the pipe is full, read the worker's answers so that it can go on (no deadlock). Raise if it reads nothing for `allowed` seconds."
+        view, idle = memoryview(struct.pack('<Q', len(data)) + data), 0.0
         while view:
+            t0 = time.monotonic()
             r, w, _ = select.select([self.rfd], [self.wfd], [], 1.0)
             if r:
                 self.pump()
@@ -160,17 +194,31 @@ class _Worker:
                 try: view = view[os.write(self.wfd, view):]
                 except BlockingIOError: pass
                 except (BrokenPipeError, OSError): raise self.gone("is gone") from None
-            if not (r or w) and self.proc.poll() is not None: raise self.gone("exited")
+            if r or w: idle = 0.0
+            elif self.proc.poll() is not None: raise self.gone("exited")
+            else:
+                idle += _awake(t0, 1.0)
+                if allowed is not None and idle > allowed:
+                    raise self.stuck(f"has not read its input for {idle:.1f} s (allowed {allowed:.1f} s: {rule}) while {what[0]:,} documents "
+                                     f"({what[1]:,} characters) wait to be sent, after {len(self.pending)} unanswered message(s)")
+        self.pending.append((*what, time.monotonic()))
 
-    def get(self, timeout=None):
-        "The next answer, waiting for it."
-        t0 = time.monotonic()
+    def get(self, allowed=None, rule=''):
+        "The next answer, waiting for it; raise if none comes within `allowed` seconds of waiting."
+        waited = 0.0
         while not self.frames:
             if self.eof: raise self.gone("exited")
+            t0 = time.monotonic()
             r, _, _ = select.select([self.rfd], [], [], 0.5)
             if r: self.pump()
-            elif timeout is not None and time.monotonic() - t0 > timeout:
-                raise RuntimeError(f"tokenizer worker {self.i} did not answer within {timeout:.0f} s; its stderr: {self.stderr()}")
+            else:
+                waited += _awake(t0, 0.5)
+                if allowed is not None and waited > allowed:
+                    docs, chars, sent = self.pending[0] if self.pending else (None, 0, time.monotonic())
+                    doing = "has not started" if docs is None else \
+                            f"was sent {docs:,} documents ({chars:,} characters) {time.monotonic() - sent:.1f} s ago and has not answered"
+                    raise self.stuck(f"{doing} for {waited:.1f} s (allowed {allowed:.1f} s: {rule})")
+        if self.pending: self.pending.popleft()
         return self.frames.popleft()
 
     def hang_up(self):
@@ -180,7 +228,8 @@ class _Worker:
             except OSError: pass
 
     def close(self, deadline):
-        "Hang up and wait for the process until `deadline` (`time.monotonic()`), then kill it."
+        "Hang up and wait for the process until `deadline` (`time.monotonic()`), then kill it (a hung one at once)."
+        if self.hung: self.proc.kill()
         self.hang_up()
         try: self.proc.wait(max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired: self.proc.kill(); self.proc.wait()
@@ -205,8 +254,10 @@ def _close_workers(workers, timeout):
 
 class ProcessEncoder:
     "`DocEncoder`'s interface with the encoding in `workers` worker processes (tiktoken tokenizers, POSIX)."
-    def __init__(self, tokenizer, workers=2, start_timeout=60.0):
+    def __init__(self, tokenizer, workers=2, start_timeout=60.0, timeout=(60.0, 1e-5)):
         self.workers = check_int('workers', workers)
+        self.timeout = _check_timeout('timeout', timeout)   # how long a worker may take to answer: seconds, plus seconds per character
+        self._rule = None if self.timeout is None else f"{self.timeout[0]:g} s + {self.timeout[1]:g} s per character"
         self.bos = int(tokenizer.get_bos_token_id())
         enc = _tiktoken_core(tokenizer)
         if enc is None:
@@ -220,7 +271,7 @@ class ProcessEncoder:
         try:
             for i in range(self.workers):
                 self._w.append(_Worker(i)); self._w[-1].send(init)
-            for w in self._w: _check_ready(w, w.get(start_timeout))
+            for w in self._w: _check_ready(w, w.get(start_timeout, f'start_timeout={start_timeout:g}'))
         except BaseException:
             self.close(); raise
 
@@ -237,15 +288,21 @@ class ProcessEncoder:
         texts, n = list(texts), self.workers
         k = -(-len(texts) // n) if texts else 0
         # every chunk pickled before any is sent: one that cannot be pickled must not leave the others' answers unread
-        msgs = [pickle.dumps(texts[j:j + k], protocol=pickle.HIGHEST_PROTOCOL) for j in range(0, len(texts), k or 1)]
+        chunks = [texts[j:j + k] for j in range(0, len(texts), k or 1)]
+        msgs = [(pickle.dumps(c, protocol=pickle.HIGHEST_PROTOCOL), (len(c), _chars(c))) for c in chunks]
         self._check()
         handle = []
         try:
-            for m in msgs:
+            for m, what in msgs:
                 i = self._next; self._next = (self._next + 1) % n
-                self._w[i].send(m); handle.append(i)
+                w = self._w[i]
+                w.send(m, what, self._allowed(what[1] + sum(p[1] for p in w.pending)), self._rule); handle.append(i)
         except BaseException as e: self._broken = e; raise
         return handle
+
+    def _allowed(self, chars):
+        "Seconds a worker may take for `chars` characters of text (None: no limit)."
+        return None if self.timeout is None else self.timeout[0] + self.timeout[1] * chars
 
     def _check(self):
         # a send or a wait cut short (a worker gone, an interrupt) leaves answers in the pipes that would be taken
@@ -261,7 +318,8 @@ class ProcessEncoder:
         parts, failed = [], None
         try:
             for i in handle:   # every answer of the handle is read, even after a failure: the next result must not get this one's
-                ok, lens, flat, cpu = self._w[i].get()
+                w = self._w[i]
+                ok, lens, flat, cpu = w.get(self._allowed(w.pending[0][1]) if w.pending else None, self._rule)
                 if not ok:
                     failed = failed or RuntimeError(f"tokenizer worker {i} failed:\n{lens}")
                     continue
@@ -284,13 +342,13 @@ class ProcessEncoder:
     def __repr__(self): return f"ProcessEncoder(workers={self.workers}, bos={self.bos})"
 
 # %% ../nbs/06_dataloader.ipynb #694fddcd
-def make_encoder(tokenizer, workers=4, tokenize_in='auto'):
-    "A `ProcessEncoder` or a `DocEncoder` for `tokenizer`; `tokenize_in`: 'auto', 'processes' or 'threads'."
+def make_encoder(tokenizer, workers=4, tokenize_in='auto', timeout=(60.0, 1e-5)):
+    "A `ProcessEncoder` (its answers within `timeout`) or a `DocEncoder` for `tokenizer`; `tokenize_in`: 'auto', 'processes' or 'threads'."
     if tokenize_in not in ('auto', 'processes', 'threads'):
         raise ValueError(f"tokenize_in={tokenize_in!r}: expected 'auto', 'processes' or 'threads'")
     workers = check_int('tokenizer_threads', workers)
     if tokenize_in == 'processes' or (tokenize_in == 'auto' and _tiktoken_core(tokenizer) is not None and os.name == 'posix'):
-        return ProcessEncoder(tokenizer, min(workers, os.cpu_count() or workers))
+        return ProcessEncoder(tokenizer, min(workers, os.cpu_count() or workers), timeout=timeout)
     return DocEncoder(tokenizer, workers)
 
 # %% ../nbs/06_dataloader.ipynb #072183e1
@@ -501,7 +559,7 @@ class PackedLoader:
     def __init__(self, tokenizer, B, T, split='train', data_dir=None, *, files=None, strategy='bestfit-crop',
                  buffer_size=1000, tokenizer_threads=4, tokenizer_batch_size=128, device='auto', shuffle=False, seed=0,
                  rank=None, world_size=None, prefetch=2, slots=2, copy=False, pad_id=None, max_docs_per_row=None,
-                 text_column='text', tokenize_in='auto', read_ahead=2, resume_state_dict=None):
+                 text_column='text', tokenize_in='auto', read_ahead=2, worker_timeout=(60.0, 1e-5), resume_state_dict=None):
         self._closed, self._thread, self._error = True, None, None
         self.B, self.T = check_int('B', B), check_int('T', T)
         self.prefetch = check_int('prefetch', prefetch, 0)
@@ -520,10 +578,11 @@ class PackedLoader:
         if not self.files: raise ValueError("PackedLoader needs at least one shard file, got none")
         self.device = resolve_device(device)
         read_ahead = check_int('read_ahead', read_ahead, 0)
+        worker_timeout = _check_timeout('worker_timeout', worker_timeout)
         self.fingerprint = dict(data=data_fingerprint(self.files), tokenizer=tokenizer_fingerprint(tokenizer))
         reader = RowGroupReader(self.files, rank, world_size, tokenizer_batch_size, shuffle=shuffle, seed=seed,
                                 text_column=text_column)
-        encoder = make_encoder(tokenizer, tokenizer_threads, tokenize_in)   # from here on, a failure must close it again
+        encoder = make_encoder(tokenizer, tokenizer_threads, tokenize_in, worker_timeout)   # from here on, a failure must close it again
         try:
             packer = Packer(self.T, buffer_size, strategy, bos_id=encoder.bos, pad_id=pad_id, max_docs_per_row=max_docs_per_row)
             self.config = dict(split=split, B=self.B, T=self.T, strategy=strategy, buffer_size=packer.buffer_size,

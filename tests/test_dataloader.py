@@ -1,7 +1,7 @@
 """Tests for nanochat_dl.dataloader that read better as pytest: a property test of exact resume over random
 settings, the drop-in against the reference at several shapes, worker failures (a lost, hung or interrupted
 worker, a constructor that fails after starting workers, a close with unread answers), and interpreter exit."""
-import itertools, json, os, subprocess, sys, textwrap, time
+import itertools, json, os, re, subprocess, sys, textwrap, time
 from pathlib import Path
 
 import pytest
@@ -344,3 +344,65 @@ def test_a_worker_with_other_modules_is_refused():
     with pytest.raises(RuntimeError, match=r"worker 1 \(pid 4321\) imported tiktoken from /elsewhere/tiktoken/__init__.py, but this process uses"):
         _check_ready(w, ('ready', other))
     with pytest.raises(RuntimeError, match="did not start properly: it answered 'ready'"): _check_ready(w, 'ready')
+
+
+# -- a hung worker: detected, named, and no wait for it when closing ---------------------------------------------------
+
+@linux_only
+@pytest.mark.timeout(90)
+def test_a_hung_worker_is_reported_by_next(env, monkeypatch):
+    """A worker that stops answering (SIGSTOP) used to block `next()` forever without a word. With a short
+    `worker_timeout` the loader raises, naming the worker, its pid, what it was sent and for how long; closing then
+    kills it rather than waiting for it (a close that waited would wait for an hour here)."""
+    import signal
+    from nanochat_dl.dataloader import ProcessEncoder
+    monkeypatch.setattr(ProcessEncoder.close, '__defaults__', (3600.0,))
+    ld = PackedLoader(env['tok'], 4, 256, files=split_files('train', env['data']), device='cpu', tokenizer_threads=2,
+                      tokenize_in='processes', buffer_size=20, worker_timeout=(3.0, 0.0))
+    next(ld)
+    procs = list(ld._producer.encoder._procs)
+    os.kill(procs[0].pid, signal.SIGSTOP)
+    try:
+        with pytest.raises(RuntimeError) as e:
+            for _ in range(10_000): next(ld)
+        msg = str(e.value)
+        assert re.search(rf"tokenizer worker 0 \(pid {procs[0].pid}\) was sent \d+ documents \([\d,]+ characters\) [\d.]+ s ago "
+                         r"and has not answered for [\d.]+ s \(allowed 3\.0 s: 3 s \+ 0 s per character\); its state: T \(stopped\): it looks hung", msg), msg
+        ld.close()
+        assert all(p.poll() is not None for p in procs)
+    finally:
+        for p in procs:
+            if p.poll() is None: p.kill()
+
+
+@linux_only
+@pytest.mark.timeout(90)
+def test_a_hung_worker_is_reported_while_sending(env):
+    """The worker stops while the encoder writes it more than a pipe holds: the write can never finish. The encoder
+    raises after the allowed time instead of waiting forever, refuses further calls, and closes without waiting."""
+    import signal
+    from nanochat_dl.dataloader import ProcessEncoder
+    enc = ProcessEncoder(env['tok'], 1, timeout=(2.0, 0.0))
+    pid = enc._procs[0].pid
+    try:
+        os.kill(pid, signal.SIGSTOP)
+        big = [' '.join(f"w{i}x{j}" for j in range(100_000)) for i in range(8)]   # ~7 MB of text for a 1 MiB pipe
+        with pytest.raises(RuntimeError, match=rf"tokenizer worker 0 \(pid {pid}\) has not read its input for [\d.]+ s \(allowed 2\.0 s: "
+                                               r"2 s \+ 0 s per character\) while 8 documents \([\d,]+ characters\) wait to be sent"):
+            enc.submit(big)
+        with pytest.raises(RuntimeError, match='stopped after'): enc(['more'])
+        enc.close(timeout=3600)
+        assert enc_exited(pid)
+    finally:
+        if not enc_exited(pid): os.kill(pid, signal.SIGKILL)
+
+
+def enc_exited(pid):
+    try: return Path(f'/proc/{pid}/stat').read_text().rsplit(')', 1)[1].split()[0] == 'Z'
+    except OSError: return True
+
+
+def test_worker_timeout_is_checked(env):
+    for bad in [(0, 1e-5), (-1.0, 0.0), (60.0, -1.0), 60.0, (60.0,), ('a', 0.0), (True, 0.0)]:
+        with pytest.raises(ValueError, match=r"worker_timeout=.* is invalid: expected None or \(seconds, seconds per character\)"):
+            PackedLoader(env['tok'], 2, 32, files=env['toy'], device='cpu', worker_timeout=bad)
