@@ -70,6 +70,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                           'nanochat_dl/dataloader.py'),
                                         'nanochat_dl.dataloader.PackedLoader._get': ( 'dataloader.html#packedloader._get',
                                                                                       'nanochat_dl/dataloader.py'),
+                                        'nanochat_dl.dataloader.PackedLoader._next': ( 'dataloader.html#packedloader._next',
+                                                                                       'nanochat_dl/dataloader.py'),
                                         'nanochat_dl.dataloader.PackedLoader._resume': ( 'dataloader.html#packedloader._resume',
                                                                                          'nanochat_dl/dataloader.py'),
                                         'nanochat_dl.dataloader.PackedLoader.close': ( 'dataloader.html#packedloader.close',

@@ -536,7 +536,7 @@ def _close_all():
 # %% ../nbs/06_dataloader.ipynb #dbebc2c6
 @dataclass
 class LoaderBatch:
-    "One batch: `inputs`/`targets` `[B, T]` on the device, the `state` to resume after it, `metrics`, and the host-side `packed` batch with its segments."
+    "One batch: `inputs`/`targets` `[B, T]` on the device (valid until `slots` more batches are handed out, unless `copy=True`), the `state` to resume after it, `metrics`, and the host-side `packed` batch with its segments."
     inputs: torch.Tensor
     targets: torch.Tensor
     state: dict
@@ -560,7 +560,7 @@ class PackedLoader:
                  buffer_size=1000, tokenizer_threads=4, tokenizer_batch_size=128, device='auto', shuffle=False, seed=0,
                  rank=None, world_size=None, prefetch=2, slots=2, copy=False, pad_id=None, max_docs_per_row=None,
                  text_column='text', tokenize_in='auto', read_ahead=2, worker_timeout=(60.0, 1e-5), resume_state_dict=None):
-        self._closed, self._thread, self._error = True, None, None
+        self._closed, self._thread, self._error, self._lock = True, None, None, threading.Lock()
         self.B, self.T = check_int('B', B), check_int('T', T)
         self.prefetch = check_int('prefetch', prefetch, 0)
         if strategy not in STRATEGIES: raise ValueError(f"unknown strategy {strategy!r}: expected one of {list(STRATEGIES)}")
@@ -683,6 +683,9 @@ class PackedLoader:
     def __iter__(self): return self
 
     def __next__(self) -> LoaderBatch:
+        with self._lock: return self._next()   # one caller at a time: a batch, its staging slot and its state stay together
+
+    def _next(self) -> LoaderBatch:
         if self._error is not None:
             raise RuntimeError(f"this loader stopped after an error: {self._error!r}")
         if self._closed: raise RuntimeError("this loader is closed")

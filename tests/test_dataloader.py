@@ -406,3 +406,34 @@ def test_worker_timeout_is_checked(env):
     for bad in [(0, 1e-5), (-1.0, 0.0), (60.0, -1.0), 60.0, (60.0,), ('a', 0.0), (True, 0.0)]:
         with pytest.raises(ValueError, match=r"worker_timeout=.* is invalid: expected None or \(seconds, seconds per character\)"):
             PackedLoader(env['tok'], 2, 32, files=env['toy'], device='cpu', worker_timeout=bad)
+
+
+# -- next() from several threads ----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize('prefetch', [0, 16])
+def test_next_from_several_threads(env, prefetch):
+    """Threads that share one loader get every batch of the single-threaded stream exactly once, each with its own
+    state (`copy=True`: a batch's tensors are then its own, whoever fetched the batches after it)."""
+    import threading
+    kw = dict(files=split_files('train', env['data']), B=16, T=512, device='cpu', tokenizer_threads=1, tokenize_in='threads',
+              buffer_size=50, copy=True, prefetch=prefetch)
+    n, k = 96, 6
+    with PackedLoader(env['tok'], **kw) as ld:
+        want = {b.state['step']: (b.inputs.clone(), b.targets.clone(), json.dumps(b.state)) for b in itertools.islice(ld, n)}
+    got, errors = [], []
+    with PackedLoader(env['tok'], **kw) as ld:
+        start = threading.Barrier(k)
+        def take():
+            start.wait()
+            try:
+                for _ in range(n // k):
+                    b = next(ld); got.append((b.state['step'], b.inputs, b.targets, json.dumps(b.state)))
+            except Exception as e: errors.append(e)
+        threads = [threading.Thread(target=take) for _ in range(k)]
+        _until(lambda: ld._q.full(), 30)          # batches waiting: the threads take them at the same moment
+        for t in threads: t.start()
+        for t in threads: t.join(60)
+    assert not errors, errors
+    assert sorted(s for s, *_ in got) == list(range(1, n + 1))
+    wrong = [s for s, x, y, st in got if not (torch.equal(x, want[s][0]) and torch.equal(y, want[s][1]) and st == want[s][2])]
+    assert not wrong, f"{len(wrong)} of {n} batches differ from the single-threaded stream: steps {wrong[:10]}"
