@@ -559,7 +559,8 @@ class PackedLoader:
     def __init__(self, tokenizer, B, T, split='train', data_dir=None, *, files=None, strategy='bestfit-crop',
                  buffer_size=1000, tokenizer_threads=4, tokenizer_batch_size=128, device='auto', shuffle=False, seed=0,
                  rank=None, world_size=None, prefetch=2, slots=2, copy=False, pad_id=None, max_docs_per_row=None,
-                 text_column='text', tokenize_in='auto', read_ahead=2, worker_timeout=(60.0, 1e-5), resume_state_dict=None):
+                 text_column='text', utf8_errors='strict', tokenize_in='auto', read_ahead=2, worker_timeout=(60.0, 1e-5),
+                 resume_state_dict=None):
         self._closed, self._thread, self._error, self._lock = True, None, None, threading.Lock()
         self.B, self.T = check_int('B', B), check_int('T', T)
         self.prefetch = check_int('prefetch', prefetch, 0)
@@ -581,7 +582,7 @@ class PackedLoader:
         worker_timeout = _check_timeout('worker_timeout', worker_timeout)
         self.fingerprint = dict(data=data_fingerprint(self.files), tokenizer=tokenizer_fingerprint(tokenizer))
         reader = RowGroupReader(self.files, rank, world_size, tokenizer_batch_size, shuffle=shuffle, seed=seed,
-                                text_column=text_column)
+                                text_column=text_column, utf8_errors=utf8_errors)
         encoder = make_encoder(tokenizer, tokenizer_threads, tokenize_in, worker_timeout)   # from here on, a failure must close it again
         try:
             packer = Packer(self.T, buffer_size, strategy, bos_id=encoder.bos, pad_id=pad_id, max_docs_per_row=max_docs_per_row)
@@ -637,7 +638,7 @@ class PackedLoader:
                 if k in sd: check_int(f"resume_state_dict[{k!r}]", sd[k], lo)
             p.reader.close()
             p.reader = RowGroupReader.from_nanochat_state(self.files, sd, cfg['rank'], cfg['world_size'],
-                                                          cfg['tokenizer_batch_size'], cfg['text_column'])
+                                                          cfg['tokenizer_batch_size'], cfg['text_column'], p.reader.utf8_errors)
             p.last = {'pq_idx': int(sd['pq_idx']), 'rg_idx': int(sd['rg_idx']), 'epoch': int(sd.get('epoch', 1))}
             self.resumed = 'approximate'
             return
@@ -659,7 +660,7 @@ class PackedLoader:
                                  f"{k}={cfg[k]!r}: exact resume needs the same {k} (each rank resumes from its own state)")
         entries = buffer_entries(sd['buffer'])
         p.reader.load_state_dict(sd['reader'])
-        docs = p.encoder(read_documents(self.files, [k[1:] for k, _ in entries], cfg['text_column'])) if entries else []
+        docs = p.encoder(read_documents(self.files, [k[1:] for k, _ in entries], cfg['text_column'], p.reader.utf8_errors)) if entries else []
         p.packer.restore([(d, k, off) for d, (k, off) in zip(docs, entries)])
         p.packer.load_metrics_state(sd['metrics'])
         p.step = check_int("resume_state_dict['step']", sd['step'], 0)

@@ -437,3 +437,21 @@ def test_next_from_several_threads(env, prefetch):
     assert sorted(s for s, *_ in got) == list(range(1, n + 1))
     wrong = [s for s, x, y, st in got if not (torch.equal(x, want[s][0]) and torch.equal(y, want[s][1]) and st == want[s][2])]
     assert not wrong, f"{len(wrong)} of {n} batches differ from the single-threaded stream: steps {wrong[:10]}"
+
+
+def test_invalid_utf8_in_a_shard(env, tmp_path):
+    "The loader names the file, row group and row of text that is not UTF-8; `utf8_errors='replace'` reads it with U+FFFD."
+    import numpy as np, pyarrow as pa, pyarrow.parquet as pq
+    p = tmp_path / 'shard_00000.parquet'
+    rows = [b'first document here', b'second \xc3 broken', b'third one']
+    offsets = np.cumsum([0] + [len(b) for b in rows]).astype(np.int32)
+    pq.write_table(pa.table({'text': pa.Array.from_buffers(pa.string(), 3, [None, pa.py_buffer(offsets.tobytes()), pa.py_buffer(b''.join(rows))])}), p)
+    kw = dict(files=[p], device='cpu', tokenizer_threads=1, tokenize_in='threads', buffer_size=2, tokenizer_batch_size=2)
+    with PackedLoader(env['tok'], 1, 8, **kw) as ld:
+        with pytest.raises(ValueError, match=re.escape(f"{p}: row group 0, row 1: 'text' is not valid UTF-8 (invalid continuation byte at byte 7")):
+            next(ld)
+    with PackedLoader(env['tok'], 1, 8, **kw, utf8_errors='replace') as ld:
+        b = next(ld)
+    docs = {s.key[3]: s for row in b.segments for s in row}
+    bos = env['tok'].get_bos_token_id()
+    assert b.packed.rows[0][:docs[0].length].tolist() == [bos] + env['tok'].encode('first document here')[:docs[0].length - 1]
