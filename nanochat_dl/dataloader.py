@@ -352,17 +352,27 @@ def make_encoder(tokenizer, workers=4, tokenize_in='auto', timeout=(60.0, 1e-5))
     return DocEncoder(tokenizer, workers)
 
 # %% ../nbs/06_dataloader.ipynb #072183e1
-STATE_FORMAT = 'nanochat_dl.loader/1'
+STATE_FORMAT = 'nanochat_dl.loader/2'
 _CONFIG_KEYS = ('split', 'B', 'T', 'strategy', 'buffer_size', 'tokenizer_batch_size', 'rank', 'world_size',
                 'shuffle', 'seed', 'text_column', 'pad_id', 'max_docs_per_row')
 
+def _footer_digest(path, size) -> str:
+    "8 hex digits of a hash of the parquet footer of `path` (its row groups, their sizes and offsets, statistics), read from the file's tail; of its last 64 KiB if it has no footer."
+    with open(path, 'rb') as f:
+        f.seek(max(0, size - 8)); tail = f.read(8)
+        n = int.from_bytes(tail[:4], 'little') if len(tail) == 8 and tail[4:] == b'PAR1' else -1
+        f.seek(size - 8 - n if 0 <= n <= size - 12 else max(0, size - 65536))
+        return hashlib.sha256(f.read()).hexdigest()[:8]
+
 def data_fingerprint(files) -> dict:
-    "The shards a state belongs to: how many, first and last name, total bytes and a hash of every name and size."
-    h, total = hashlib.sha256(), 0
+    "The shards a state belongs to: how many, first and last name, total bytes, a hash of every name and size, and a short hash of each shard's parquet footer (`footers`: 8 hex digits per shard)."
+    h, total, footers = hashlib.sha256(), 0, []
     for p in map(Path, files):
         n = p.stat().st_size
         h.update(f"{p.name}\0{n}\n".encode()); total += n
-    return dict(files=len(files), first=Path(files[0]).name, last=Path(files[-1]).name, bytes=total, sha=h.hexdigest()[:16])
+        footers.append(_footer_digest(p, n))
+    return dict(files=len(files), first=Path(files[0]).name, last=Path(files[-1]).name, bytes=total, sha=h.hexdigest()[:16],
+                footers=''.join(footers))
 
 _PROBE = "Tokenizer probe: Hello, world! 12345 \u00fcber na\u00efve \u65e5\u672c\u8a9e \U0001f600 <|bos|>\n\tdef f(x): return x ** 2  # done."
 
@@ -393,9 +403,29 @@ def buffer_entries(cols) -> list:
                                 f"non-negative ints {list(_BUFFER_COLUMNS)}")
     return [((e, f, g, r), o) for e, f, g, r, o in zip(*(cols[c] for c in _BUFFER_COLUMNS))]
 
+_DATA_KEYS = ('files', 'first', 'last', 'bytes', 'sha')   # names and sizes ('footers' apart: a shard they name is the answer)
+
 def _describe_data(fp):
-    if not isinstance(fp, dict) or not {'files', 'first', 'last', 'bytes', 'sha'} <= set(fp): return repr(fp)
+    if not isinstance(fp, dict) or not set(_DATA_KEYS) <= set(fp): return f"{fp!r:.200}"
     return f"{fp['files']} shards {fp['first']}..{fp['last']} ({human_bytes(fp['bytes'])}, sha {fp['sha']})"
+
+_APPROX = "to continue approximately, as nanochat does, pass only the state's 'pq_idx', 'rg_idx' and 'epoch'"
+
+def _check_data(theirs, mine, files):
+    "A state's data fingerprint against this loader's: the same shard names and sizes, then the same footer of every shard (the changed one named)."
+    if not isinstance(theirs, dict) or {k: theirs.get(k) for k in _DATA_KEYS} != {k: mine[k] for k in _DATA_KEYS}:
+        raise ValueError(f"resume_state_dict was saved over different data: {_describe_data(theirs)}; this loader reads "
+                         f"{_describe_data(mine)}: exact resume needs the same shards (names and sizes); {_APPROX}")
+    old, new = theirs.get('footers'), mine['footers']
+    if not isinstance(old, str) or len(old) != len(new):
+        raise ValueError(f"resume_state_dict['fingerprint']['data']['footers'] is {old!r:.60}: expected a string of 8 hex digits for "
+                         f"each of the {len(files)} shards")
+    changed = [Path(files[i]).name for i in range(len(files)) if old[8 * i:8 * i + 8] != new[8 * i:8 * i + 8]]
+    if changed:
+        more = f" (and {len(changed) - 1} more: {', '.join(changed[1:4])}{', ...' if len(changed) > 4 else ''})" if len(changed) > 1 else ''
+        raise ValueError(f"resume_state_dict['fingerprint']: shard {changed[0]} changed since the state was saved (same name and size, "
+                         f"another parquet footer){more}: its row groups, their sizes or statistics differ, so its documents may not be "
+                         f"the ones the state points to; exact resume needs the same shards; {_APPROX}")
 
 def _describe_tok(fp):
     if not isinstance(fp, dict) or not {'vocab_size', 'bos_id', 'sha'} <= set(fp): return repr(fp)
@@ -642,15 +672,16 @@ class PackedLoader:
             p.last = {'pq_idx': int(sd['pq_idx']), 'rg_idx': int(sd['rg_idx']), 'epoch': int(sd.get('epoch', 1))}
             self.resumed = 'approximate'
             return
+        if sd['format'] == 'nanochat_dl.loader/1':
+            raise ValueError("resume_state_dict has format 'nanochat_dl.loader/1', written by an earlier version of this loader, "
+                             f"which reads {STATE_FORMAT!r} (its data fingerprint also covers the shards' parquet footers); to continue "
+                             "approximately, as nanochat does, pass only the state's 'pq_idx', 'rg_idx' and 'epoch'")
         if sd['format'] != STATE_FORMAT:
             raise ValueError(f"resume_state_dict has format {sd['format']!r}: this version reads {STATE_FORMAT!r}")
         missing = [k for k in ('step', 'config', 'fingerprint', 'reader', 'buffer', 'metrics') if k not in sd]
         if missing: raise ValueError(f"resume_state_dict lacks {missing}: expected a state handed out by PackedLoader")
         fp = sd['fingerprint'] if isinstance(sd['fingerprint'], dict) else {}
-        if fp.get('data') != self.fingerprint['data']:
-            raise ValueError(f"resume_state_dict was saved over different data: {_describe_data(fp.get('data'))}; this loader reads "
-                             f"{_describe_data(self.fingerprint['data'])}: exact resume needs the same shards (names and sizes); to continue "
-                             "approximately, as nanochat does, pass only the state's 'pq_idx', 'rg_idx' and 'epoch'")
+        _check_data(fp.get('data'), self.fingerprint['data'], self.files)
         if fp.get('tokenizer') != self.fingerprint['tokenizer']:
             raise ValueError(f"resume_state_dict was saved with a different tokenizer ({_describe_tok(fp.get('tokenizer'))}); this loader "
                              f"has {_describe_tok(self.fingerprint['tokenizer'])}: exact resume needs the same tokenizer")

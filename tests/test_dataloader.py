@@ -455,3 +455,38 @@ def test_invalid_utf8_in_a_shard(env, tmp_path):
     docs = {s.key[3]: s for row in b.segments for s in row}
     bos = env['tok'].get_bos_token_id()
     assert b.packed.rows[0][:docs[0].length].tolist() == [bos] + env['tok'].encode('first document here')[:docs[0].length - 1]
+
+
+# -- exact resume over changed data -------------------------------------------------------------------------------------
+
+def _plain_shards(d, layout, text_fn):
+    "Uncompressed shards without dictionaries: texts of the same lengths give files of the same size."
+    import pyarrow as pa, pyarrow.parquet as pq
+    d.mkdir(parents=True, exist_ok=True)
+    out = []
+    for f, groups in enumerate(layout):
+        p = d / f"shard_{f:05d}.parquet"
+        with pq.ParquetWriter(p, pa.schema([('text', pa.string())]), compression='none', use_dictionary=False) as w:
+            for g, n in enumerate(groups): w.write_table(pa.table({'text': [text_fn(f, g, r) for r in range(n)]}))
+        out.append(p)
+    return out
+
+
+def test_exact_resume_refuses_a_changed_shard_of_the_same_name_and_size(env, tmp_path):
+    """A shard rewritten with other text of the same length keeps its name and size: a state saved over the old one
+    used to resume into other batches without a word. It is refused, naming the shard."""
+    layout = [[5, 3, 4], [2, 6, 1], [4, 4]]
+    files = _plain_shards(tmp_path / 'data', layout, words)
+    kw = dict(files=files, B=2, T=32, device='cpu', tokenizer_threads=1, tokenize_in='threads', buffer_size=6, tokenizer_batch_size=4)
+    with PackedLoader(env['tok'], **kw) as ld:
+        sd = json.loads(json.dumps(list(itertools.islice(ld, 3))[-1].state))
+    with PackedLoader(env['tok'], **kw, resume_state_dict=sd) as ld: assert ld.resumed == 'exact'
+    size, data = files[1].stat().st_size, files[1].read_bytes()
+    _plain_shards(tmp_path / 'new', layout, lambda f, g, r: words(f, g, r).replace('w', 'v'))
+    files[1].write_bytes((tmp_path / 'new' / files[1].name).read_bytes())
+    assert files[1].stat().st_size == size and files[1].read_bytes() != data
+    with pytest.raises(ValueError, match=r"resume_state_dict\['fingerprint'\]: shard shard_00001\.parquet changed since the state was saved "
+                                         r"\(same name and size, another parquet footer\)"):
+        PackedLoader(env['tok'], **kw, resume_state_dict=sd)
+    with PackedLoader(env['tok'], **kw, resume_state_dict={k: sd[k] for k in ('pq_idx', 'rg_idx', 'epoch')}) as ld:
+        assert ld.resumed == 'approximate'                       # nanochat's state still continues, approximately
