@@ -12,6 +12,7 @@ __all__ = ['STATE_FORMAT', 'BENCH_KINDS', 'reference_loader', 'DocEncoder', 'Pro
 
 # %% ../nbs/06_dataloader.ipynb #744e7663
 import atexit, gc, hashlib, zlib, itertools, json, math, os, pickle, queue, select, struct, subprocess, sys, tempfile, threading, time, warnings, weakref
+from array import array
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -406,7 +407,7 @@ def buffer_entries(cols) -> list:
 _DATA_KEYS = ('files', 'first', 'last', 'bytes', 'sha')   # names and sizes ('footers' apart: a shard they name is the answer)
 
 def _describe_data(fp):
-    if not isinstance(fp, dict) or not set(_DATA_KEYS) <= set(fp): return f"{fp!r:.200}"
+    if not isinstance(fp, dict) or not set(_DATA_KEYS) <= set(fp) or not isinstance(fp['bytes'], (int, float)): return f"{fp!r:.200}"
     return f"{fp['files']} shards {fp['first']}..{fp['last']} ({human_bytes(fp['bytes'])}, sha {fp['sha']})"
 
 _APPROX = "to continue approximately, as nanochat does, pass only the state's 'pq_idx', 'rg_idx' and 'epoch'"
@@ -414,7 +415,7 @@ _APPROX = "to continue approximately, as nanochat does, pass only the state's 'p
 def _check_data(theirs, mine, files):
     "A state's data fingerprint against this loader's: the same shard names and sizes, then the same footer of every shard (the changed one named)."
     if not isinstance(theirs, dict) or {k: theirs.get(k) for k in _DATA_KEYS} != {k: mine[k] for k in _DATA_KEYS}:
-        raise ValueError(f"resume_state_dict was saved over different data: {_describe_data(theirs)}; this loader reads "
+        raise ValueError(f"resume_state_dict['fingerprint']: saved over different data: {_describe_data(theirs)}; this loader reads "
                          f"{_describe_data(mine)}: exact resume needs the same shards (names and sizes); {_APPROX}")
     old, new = theirs.get('footers'), mine['footers']
     if not isinstance(old, str) or len(old) != len(new):
@@ -427,9 +428,125 @@ def _check_data(theirs, mine, files):
                          f"another parquet footer){more}: its row groups, their sizes or statistics differ, so its documents may not be "
                          f"the ones the state points to; exact resume needs the same shards; {_APPROX}")
 
+def _checksum(sd) -> str:
+    "16 hex digits over what a state says beyond its config and fingerprint (those are compared as they are): cursor, buffer, counters, step."
+    h = hashlib.blake2b(digest_size=8)
+    h.update(json.dumps([sd['format'], sd['step'], sd.get('pq_idx'), sd.get('rg_idx'), sd.get('epoch'), sorted(sd['reader'].items()),
+                         sorted(sd['metrics'].items())], separators=(',', ':')).encode())
+    for c in _BUFFER_COLUMNS:
+        col = sd['buffer'][c]
+        h.update(len(col).to_bytes(8, 'little')); h.update(array('q', col))
+    return h.hexdigest()
+
 def _describe_tok(fp):
     if not isinstance(fp, dict) or not {'vocab_size', 'bos_id', 'sha'} <= set(fp): return repr(fp)
     return f"vocab {fp['vocab_size']}, bos {fp['bos_id']}, sha {fp['sha']}"
+
+# %% ../nbs/06_dataloader.ipynb #b2d5f7a3
+_STATE_KEYS = ('format', 'step', 'config', 'fingerprint', 'reader', 'buffer', 'metrics', 'checksum')
+_NANOCHAT_KEYS = ('pq_idx', 'rg_idx', 'epoch')
+_READER_KEYS = ('epoch', 'file', 'rg', 'row', 'rank', 'world_size', 'n_files', 'shuffle', 'seed', 'balanced', 'batch_size')
+
+def _name(path) -> str: return 'resume_state_dict' + ''.join(f'[{k!r}]' for k in path)
+
+def _as_dict(v, path, keys) -> dict:
+    "`v` if it is a dict with exactly `keys`; else an error naming the field."
+    if not isinstance(v, dict): raise TypeError(f"{_name(path)} must be a dict, got {type(v).__name__}")
+    missing, unknown = [k for k in keys if k not in v], [k for k in v if k not in keys]
+    if missing: raise ValueError(f"{_name(path)} lacks {missing}: expected the keys {list(keys)}")
+    if unknown: raise ValueError(f"{_name(path)} has unknown keys {unknown[:5]!r:.200}: expected only {list(keys)}")
+    return v
+
+def _as_int(v, path, lo=0, hi=None) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo or (hi is not None and v >= hi):
+        raise ValueError(f"{_name(path)}={v!r:.60} is invalid: expected an int >= {lo}" + ('' if hi is None else f" and < {hi}"))
+    return v
+
+def _same(a, b) -> bool: return type(a) is type(b) and a == b
+
+def _check_columns(cols, ranges) -> int:
+    "The buffer's five columns: lists of equal length of ints in `ranges[column]`; their length."
+    for c in _BUFFER_COLUMNS:
+        if not isinstance(cols[c], list): raise TypeError(f"{_name(('buffer', c))} must be a list, got {type(cols[c]).__name__}")
+    lens = {c: len(cols[c]) for c in _BUFFER_COLUMNS}
+    if len(set(lens.values())) > 1: raise ValueError(f"resume_state_dict['buffer'] has columns of different lengths {lens}: expected one value per entry in each")
+    for c in _BUFFER_COLUMNS:
+        col, (lo, hi) = cols[c], ranges[c]
+        if not (all(type(v) is int for v in col) and (not col or (min(col) >= lo and max(col) < hi))):   # the fast path; then the culprit
+            for i, v in enumerate(col): _as_int(v, ('buffer', c, i), lo, hi)
+    return lens['row']
+
+def _check_buffer(cols, cfg, reader, cursor):
+    "Every buffered entry: an address this rank has read (before `cursor`), in reading order, none twice, at an offset where the strategy starts a piece."
+    big = 1 << 62
+    n = _check_columns(_as_dict(cols, ('buffer',), _BUFFER_COLUMNS),
+                       dict(epoch=(1, cursor[0][0] + 1), file=(0, len(reader.files)), rg=(0, big), row=(0, big), offset=(0, big)))
+    strategy, C, T = cfg['strategy'], cfg['T'] + 1, cfg['T']
+    split, most = strategy == 'bestfit-split', cfg['buffer_size'] + cfg['tokenizer_batch_size'] - 1
+    docs = len(set(zip(*(cols[c] for c in _BUFFER_COLUMNS[:4])))) if split else n
+    if docs > most:
+        raise ValueError(f"resume_state_dict['buffer'] holds {docs} documents{f' (in {n} pieces)' if split else ''}: a loader with "
+                         f"buffer_size={cfg['buffer_size']} and tokenizer_batch_size={cfg['tokenizer_batch_size']} holds at most {most}")
+    seen, prev, name = {}, None, lambda f: Path(reader.files[f]).name
+    for i, (e, f, g, r, o) in enumerate(zip(*(cols[c] for c in _BUFFER_COLUMNS))):
+        key, at = (e, f, g, r), f"resume_state_dict['buffer']: entry {i}"
+        j = seen.setdefault((key, o) if split else key, i)
+        if j != i:
+            if split or o == cols['offset'][j]: raise ValueError(f"{at} duplicates entry {j} ({key}, offset {o})")
+            raise ValueError(f"{at} repeats the document of entry {j} ({key}): under strategy {strategy!r} a document has one entry")
+        if not (o == 0 or (split and o >= C and (o - C) % T == 0) or strategy == 'concat'):
+            raise ValueError(f"{at} ({key}) has offset={o}, where strategy {strategy!r} starts no piece "
+                             f"(expected 0{f', or {C} + k*{T}' if split else ''})")
+        place = reader._place(e, f, g)
+        if place is None:
+            raise ValueError(f"{at} ({key}): rank {reader.rank} of {reader.world_size} reads no row group {g} of {name(f)} in epoch {e}")
+        rows = reader._rows(f)[g]
+        if r >= rows: raise ValueError(f"{at} has row={r}, but row group {g} of {name(f)} has {rows} rows")
+        pos = (place, r)
+        if pos >= cursor: raise ValueError(f"{at} ({key}) is not before the reader's cursor: a buffered document has been read already")
+        if prev is not None and (pos, o) <= prev:
+            raise ValueError(f"{at} ({key}, offset {o}) comes before entry {i - 1} in reading order: the buffer keeps documents in the order they were read")
+        prev = (pos, o)
+
+def _check_state(sd, cfg, fingerprint, reader, counters):
+    "Check a loader state completely (shape, config, fingerprints, cursor, buffer, counters, checksum) without reading a document; errors name the field."
+    present = [k for k in _NANOCHAT_KEYS if k in sd]
+    if present and len(present) < 3:
+        raise ValueError(f"resume_state_dict has {', '.join(map(repr, present))} but not "
+                         f"{', '.join(repr(k) for k in _NANOCHAT_KEYS if k not in sd)}: a loader's state has the three or none")
+    _as_dict(sd, (), _STATE_KEYS + tuple(present))
+    _as_int(sd['step'], ('step',))
+    fp = _as_dict(sd['fingerprint'], ('fingerprint',), ('data', 'tokenizer'))
+    _check_data(_as_dict(fp['data'], ('fingerprint', 'data'), _DATA_KEYS + ('footers',)), fingerprint['data'], reader.files)
+    tok = _as_dict(fp['tokenizer'], ('fingerprint', 'tokenizer'), tuple(fingerprint['tokenizer']))
+    if not all(_same(tok[k], v) for k, v in fingerprint['tokenizer'].items()):
+        raise ValueError(f"resume_state_dict['fingerprint']: saved with a different tokenizer ({_describe_tok(tok)}); this loader "
+                         f"has {_describe_tok(fingerprint['tokenizer'])}: exact resume needs the same tokenizer")
+    theirs = _as_dict(sd['config'], ('config',), _CONFIG_KEYS)
+    for k in _CONFIG_KEYS:
+        if not _same(theirs[k], cfg[k]):
+            raise ValueError(f"resume_state_dict['config']: saved by a loader with {k}={theirs[k]!r:.60}, but this loader has {k}={cfg[k]!r}: "
+                             f"exact resume needs the same {k} (each rank resumes from its own state)")
+    rd = _as_dict(sd['reader'], ('reader',), _READER_KEYS)
+    try: e, f, g, r = reader.check_state(rd)
+    except ValueError as err: raise ValueError(f"resume_state_dict['reader']: {err}") from None
+    if not _same(rd['batch_size'], cfg['tokenizer_batch_size']):
+        raise ValueError(f"resume_state_dict['reader']['batch_size']={rd['batch_size']!r:.60}: expected {cfg['tokenizer_batch_size']} (tokenizer_batch_size)")
+    cursor = (reader._place(e, f, g), r)
+    if present:
+        pe = _as_int(sd['epoch'], ('epoch',), 1, e + 1)
+        pf = _as_int(sd['pq_idx'], ('pq_idx',), 0, len(reader.files))
+        pg = _as_int(sd['rg_idx'], ('rg_idx',), 0, len(reader._rows(pf)))
+        place = reader._place(pe, pf, pg)
+        if place is None or (place, 0) >= cursor:
+            raise ValueError(f"resume_state_dict['rg_idx']={pg} of 'pq_idx'={pf} in 'epoch'={pe} is not a row group this rank read before the "
+                             "reader's cursor: it names the row group of the last slice packed")
+    for k in _as_dict(sd['metrics'], ('metrics',), counters): _as_int(sd['metrics'][k], ('metrics', k))
+    _check_buffer(sd['buffer'], cfg, reader, cursor)
+    if not isinstance(sd['checksum'], str) or sd['checksum'] != _checksum(sd):
+        raise ValueError(f"resume_state_dict['checksum'] does not match the state's contents: the state was changed after the loader handed "
+                         f"it out, and exact resume needs it as it was; {_APPROX}")
+
 
 # %% ../nbs/06_dataloader.ipynb #ae9cfd0e
 class _Failure(NamedTuple):
@@ -509,6 +626,7 @@ class _Producer:
         sd = dict(self.last) if self.last else {}
         sd.update(format=STATE_FORMAT, step=self.step, config=dict(self.config), fingerprint=_copy_fp(self.fingerprint),
                   reader=dict(self.reader_state), buffer=buffer_columns(*self.packer.buffer_keys()), metrics=self.packer.metrics_state())
+        sd['checksum'] = _checksum(sd)
         return sd
 
     def produce(self) -> _Produced:
@@ -660,12 +778,12 @@ class PackedLoader:
             raise TypeError(f"resume_state_dict must be a dict (a batch's state, or nanochat's {{pq_idx, rg_idx, epoch}}), got {type(sd).__name__}")
         p, cfg = self._producer, self.config
         if 'format' not in sd:
-            if not {'pq_idx', 'rg_idx'} <= set(sd):
-                raise ValueError(f"resume_state_dict has keys {sorted(sd)}: expected a state from this loader (with 'format') "
-                                 "or nanochat's {'pq_idx', 'rg_idx', 'epoch'}")
+            if set(sd) - set(_NANOCHAT_KEYS) or not {'pq_idx', 'rg_idx'} <= set(sd):
+                raise ValueError(f"resume_state_dict lacks 'format' (its keys: {sorted(map(str, sd))[:12]}): expected a state from this "
+                                 "loader (with 'format') or nanochat's {'pq_idx', 'rg_idx', 'epoch'} alone")
             if cfg['shuffle']: raise ValueError("a nanochat state {pq_idx, rg_idx, epoch} can only be continued with shuffle=False")
             for k, lo in (('pq_idx', 0), ('rg_idx', 0), ('epoch', 1)):
-                if k in sd: check_int(f"resume_state_dict[{k!r}]", sd[k], lo)
+                if k in sd: _as_int(sd[k], (k,), lo)
             p.reader.close()
             p.reader = RowGroupReader.from_nanochat_state(self.files, sd, cfg['rank'], cfg['world_size'],
                                                           cfg['tokenizer_batch_size'], cfg['text_column'], p.reader.utf8_errors)
@@ -674,28 +792,18 @@ class PackedLoader:
             return
         if sd['format'] == 'nanochat_dl.loader/1':
             raise ValueError("resume_state_dict has format 'nanochat_dl.loader/1', written by an earlier version of this loader, "
-                             f"which reads {STATE_FORMAT!r} (its data fingerprint also covers the shards' parquet footers); to continue "
-                             "approximately, as nanochat does, pass only the state's 'pq_idx', 'rg_idx' and 'epoch'")
+                             f"which reads {STATE_FORMAT!r} (its data fingerprint also covers the shards' parquet footers, and a "
+                             f"checksum covers the state); {_APPROX}")
         if sd['format'] != STATE_FORMAT:
-            raise ValueError(f"resume_state_dict has format {sd['format']!r}: this version reads {STATE_FORMAT!r}")
-        missing = [k for k in ('step', 'config', 'fingerprint', 'reader', 'buffer', 'metrics') if k not in sd]
-        if missing: raise ValueError(f"resume_state_dict lacks {missing}: expected a state handed out by PackedLoader")
-        fp = sd['fingerprint'] if isinstance(sd['fingerprint'], dict) else {}
-        _check_data(fp.get('data'), self.fingerprint['data'], self.files)
-        if fp.get('tokenizer') != self.fingerprint['tokenizer']:
-            raise ValueError(f"resume_state_dict was saved with a different tokenizer ({_describe_tok(fp.get('tokenizer'))}); this loader "
-                             f"has {_describe_tok(self.fingerprint['tokenizer'])}: exact resume needs the same tokenizer")
-        for k in _CONFIG_KEYS:
-            if sd['config'].get(k) != cfg[k]:
-                raise ValueError(f"resume_state_dict was saved by a loader with {k}={sd['config'].get(k)!r}, but this loader has "
-                                 f"{k}={cfg[k]!r}: exact resume needs the same {k} (each rank resumes from its own state)")
+            raise ValueError(f"resume_state_dict has format {sd['format']!r:.60}: this version reads {STATE_FORMAT!r}")
+        _check_state(sd, cfg, self.fingerprint, p.reader, tuple(p.packer.metrics_state()))   # everything, before any work
         entries = buffer_entries(sd['buffer'])
         p.reader.load_state_dict(sd['reader'])
         docs = p.encoder(read_documents(self.files, [k[1:] for k, _ in entries], cfg['text_column'], p.reader.utf8_errors)) if entries else []
         p.packer.restore([(d, k, off) for d, (k, off) in zip(docs, entries)])
         p.packer.load_metrics_state(sd['metrics'])
-        p.step = check_int("resume_state_dict['step']", sd['step'], 0)
-        p.last = {k: int(sd[k]) for k in ('pq_idx', 'rg_idx', 'epoch')} if 'pq_idx' in sd else None
+        p.step = sd['step']
+        p.last = {k: sd[k] for k in _NANOCHAT_KEYS} if 'pq_idx' in sd else None
         self.resumed = 'exact'
 
     def _get(self) -> _Produced:

@@ -170,6 +170,7 @@ class RowGroupReader:
         self._pf = self._pf_idx = None             # the one open shard
         self._texts = self._texts_at = None        # the one row group in memory
         self._plan = self._plan_epoch = None       # shuffled order of one epoch
+        self._plan_index = {}                      # epoch -> {(file, rg): its place in that epoch's plan}, for checking states
         self.epoch, self.file, self.rg, self.row, self._k = 1, 0, self.rank, 0, 0
 
     @classmethod
@@ -288,31 +289,49 @@ class RowGroupReader:
                     world_size=self.world_size, n_files=len(self.files), shuffle=self.shuffle, seed=self.seed,
                     balanced=self.balanced, batch_size=self.batch_size)
 
-    def load_state_dict(self, sd):
-        "Resume exactly at the document `sd` points to (`sd` from `state_dict()`, possibly through JSON)."
+    def _place(self, epoch, f, g):
+        "When this rank reads row group `(f, g)` in `epoch`, as a tuple that sorts in reading order; None if it does not read it then."
+        if not (0 <= f < len(self.files) and 0 <= g < len(self._rows(f))): return None
+        if not self._planned: return (epoch, f, g) if g % self.world_size == self.rank else None
+        idx = self._plan_index.get(epoch)
+        if idx is None:
+            if len(self._plan_index) > 8: self._plan_index.clear()
+            idx = self._plan_index[epoch] = {fg: k for k, fg in enumerate(self._epoch_plan(epoch))}
+        k = idx.get((f, g))
+        return None if k is None else (epoch, k)
+
+    def check_state(self, sd) -> tuple:
+        "Check that `sd` is a state of this reader pointing at a document it reads; its cursor `(epoch, file, rg, row)`."
+        if not isinstance(sd, dict): raise TypeError(f"reader state must be a dict from RowGroupReader.state_dict(), got {type(sd).__name__}")
         missing = [k for k in _CURSOR + _CONFIG if k not in sd]
         if missing: raise ValueError(f"reader state is missing {missing}: expected a dict from RowGroupReader.state_dict()")
+        unknown = [k for k in sd if k not in _CURSOR + _CONFIG + ('batch_size',)]
+        if unknown: raise ValueError(f"reader state has unknown keys {unknown[:5]!r:.200}: expected a dict from RowGroupReader.state_dict()")
         mine = dict(rank=self.rank, world_size=self.world_size, n_files=len(self.files), shuffle=self.shuffle,
                     seed=self.seed, balanced=self.balanced)
         for k in _CONFIG:
-            if sd[k] != mine[k]:
-                raise ValueError(f"reader state was saved with {k}={sd[k]!r} but this reader has {k}={mine[k]!r}: "
+            if type(sd[k]) is not type(mine[k]) or sd[k] != mine[k]:
+                raise ValueError(f"reader state was saved with {k}={sd[k]!r:.60} but this reader has {k}={mine[k]!r}: "
                                  "exact resume needs the same files, ranks and shuffle settings")
+        if 'batch_size' in sd and (isinstance(sd['batch_size'], bool) or not isinstance(sd['batch_size'], int) or sd['batch_size'] < 1):
+            raise ValueError(f"reader state has batch_size={sd['batch_size']!r:.60}: expected an int >= 1")
         e, f, g, r = (sd[k] for k in _CURSOR)
         if not all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in (e, f, g, r)):
-            raise ValueError(f"reader state cursor {dict(epoch=e, file=f, rg=g, row=r)} must hold integers")
+            raise ValueError(f"reader state cursor {dict(epoch=e, file=f, rg=g, row=r)!r:.200} must hold integers")
         if e < 1: raise ValueError(f"reader state has epoch={e}: expected an epoch >= 1")
         if not 0 <= f < len(self.files): raise ValueError(f"reader state has file={f}: expected 0 <= file < {len(self.files)}")
         rows = self._rows(f)
-        plan = self._epoch_plan(int(e)) if self._planned else None
-        owned = (f, g) in plan if self._planned else g % self.world_size == self.rank
-        if not (0 <= g < len(rows) and owned):
+        if self._place(int(e), int(f), int(g)) is None:
             raise ValueError(f"reader state has rg={g}, which is not a row group of rank {self.rank} of {self.world_size} "
                              f"in {self.files[f]} (it has {len(rows)} row groups)" + (f" in epoch {e}" if self._planned else ""))
         if not 0 <= r < rows[g]:
             raise ValueError(f"reader state has row={r}, but row group {g} of {self.files[f]} has {rows[g]} rows")
-        self.epoch, self.file, self.rg, self.row = int(e), int(f), int(g), int(r)
-        self._k = plan.index((self.file, self.rg)) if self._planned else 0
+        return int(e), int(f), int(g), int(r)
+
+    def load_state_dict(self, sd):
+        "Resume exactly at the document `sd` points to (`sd` from `state_dict()`, possibly through JSON)."
+        self.epoch, self.file, self.rg, self.row = self.check_state(sd)
+        self._k = self._place(self.epoch, self.file, self.rg)[1] if self._planned else 0
         if self._texts_at != (self.file, self.rg): self._texts = self._texts_at = None
         return self
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, event, given, settings, strategies as st
 
 from nanochat_dl.dataloader import PackedLoader, reference_loader, tokenizing_distributed_data_loader_with_state_bos_bestfit
 from nanochat_dl.dataset import make_sample_shards
@@ -430,7 +430,7 @@ def test_next_from_several_threads(env, prefetch):
                     b = next(ld); got.append((b.state['step'], b.inputs, b.targets, json.dumps(b.state)))
             except Exception as e: errors.append(e)
         threads = [threading.Thread(target=take) for _ in range(k)]
-        _until(lambda: ld._q.full(), 30)          # batches waiting: the threads take them at the same moment
+        if prefetch: _until(lambda: ld._q.full(), 30)          # batches waiting: the threads take them at the same moment
         for t in threads: t.start()
         for t in threads: t.join(60)
     assert not errors, errors
@@ -490,3 +490,143 @@ def test_exact_resume_refuses_a_changed_shard_of_the_same_name_and_size(env, tmp
         PackedLoader(env['tok'], **kw, resume_state_dict=sd)
     with PackedLoader(env['tok'], **kw, resume_state_dict={k: sd[k] for k in ('pq_idx', 'rg_idx', 'epoch')}) as ld:
         assert ld.resumed == 'approximate'                       # nanochat's state still continues, approximately
+
+
+# -- hand-edited states: refused before any work, with the field named; or an exact resume --------------------------
+
+TOYKW = dict(B=2, T=24, buffer_size=6, tokenizer_batch_size=4, device='cpu', tokenizer_threads=1, tokenize_in='threads', prefetch=0)
+
+
+@pytest.fixture(scope='module')
+def runs(env):
+    "For three strategies (whole documents, split pieces, concat remainders): 16 batches with their states, and the state at batch 9."
+    out = {}
+    for strategy in ('bestfit-crop', 'bestfit-split', 'concat'):
+        full, _ = run(env['tok'], 16, files=env['toy'], strategy=strategy, **TOYKW)
+        out[strategy] = (full, full[8][2])
+    return out
+
+
+class Reads:
+    "Counts documents read or encoded while it is active (a refused state must cost neither)."
+    def __init__(self, monkeypatch):
+        from nanochat_dl import dataloader, shards
+        self.n = 0
+        for mod, name in ((dataloader, 'read_documents'), (shards, '_read_group')):
+            orig = getattr(mod, name)
+            def spy(*a, _orig=orig, **k): self.n += 1; return _orig(*a, **k)
+            monkeypatch.setattr(mod, name, spy)
+        for cls in (dataloader.DocEncoder, dataloader.ProcessEncoder):
+            orig = cls.submit
+            def spy_submit(me, texts, _orig=orig): self.n += 1; return _orig(me, texts)
+            monkeypatch.setattr(cls, 'submit', spy_submit)
+
+
+def refused(env, sd, strategy='bestfit-crop'):
+    "The error a loader gives for state `sd` (after a JSON round trip), or None if it resumes."
+    try:
+        with PackedLoader(env['tok'], files=env['toy'], strategy=strategy, **TOYKW, resume_state_dict=json.loads(json.dumps(sd))): return None
+    except (ValueError, TypeError) as e: return e
+
+
+def test_hand_edited_states_are_refused_naming_the_field(env, runs, monkeypatch):
+    full, sd = runs['bestfit-crop']
+    buf = sd['buffer']
+    assert len(buf['row']) >= 3
+    reads = Reads(monkeypatch)
+    def dup(cols, i, j): return {c: v[:j] + [v[i]] + v[j:] for c, v in cols.items()}
+    entry = lambda i: (tuple(buf[c][i] for c in ('epoch', 'file', 'rg', 'row')), buf['offset'][i])
+    cases = [
+        (dict(sd, buffer=dup(buf, 1, 3)), ValueError, re.escape(f"resume_state_dict['buffer']: entry 3 duplicates entry 1 ({entry(1)[0]}, offset 0)")),
+        (dict(sd, buffer={c: v * 600 for c, v in buf.items()}), ValueError,
+         re.escape(f"resume_state_dict['buffer'] holds {600 * len(buf['row'])} documents: a loader with buffer_size=6 and "
+                   "tokenizer_batch_size=4 holds at most 9")),
+        (dict(sd, metrics=dict(sd['metrics'], emitted=-5)), ValueError, re.escape("resume_state_dict['metrics']['emitted']=-5 is invalid: expected an int >= 0")),
+        (dict(sd, metrics=dict(sd['metrics'], rows=2.0)), ValueError, re.escape("resume_state_dict['metrics']['rows']=2.0 is invalid: expected an int >= 0")),
+        (dict(sd, metrics=dict(sd['metrics'], rows='2')), ValueError, re.escape("resume_state_dict['metrics']['rows']='2' is invalid")),
+        (dict(sd, epoch=0), ValueError, re.escape("resume_state_dict['epoch']=0 is invalid: expected an int >= 1")),
+        (dict(sd, config=[1]), TypeError, re.escape("resume_state_dict['config'] must be a dict, got list")),
+        (dict(sd, pq_idx='x'), ValueError, re.escape("resume_state_dict['pq_idx']='x' is invalid: expected an int >= 0")),
+        (dict(sd, reader=5), TypeError, re.escape("resume_state_dict['reader'] must be a dict, got int")),
+        (dict(sd, step=True), ValueError, re.escape("resume_state_dict['step']=True is invalid")),
+        (dict(sd, extra=1), ValueError, re.escape("resume_state_dict has unknown keys ['extra']")),
+        ({k: v for k, v in sd.items() if k != 'format'}, ValueError, re.escape("resume_state_dict lacks 'format'")),
+        ({k: v for k, v in sd.items() if k != 'rg_idx'}, ValueError, re.escape("resume_state_dict has 'pq_idx', 'epoch' but not 'rg_idx'")),
+        (dict(sd, buffer=dict(buf, row=[buf['row'][0] + 1000] + buf['row'][1:])), ValueError,
+         re.escape("resume_state_dict['buffer']: entry 0 has row=")),
+        (dict(sd, checksum='0' * 16), ValueError, re.escape("resume_state_dict['checksum'] does not match the state's contents")),
+    ]
+    for bad, kind, msg in cases:
+        e = refused(env, bad)
+        assert isinstance(e, kind) and re.search(msg, str(e)), (msg, repr(e))
+    assert reads.n == 0, f"{reads.n} reads or encodings before refusing"
+
+
+JSONS = st.recursive(st.none() | st.booleans() | st.integers(-3, 2 ** 64) | st.floats(allow_nan=False) | st.text(max_size=4),
+                     lambda kids: st.lists(kids, max_size=3) | st.dictionaries(st.text(max_size=4), kids, max_size=3), max_leaves=6)
+
+
+def _paths(x, path=()):
+    yield path
+    if isinstance(x, dict):
+        for k, v in x.items(): yield from _paths(v, path + (k,))
+    elif isinstance(x, list):
+        for i, v in enumerate(x): yield from _paths(v, path + (i,))
+
+
+def _mutate(sd, data):
+    "One random edit of a state: a value replaced, nudged or deleted, a key added, list items repeated or dropped, buffer entries duplicated, dropped, swapped or moved."
+    sd = json.loads(json.dumps(sd))
+    op = data.draw(st.sampled_from(['replace', 'nudge', 'delete', 'add', 'repeat', 'dup_entry', 'drop_entry', 'swap_entries', 'move_entry', 'grow']))
+    buf = sd.get('buffer') if isinstance(sd, dict) and isinstance(sd.get('buffer'), dict) else None
+    cols = [c for c in ('epoch', 'file', 'rg', 'row', 'offset') if buf and isinstance(buf.get(c), list)]
+    n = min((len(buf[c]) for c in cols), default=0) if cols else 0
+    if op in ('dup_entry', 'drop_entry', 'swap_entries', 'move_entry', 'grow') and n:
+        i, j = data.draw(st.integers(0, n - 1)), data.draw(st.integers(0, n))
+        for c in cols:
+            v = buf[c]
+            if op == 'dup_entry': v.insert(j, v[i])
+            elif op == 'drop_entry': del v[i]
+            elif op == 'swap_entries': v[i], v[min(j, n - 1)] = v[min(j, n - 1)], v[i]
+            elif op == 'move_entry': v.insert(j, v.pop(i))
+            else: buf[c] = v * data.draw(st.integers(2, 700))
+        return sd
+    path = data.draw(st.sampled_from(list(_paths(sd))))
+    if not path: return {} if op != 'replace' or (v := data.draw(JSONS)) is None else v     # (None would mean: no state at all)
+    parent = sd
+    for k in path[:-1]: parent = parent[k]
+    k, v = path[-1], parent[path[-1]]
+    if op == 'replace': parent[k] = data.draw(JSONS)
+    elif op == 'nudge' and isinstance(v, int) and not isinstance(v, bool): parent[k] = v + data.draw(st.sampled_from([-2, -1, 1, 2, 7, 10 ** 6]))
+    elif op == 'nudge' and isinstance(v, str): parent[k] = v[:-1] + ('0' if v[-1:] != '0' else '1')
+    elif op == 'delete': del parent[k]
+    elif op == 'add' and isinstance(v, dict): v[data.draw(st.text(max_size=6))] = data.draw(JSONS)
+    elif op == 'repeat' and isinstance(v, list) and v: v.insert(data.draw(st.integers(0, len(v))), v[data.draw(st.integers(0, len(v) - 1))])
+    return sd
+
+
+FIELD = re.compile(r"resume_state_dict(\['\w+'\])?")
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(strategy=st.sampled_from(['bestfit-crop', 'bestfit-split', 'concat']), data=st.data())
+def test_mutated_states_are_refused_or_resume_exactly(env, runs, monkeypatch, strategy, data):
+    """Any edit of a valid state (one to three of them, at any place) either is refused with a ValueError or TypeError
+    that names a field of `resume_state_dict`, before any document is read or encoded, or resumes exactly."""
+    full, sd = runs[strategy]
+    bad = sd
+    for _ in range(data.draw(st.integers(1, 3))): bad = _mutate(bad, data)
+    with monkeypatch.context() as m:
+        reads = Reads(m)
+        try:
+            ld = PackedLoader(env['tok'], files=env['toy'], strategy=strategy, **TOYKW, resume_state_dict=json.loads(json.dumps(bad)))
+        except (ValueError, TypeError) as e:
+            assert 'resume_state_dict' in str(e), repr(e)
+            assert reads.n == 0, f"{reads.n} reads or encodings before refusing: {e}"
+            event('refused: ' + FIELD.match(str(e))[0])
+            return
+    event('resumed exactly' if bad == sd else 'edited, resumed exactly')
+    with ld:
+        for i, b in enumerate(itertools.islice(ld, len(full) - 9)):
+            x0, y0, s0 = full[9 + i]
+            assert torch.equal(b.inputs, x0) and torch.equal(b.targets, y0) and json.loads(json.dumps(b.state)) == s0
