@@ -12,8 +12,8 @@ __all__ = ['STATE_FORMAT', 'BENCH_KINDS', 'reference_loader', 'DocEncoder', 'Pro
 
 # %% ../nbs/06_dataloader.ipynb #744e7663
 import atexit, gc, hashlib, zlib, itertools, json, math, os, pickle, queue, select, struct, subprocess, sys, tempfile, threading, time, warnings, weakref
-from array import array
 from collections import deque
+from operator import itemgetter
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -390,10 +390,12 @@ def tokenizer_fingerprint(tokenizer) -> dict:
 
 _BUFFER_COLUMNS = ('epoch', 'file', 'rg', 'row', 'offset')
 
+_FIELDS = tuple(map(itemgetter, range(4)))
+
 def buffer_columns(keys, offsets) -> dict:
     "The buffer's keys `(epoch, file, rg, row)` and offsets (`Packer.buffer_keys()`) as five flat lists: few objects, compact JSON."
-    if not keys: return {c: [] for c in _BUFFER_COLUMNS}
-    return dict(zip(_BUFFER_COLUMNS, [*map(list, zip(*keys)), offsets]))
+    # one `map(itemgetter(i), keys)` per column: a third of the time of `zip(*keys)`, whose 1,000-odd arguments cost
+    return dict(zip(_BUFFER_COLUMNS, [*(list(map(g, keys)) for g in _FIELDS), list(offsets)]))
 
 def buffer_entries(cols) -> list:
     "The inverse of `buffer_columns`, checked: `[((epoch, file, rg, row), offset), ...]`."
@@ -429,14 +431,15 @@ def _check_data(theirs, mine, files):
                          f"the ones the state points to; exact resume needs the same shards; {_APPROX}")
 
 def _checksum(sd) -> str:
-    "16 hex digits over what a state says beyond its config and fingerprint (those are compared as they are): cursor, buffer, counters, step."
-    h = hashlib.blake2b(digest_size=8)
-    h.update(json.dumps([sd['format'], sd['step'], sd.get('pq_idx'), sd.get('rg_idx'), sd.get('epoch'), sorted(sd['reader'].items()),
-                         sorted(sd['metrics'].items())], separators=(',', ':')).encode())
-    for c in _BUFFER_COLUMNS:
+    "16 hex digits (CRC-32 and Adler-32) over what a state says beyond its config and fingerprint (those are compared as they are): cursor, buffer, counters, step. Against edits and damage, not forgery."
+    data = json.dumps([sd['format'], sd['step'], sd.get('pq_idx'), sd.get('rg_idx'), sd.get('epoch'), sorted(sd['reader'].items()),
+                       sorted(sd['metrics'].items())], separators=(',', ':')).encode()
+    crc, adler = zlib.crc32(data), zlib.adler32(data)
+    for c in _BUFFER_COLUMNS:   # the columns as little-endian int64s: the same bytes on every machine and Python
         col = sd['buffer'][c]
-        h.update(len(col).to_bytes(8, 'little')); h.update(array('q', col))
-    return h.hexdigest()
+        data = struct.pack(f'<Q{len(col)}q', len(col), *col)
+        crc, adler = zlib.crc32(data, crc), zlib.adler32(data, adler)
+    return f"{crc:08x}{adler:08x}"
 
 def _describe_tok(fp):
     if not isinstance(fp, dict) or not {'vocab_size', 'bos_id', 'sha'} <= set(fp): return repr(fp)
