@@ -785,8 +785,8 @@ class PackedLoader:
                 raise ValueError(f"resume_state_dict lacks 'format' (its keys: {sorted(map(str, sd))[:12]}): expected a state from this "
                                  "loader (with 'format') or nanochat's {'pq_idx', 'rg_idx', 'epoch'} alone")
             if cfg['shuffle']: raise ValueError("a nanochat state {pq_idx, rg_idx, epoch} can only be continued with shuffle=False")
-            for k, lo in (('pq_idx', 0), ('rg_idx', 0), ('epoch', 1)):
-                if k in sd: _as_int(sd[k], (k,), lo)
+            for k, lo, hi in (('pq_idx', 0, len(self.files)), ('rg_idx', 0, None), ('epoch', 1, None)):
+                if k in sd: _as_int(sd[k], (k,), lo, hi)
             p.reader.close()
             p.reader = RowGroupReader.from_nanochat_state(self.files, sd, cfg['rank'], cfg['world_size'],
                                                           cfg['tokenizer_batch_size'], cfg['text_column'], p.reader.utf8_errors)
