@@ -13,6 +13,7 @@ __all__ = ['STATE_FORMAT', 'BENCH_KINDS', 'reference_loader', 'DocEncoder', 'Pro
 # %% ../nbs/06_dataloader.ipynb #744e7663
 import atexit, gc, hashlib, zlib, itertools, json, math, os, pickle, queue, select, struct, subprocess, sys, tempfile, threading, time, warnings, weakref
 from collections import deque
+from operator import itemgetter
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +27,7 @@ from .shards import RowGroupReader, split_files, read_documents, nanochat_state
 from .tokenizer import get_tokenizer, train_tokenizer
 from .packing import Packer, ReferencePacker, PackedBatch, FlatDocs, STRATEGIES, position_ids, cu_seqlens, show_batch, _pct, fineweb_like_lengths
 from .transfer import DeviceTransfer, SingleBufferTransfer, resolve_device
-from ._tokworker import encode_flat, WORKER_CMD
+from ._tokworker import encode_flat, worker_cmd, _module_files
 
 # %% ../nbs/06_dataloader.ipynb #336c5629
 def _dist(rank, world_size):
@@ -113,19 +114,41 @@ def _widen_pipe(fd, size=1 << 20):
         fcntl.fcntl(fd, getattr(fcntl, 'F_SETPIPE_SZ', 1031), size)
     except (ImportError, OSError): pass   # elsewhere, or above the system's limit: the default buffer works, a little slower
 
-_PKG_PARENT = str(Path(sys.modules[encode_flat.__module__].__file__).resolve().parents[1])   # workers import this copy of the package
+def _awake(t0, expected) -> float:
+    "Seconds since `t0` of a wait that should take at most `expected`: a longer one means this process was stopped (a suspended job), which is nobody's fault, so it counts as `expected` only."
+    return min(time.monotonic() - t0, expected + 0.5)
+
+_STATES = dict(R='running', S='sleeping', D='waiting for the disk', T='stopped', t='stopped by a debugger', Z='exited')
+
+def _proc_state(pid) -> str:
+    "'; its state: T (stopped)' from /proc (Linux), else ''."
+    try: s = Path(f'/proc/{pid}/stat').read_text().rsplit(')', 1)[1].split()[0]
+    except (OSError, IndexError): return ''
+    return f"; its state: {s} ({_STATES.get(s, '?')})"
+
+def _chars(texts) -> int:
+    "Characters in `texts` (what is not text counts as none: the worker reports it)."
+    try: return sum(map(len, texts))
+    except TypeError: return sum(len(t) for t in texts if isinstance(t, str))
+
+def _check_timeout(name, v):
+    "`None`, or a pair `(seconds > 0, seconds per character >= 0)` as floats."
+    ok = v is None or (isinstance(v, tuple) and len(v) == 2 and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in v)
+                       and v[0] > 0 and v[1] >= 0 and all(map(math.isfinite, v)))
+    if not ok: raise ValueError(f"{name}={v!r} is invalid: expected None or (seconds, seconds per character), e.g. (60.0, 1e-05)")
+    return None if v is None else (float(v[0]), float(v[1]))
 
 class _Worker:
     "One worker process and the two ends of its pipes, driven without helper threads."
     def __init__(self, i):
         self.i, self.err = i, tempfile.TemporaryFile()
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([_PKG_PARENT] + [p for p in [os.environ.get('PYTHONPATH')] if p]))
-        self.proc = subprocess.Popen(WORKER_CMD, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=self.err, bufsize=0, env=env)
+        self.proc = subprocess.Popen(worker_cmd(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.err, bufsize=0)
         self.wfd, self.rfd = self.proc.stdin.fileno(), self.proc.stdout.fileno()
         _widen_pipe(self.wfd); _widen_pipe(self.rfd)
         os.set_blocking(self.wfd, False)
         self.inbuf, self.frames, self.eof = bytearray(), deque(), False
+        self.pending = deque()   # (documents, characters, time sent) of each message not answered yet, oldest first
+        self.hung = False        # it did not answer in the time allowed: closing kills it without waiting
         # reads land in this buffer, kept for the worker's life: `os.read(fd, 4 MiB)` would allocate (mmap) and free
         # a 4 MiB bytes object on every call, which costs more than the read itself
         self.rview = memoryview(bytearray(1 << 20))
@@ -152,10 +175,18 @@ class _Worker:
             self.frames.append(pickle.loads(memoryview(buf)[8:8 + n]))
             del buf[:8 + n]
 
-    def send(self, data: bytes):
-        "Write a frame; while the pipe is full, read the worker's answers so that it can go on (no deadlock)."
-        view = memoryview(struct.pack('<Q', len(data)) + data)
+    def stuck(self, what) -> RuntimeError:
+        "The error for a worker that did not answer in the time allowed (`what` it was doing, and for how long); it is killed on close."
+        self.hung = True
+        return RuntimeError(f"tokenizer worker {self.i} (pid {self.proc.pid}) {what}{_proc_state(self.proc.pid)}: it looks hung (stopped, "
+                            "deadlocked or starved of CPU) and is killed when the encoder closes; if it was only slow, allow more time "
+                            f"(PackedLoader's worker_timeout, ProcessEncoder's timeout). Its stderr: {self.stderr()}")
+
+    def send(self, data: bytes, what=(None, 0), allowed=None, rule=''):
+        "Write a frame of `what` = (documents, characters); while the pipe is full, read the worker's answers so that it can go on (no deadlock). Raise if it reads nothing for `allowed` seconds."
+        view, idle = memoryview(struct.pack('<Q', len(data)) + data), 0.0
         while view:
+            t0 = time.monotonic()
             r, w, _ = select.select([self.rfd], [self.wfd], [], 1.0)
             if r:
                 self.pump()
@@ -164,17 +195,31 @@ class _Worker:
                 try: view = view[os.write(self.wfd, view):]
                 except BlockingIOError: pass
                 except (BrokenPipeError, OSError): raise self.gone("is gone") from None
-            if not (r or w) and self.proc.poll() is not None: raise self.gone("exited")
+            if r or w: idle = 0.0
+            elif self.proc.poll() is not None: raise self.gone("exited")
+            else:
+                idle += _awake(t0, 1.0)
+                if allowed is not None and idle > allowed:
+                    raise self.stuck(f"has not read its input for {idle:.1f} s (allowed {allowed:.1f} s: {rule}) while {what[0]:,} documents "
+                                     f"({what[1]:,} characters) wait to be sent, after {len(self.pending)} unanswered message(s)")
+        self.pending.append((*what, time.monotonic()))
 
-    def get(self, timeout=None):
-        "The next answer, waiting for it."
-        t0 = time.monotonic()
+    def get(self, allowed=None, rule=''):
+        "The next answer, waiting for it; raise if none comes within `allowed` seconds of waiting."
+        waited = 0.0
         while not self.frames:
             if self.eof: raise self.gone("exited")
+            t0 = time.monotonic()
             r, _, _ = select.select([self.rfd], [], [], 0.5)
             if r: self.pump()
-            elif timeout is not None and time.monotonic() - t0 > timeout:
-                raise RuntimeError(f"tokenizer worker {self.i} did not answer within {timeout:.0f} s; its stderr: {self.stderr()}")
+            else:
+                waited += _awake(t0, 0.5)
+                if allowed is not None and waited > allowed:
+                    docs, chars, sent = self.pending[0] if self.pending else (None, 0, time.monotonic())
+                    doing = "has not started" if docs is None else \
+                            f"was sent {docs:,} documents ({chars:,} characters) {time.monotonic() - sent:.1f} s ago and has not answered"
+                    raise self.stuck(f"{doing} for {waited:.1f} s (allowed {allowed:.1f} s: {rule})")
+        if self.pending: self.pending.popleft()
         return self.frames.popleft()
 
     def hang_up(self):
@@ -184,11 +229,22 @@ class _Worker:
             except OSError: pass
 
     def close(self, deadline):
-        "Hang up and wait for the process until `deadline` (`time.monotonic()`), then kill it."
+        "Hang up and wait for the process until `deadline` (`time.monotonic()`), then kill it (a hung one at once)."
+        if self.hung: self.proc.kill()
         self.hang_up()
         try: self.proc.wait(max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired: self.proc.kill(); self.proc.wait()
         self.err.close()
+
+def _check_ready(w, answer):
+    "A worker's first answer must be 'ready', with numpy and tiktoken from the files this process uses."
+    if not (isinstance(answer, tuple) and len(answer) == 2 and answer[0] == 'ready' and isinstance(answer[1], dict)):
+        raise RuntimeError(f"tokenizer worker {w.i} (pid {w.proc.pid}) did not start properly: it answered {answer!r:.200}")
+    real = lambda f: f and os.path.realpath(f)
+    for m, mine in _module_files().items():
+        if mine and real(answer[1].get(m)) != real(mine):
+            raise RuntimeError(f"tokenizer worker {w.i} (pid {w.proc.pid}) imported {m} from {answer[1].get(m)}, but this process "
+                               f"uses {mine}: the workers must run the same code (see `worker_cmd`)")
 
 def _close_workers(workers, timeout):
     if not workers: return                            # closed already
@@ -199,8 +255,10 @@ def _close_workers(workers, timeout):
 
 class ProcessEncoder:
     "`DocEncoder`'s interface with the encoding in `workers` worker processes (tiktoken tokenizers, POSIX)."
-    def __init__(self, tokenizer, workers=2, start_timeout=60.0):
+    def __init__(self, tokenizer, workers=2, start_timeout=60.0, timeout=(60.0, 1e-5)):
         self.workers = check_int('workers', workers)
+        self.timeout = _check_timeout('timeout', timeout)   # how long a worker may take to answer: seconds, plus seconds per character
+        self._rule = None if self.timeout is None else f"{self.timeout[0]:g} s + {self.timeout[1]:g} s per character"
         self.bos = int(tokenizer.get_bos_token_id())
         enc = _tiktoken_core(tokenizer)
         if enc is None:
@@ -214,8 +272,7 @@ class ProcessEncoder:
         try:
             for i in range(self.workers):
                 self._w.append(_Worker(i)); self._w[-1].send(init)
-            for w in self._w:
-                if w.get(start_timeout) != 'ready': raise RuntimeError(f"tokenizer worker {w.i} did not start properly")
+            for w in self._w: _check_ready(w, w.get(start_timeout, f'start_timeout={start_timeout:g}'))
         except BaseException:
             self.close(); raise
 
@@ -232,15 +289,21 @@ class ProcessEncoder:
         texts, n = list(texts), self.workers
         k = -(-len(texts) // n) if texts else 0
         # every chunk pickled before any is sent: one that cannot be pickled must not leave the others' answers unread
-        msgs = [pickle.dumps(texts[j:j + k], protocol=pickle.HIGHEST_PROTOCOL) for j in range(0, len(texts), k or 1)]
+        chunks = [texts[j:j + k] for j in range(0, len(texts), k or 1)]
+        msgs = [(pickle.dumps(c, protocol=pickle.HIGHEST_PROTOCOL), (len(c), _chars(c))) for c in chunks]
         self._check()
         handle = []
         try:
-            for m in msgs:
+            for m, what in msgs:
                 i = self._next; self._next = (self._next + 1) % n
-                self._w[i].send(m); handle.append(i)
+                w = self._w[i]
+                w.send(m, what, self._allowed(what[1] + sum(p[1] for p in w.pending)), self._rule); handle.append(i)
         except BaseException as e: self._broken = e; raise
         return handle
+
+    def _allowed(self, chars):
+        "Seconds a worker may take for `chars` characters of text (None: no limit)."
+        return None if self.timeout is None else self.timeout[0] + self.timeout[1] * chars
 
     def _check(self):
         # a send or a wait cut short (a worker gone, an interrupt) leaves answers in the pipes that would be taken
@@ -256,7 +319,8 @@ class ProcessEncoder:
         parts, failed = [], None
         try:
             for i in handle:   # every answer of the handle is read, even after a failure: the next result must not get this one's
-                ok, lens, flat, cpu = self._w[i].get()
+                w = self._w[i]
+                ok, lens, flat, cpu = w.get(self._allowed(w.pending[0][1]) if w.pending else None, self._rule)
                 if not ok:
                     failed = failed or RuntimeError(f"tokenizer worker {i} failed:\n{lens}")
                     continue
@@ -279,27 +343,37 @@ class ProcessEncoder:
     def __repr__(self): return f"ProcessEncoder(workers={self.workers}, bos={self.bos})"
 
 # %% ../nbs/06_dataloader.ipynb #694fddcd
-def make_encoder(tokenizer, workers=4, tokenize_in='auto'):
-    "A `ProcessEncoder` or a `DocEncoder` for `tokenizer`; `tokenize_in`: 'auto', 'processes' or 'threads'."
+def make_encoder(tokenizer, workers=4, tokenize_in='auto', timeout=(60.0, 1e-5)):
+    "A `ProcessEncoder` (its answers within `timeout`) or a `DocEncoder` for `tokenizer`; `tokenize_in`: 'auto', 'processes' or 'threads'."
     if tokenize_in not in ('auto', 'processes', 'threads'):
         raise ValueError(f"tokenize_in={tokenize_in!r}: expected 'auto', 'processes' or 'threads'")
     workers = check_int('tokenizer_threads', workers)
     if tokenize_in == 'processes' or (tokenize_in == 'auto' and _tiktoken_core(tokenizer) is not None and os.name == 'posix'):
-        return ProcessEncoder(tokenizer, min(workers, os.cpu_count() or workers))
+        return ProcessEncoder(tokenizer, min(workers, os.cpu_count() or workers), timeout=timeout)
     return DocEncoder(tokenizer, workers)
 
 # %% ../nbs/06_dataloader.ipynb #072183e1
-STATE_FORMAT = 'nanochat_dl.loader/1'
+STATE_FORMAT = 'nanochat_dl.loader/2'
 _CONFIG_KEYS = ('split', 'B', 'T', 'strategy', 'buffer_size', 'tokenizer_batch_size', 'rank', 'world_size',
                 'shuffle', 'seed', 'text_column', 'pad_id', 'max_docs_per_row')
 
+def _footer_digest(path, size) -> str:
+    "8 hex digits of a hash of the parquet footer of `path` (its row groups, their sizes and offsets, statistics), read from the file's tail; of its last 64 KiB if it has no footer."
+    with open(path, 'rb') as f:
+        f.seek(max(0, size - 8)); tail = f.read(8)
+        n = int.from_bytes(tail[:4], 'little') if len(tail) == 8 and tail[4:] == b'PAR1' else -1
+        f.seek(size - 8 - n if 0 <= n <= size - 12 else max(0, size - 65536))
+        return hashlib.sha256(f.read()).hexdigest()[:8]
+
 def data_fingerprint(files) -> dict:
-    "The shards a state belongs to: how many, first and last name, total bytes and a hash of every name and size."
-    h, total = hashlib.sha256(), 0
+    "The shards a state belongs to: how many, first and last name, total bytes, a hash of every name and size, and a short hash of each shard's parquet footer (`footers`: 8 hex digits per shard)."
+    h, total, footers = hashlib.sha256(), 0, []
     for p in map(Path, files):
         n = p.stat().st_size
         h.update(f"{p.name}\0{n}\n".encode()); total += n
-    return dict(files=len(files), first=Path(files[0]).name, last=Path(files[-1]).name, bytes=total, sha=h.hexdigest()[:16])
+        footers.append(_footer_digest(p, n))
+    return dict(files=len(files), first=Path(files[0]).name, last=Path(files[-1]).name, bytes=total, sha=h.hexdigest()[:16],
+                footers=''.join(footers))
 
 _PROBE = "Tokenizer probe: Hello, world! 12345 \u00fcber na\u00efve \u65e5\u672c\u8a9e \U0001f600 <|bos|>\n\tdef f(x): return x ** 2  # done."
 
@@ -316,10 +390,12 @@ def tokenizer_fingerprint(tokenizer) -> dict:
 
 _BUFFER_COLUMNS = ('epoch', 'file', 'rg', 'row', 'offset')
 
+_FIELDS = tuple(map(itemgetter, range(4)))
+
 def buffer_columns(keys, offsets) -> dict:
     "The buffer's keys `(epoch, file, rg, row)` and offsets (`Packer.buffer_keys()`) as five flat lists: few objects, compact JSON."
-    if not keys: return {c: [] for c in _BUFFER_COLUMNS}
-    return dict(zip(_BUFFER_COLUMNS, [*map(list, zip(*keys)), offsets]))
+    # one `map(itemgetter(i), keys)` per column: a third of the time of `zip(*keys)`, whose 1,000-odd arguments cost
+    return dict(zip(_BUFFER_COLUMNS, [*(list(map(g, keys)) for g in _FIELDS), list(offsets)]))
 
 def buffer_entries(cols) -> list:
     "The inverse of `buffer_columns`, checked: `[((epoch, file, rg, row), offset), ...]`."
@@ -330,13 +406,150 @@ def buffer_entries(cols) -> list:
                                 f"non-negative ints {list(_BUFFER_COLUMNS)}")
     return [((e, f, g, r), o) for e, f, g, r, o in zip(*(cols[c] for c in _BUFFER_COLUMNS))]
 
+_DATA_KEYS = ('files', 'first', 'last', 'bytes', 'sha')   # names and sizes ('footers' apart: a shard they name is the answer)
+
 def _describe_data(fp):
-    if not isinstance(fp, dict) or not {'files', 'first', 'last', 'bytes', 'sha'} <= set(fp): return repr(fp)
+    if not isinstance(fp, dict) or not set(_DATA_KEYS) <= set(fp) or not isinstance(fp['bytes'], (int, float)): return f"{fp!r:.200}"
     return f"{fp['files']} shards {fp['first']}..{fp['last']} ({human_bytes(fp['bytes'])}, sha {fp['sha']})"
+
+_APPROX = "to continue approximately, as nanochat does, pass only the state's 'pq_idx', 'rg_idx' and 'epoch'"
+
+def _check_data(theirs, mine, files):
+    "A state's data fingerprint against this loader's: the same shard names and sizes, then the same footer of every shard (the changed one named)."
+    if not isinstance(theirs, dict) or {k: theirs.get(k) for k in _DATA_KEYS} != {k: mine[k] for k in _DATA_KEYS}:
+        raise ValueError(f"resume_state_dict['fingerprint']: saved over different data: {_describe_data(theirs)}; this loader reads "
+                         f"{_describe_data(mine)}: exact resume needs the same shards (names and sizes); {_APPROX}")
+    old, new = theirs.get('footers'), mine['footers']
+    if not isinstance(old, str) or len(old) != len(new):
+        raise ValueError(f"resume_state_dict['fingerprint']['data']['footers'] is {old!r:.60}: expected a string of 8 hex digits for "
+                         f"each of the {len(files)} shards")
+    changed = [Path(files[i]).name for i in range(len(files)) if old[8 * i:8 * i + 8] != new[8 * i:8 * i + 8]]
+    if changed:
+        more = f" (and {len(changed) - 1} more: {', '.join(changed[1:4])}{', ...' if len(changed) > 4 else ''})" if len(changed) > 1 else ''
+        raise ValueError(f"resume_state_dict['fingerprint']: shard {changed[0]} changed since the state was saved (same name and size, "
+                         f"another parquet footer){more}: its row groups, their sizes or statistics differ, so its documents may not be "
+                         f"the ones the state points to; exact resume needs the same shards; {_APPROX}")
+
+def _checksum(sd) -> str:
+    "16 hex digits (CRC-32 and Adler-32) over what a state says beyond its config and fingerprint (those are compared as they are): cursor, buffer, counters, step. Against edits and damage, not forgery."
+    data = json.dumps([sd['format'], sd['step'], sd.get('pq_idx'), sd.get('rg_idx'), sd.get('epoch'), sorted(sd['reader'].items()),
+                       sorted(sd['metrics'].items())], separators=(',', ':')).encode()
+    crc, adler = zlib.crc32(data), zlib.adler32(data)
+    for c in _BUFFER_COLUMNS:   # the columns as little-endian int64s: the same bytes on every machine and Python
+        col = sd['buffer'][c]
+        data = struct.pack(f'<Q{len(col)}q', len(col), *col)
+        crc, adler = zlib.crc32(data, crc), zlib.adler32(data, adler)
+    return f"{crc:08x}{adler:08x}"
 
 def _describe_tok(fp):
     if not isinstance(fp, dict) or not {'vocab_size', 'bos_id', 'sha'} <= set(fp): return repr(fp)
     return f"vocab {fp['vocab_size']}, bos {fp['bos_id']}, sha {fp['sha']}"
+
+# %% ../nbs/06_dataloader.ipynb #b2d5f7a3
+_STATE_KEYS = ('format', 'step', 'config', 'fingerprint', 'reader', 'buffer', 'metrics', 'checksum')
+_NANOCHAT_KEYS = ('pq_idx', 'rg_idx', 'epoch')
+_READER_KEYS = ('epoch', 'file', 'rg', 'row', 'rank', 'world_size', 'n_files', 'shuffle', 'seed', 'balanced', 'batch_size')
+
+def _name(path) -> str: return 'resume_state_dict' + ''.join(f'[{k!r}]' for k in path)
+
+def _as_dict(v, path, keys) -> dict:
+    "`v` if it is a dict with exactly `keys`; else an error naming the field."
+    if not isinstance(v, dict): raise TypeError(f"{_name(path)} must be a dict, got {type(v).__name__}")
+    missing, unknown = [k for k in keys if k not in v], [k for k in v if k not in keys]
+    if missing: raise ValueError(f"{_name(path)} lacks {missing}: expected the keys {list(keys)}")
+    if unknown: raise ValueError(f"{_name(path)} has unknown keys {unknown[:5]!r:.200}: expected only {list(keys)}")
+    return v
+
+def _as_int(v, path, lo=0, hi=None) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo or (hi is not None and v >= hi):
+        raise ValueError(f"{_name(path)}={v!r:.60} is invalid: expected an int >= {lo}" + ('' if hi is None else f" and < {hi}"))
+    return v
+
+def _same(a, b) -> bool: return type(a) is type(b) and a == b
+
+def _check_columns(cols, ranges) -> int:
+    "The buffer's five columns: lists of equal length of ints in `ranges[column]`; their length."
+    for c in _BUFFER_COLUMNS:
+        if not isinstance(cols[c], list): raise TypeError(f"{_name(('buffer', c))} must be a list, got {type(cols[c]).__name__}")
+    lens = {c: len(cols[c]) for c in _BUFFER_COLUMNS}
+    if len(set(lens.values())) > 1: raise ValueError(f"resume_state_dict['buffer'] has columns of different lengths {lens}: expected one value per entry in each")
+    for c in _BUFFER_COLUMNS:
+        col, (lo, hi) = cols[c], ranges[c]
+        if not (all(type(v) is int for v in col) and (not col or (min(col) >= lo and max(col) < hi))):   # the fast path; then the culprit
+            for i, v in enumerate(col): _as_int(v, ('buffer', c, i), lo, hi)
+    return lens['row']
+
+def _check_buffer(cols, cfg, reader, cursor):
+    "Every buffered entry: an address this rank has read (before `cursor`), in reading order, none twice, at an offset where the strategy starts a piece."
+    big = 1 << 62
+    n = _check_columns(_as_dict(cols, ('buffer',), _BUFFER_COLUMNS),
+                       dict(epoch=(1, cursor[0][0] + 1), file=(0, len(reader.files)), rg=(0, big), row=(0, big), offset=(0, big)))
+    strategy, C, T = cfg['strategy'], cfg['T'] + 1, cfg['T']
+    split, most = strategy == 'bestfit-split', cfg['buffer_size'] + cfg['tokenizer_batch_size'] - 1
+    docs = len(set(zip(*(cols[c] for c in _BUFFER_COLUMNS[:4])))) if split else n
+    if docs > most:
+        raise ValueError(f"resume_state_dict['buffer'] holds {docs} documents{f' (in {n} pieces)' if split else ''}: a loader with "
+                         f"buffer_size={cfg['buffer_size']} and tokenizer_batch_size={cfg['tokenizer_batch_size']} holds at most {most}")
+    seen, prev, name = {}, None, lambda f: Path(reader.files[f]).name
+    for i, (e, f, g, r, o) in enumerate(zip(*(cols[c] for c in _BUFFER_COLUMNS))):
+        key, at = (e, f, g, r), f"resume_state_dict['buffer']: entry {i}"
+        j = seen.setdefault((key, o) if split else key, i)
+        if j != i:
+            if split or o == cols['offset'][j]: raise ValueError(f"{at} duplicates entry {j} ({key}, offset {o})")
+            raise ValueError(f"{at} repeats the document of entry {j} ({key}): under strategy {strategy!r} a document has one entry")
+        if not (o == 0 or (split and o >= C and (o - C) % T == 0) or strategy == 'concat'):
+            raise ValueError(f"{at} ({key}) has offset={o}, where strategy {strategy!r} starts no piece "
+                             f"(expected 0{f', or {C} + k*{T}' if split else ''})")
+        place = reader._place(e, f, g)
+        if place is None:
+            raise ValueError(f"{at} ({key}): rank {reader.rank} of {reader.world_size} reads no row group {g} of {name(f)} in epoch {e}")
+        rows = reader._rows(f)[g]
+        if r >= rows: raise ValueError(f"{at} has row={r}, but row group {g} of {name(f)} has {rows} rows")
+        pos = (place, r)
+        if pos >= cursor: raise ValueError(f"{at} ({key}) is not before the reader's cursor: a buffered document has been read already")
+        if prev is not None and (pos, o) <= prev:
+            raise ValueError(f"{at} ({key}, offset {o}) comes before entry {i - 1} in reading order: the buffer keeps documents in the order they were read")
+        prev = (pos, o)
+
+def _check_state(sd, cfg, fingerprint, reader, counters):
+    "Check a loader state completely (shape, config, fingerprints, cursor, buffer, counters, checksum) without reading a document; errors name the field."
+    present = [k for k in _NANOCHAT_KEYS if k in sd]
+    if present and len(present) < 3:
+        raise ValueError(f"resume_state_dict has {', '.join(map(repr, present))} but not "
+                         f"{', '.join(repr(k) for k in _NANOCHAT_KEYS if k not in sd)}: a loader's state has the three or none")
+    _as_dict(sd, (), _STATE_KEYS + tuple(present))
+    _as_int(sd['step'], ('step',))
+    fp = _as_dict(sd['fingerprint'], ('fingerprint',), ('data', 'tokenizer'))
+    _check_data(_as_dict(fp['data'], ('fingerprint', 'data'), _DATA_KEYS + ('footers',)), fingerprint['data'], reader.files)
+    tok = _as_dict(fp['tokenizer'], ('fingerprint', 'tokenizer'), tuple(fingerprint['tokenizer']))
+    if not all(_same(tok[k], v) for k, v in fingerprint['tokenizer'].items()):
+        raise ValueError(f"resume_state_dict['fingerprint']: saved with a different tokenizer ({_describe_tok(tok)}); this loader "
+                         f"has {_describe_tok(fingerprint['tokenizer'])}: exact resume needs the same tokenizer")
+    theirs = _as_dict(sd['config'], ('config',), _CONFIG_KEYS)
+    for k in _CONFIG_KEYS:
+        if not _same(theirs[k], cfg[k]):
+            raise ValueError(f"resume_state_dict['config']: saved by a loader with {k}={theirs[k]!r:.60}, but this loader has {k}={cfg[k]!r}: "
+                             f"exact resume needs the same {k} (each rank resumes from its own state)")
+    rd = _as_dict(sd['reader'], ('reader',), _READER_KEYS)
+    try: e, f, g, r = reader.check_state(rd)
+    except ValueError as err: raise ValueError(f"resume_state_dict['reader']: {err}") from None
+    if not _same(rd['batch_size'], cfg['tokenizer_batch_size']):
+        raise ValueError(f"resume_state_dict['reader']['batch_size']={rd['batch_size']!r:.60}: expected {cfg['tokenizer_batch_size']} (tokenizer_batch_size)")
+    cursor = (reader._place(e, f, g), r)
+    if present:
+        pe = _as_int(sd['epoch'], ('epoch',), 1, e + 1)
+        pf = _as_int(sd['pq_idx'], ('pq_idx',), 0, len(reader.files))
+        pg = _as_int(sd['rg_idx'], ('rg_idx',), 0, len(reader._rows(pf)))
+        place = reader._place(pe, pf, pg)
+        if place is None or (place, 0) >= cursor:
+            raise ValueError(f"resume_state_dict['rg_idx']={pg} of 'pq_idx'={pf} in 'epoch'={pe} is not a row group this rank read before the "
+                             "reader's cursor: it names the row group of the last slice packed")
+    for k in _as_dict(sd['metrics'], ('metrics',), counters): _as_int(sd['metrics'][k], ('metrics', k))
+    _check_buffer(sd['buffer'], cfg, reader, cursor)
+    if not isinstance(sd['checksum'], str) or sd['checksum'] != _checksum(sd):
+        raise ValueError(f"resume_state_dict['checksum'] does not match the state's contents: the state was changed after the loader handed "
+                         f"it out, and exact resume needs it as it was; {_APPROX}")
+
 
 # %% ../nbs/06_dataloader.ipynb #ae9cfd0e
 class _Failure(NamedTuple):
@@ -416,6 +629,7 @@ class _Producer:
         sd = dict(self.last) if self.last else {}
         sd.update(format=STATE_FORMAT, step=self.step, config=dict(self.config), fingerprint=_copy_fp(self.fingerprint),
                   reader=dict(self.reader_state), buffer=buffer_columns(*self.packer.buffer_keys()), metrics=self.packer.metrics_state())
+        sd['checksum'] = _checksum(sd)
         return sd
 
     def produce(self) -> _Produced:
@@ -473,7 +687,7 @@ def _close_all():
 # %% ../nbs/06_dataloader.ipynb #dbebc2c6
 @dataclass
 class LoaderBatch:
-    "One batch: `inputs`/`targets` `[B, T]` on the device, the `state` to resume after it, `metrics`, and the host-side `packed` batch with its segments."
+    "One batch: `inputs`/`targets` `[B, T]` on the device (valid until `slots` more batches are handed out, unless `copy=True`), the `state` to resume after it, `metrics`, and the host-side `packed` batch with its segments."
     inputs: torch.Tensor
     targets: torch.Tensor
     state: dict
@@ -496,8 +710,9 @@ class PackedLoader:
     def __init__(self, tokenizer, B, T, split='train', data_dir=None, *, files=None, strategy='bestfit-crop',
                  buffer_size=1000, tokenizer_threads=4, tokenizer_batch_size=128, device='auto', shuffle=False, seed=0,
                  rank=None, world_size=None, prefetch=2, slots=2, copy=False, pad_id=None, max_docs_per_row=None,
-                 text_column='text', tokenize_in='auto', read_ahead=2, resume_state_dict=None):
-        self._closed, self._thread, self._error = True, None, None
+                 text_column='text', utf8_errors='strict', tokenize_in='auto', read_ahead=2, worker_timeout=(60.0, 1e-5),
+                 resume_state_dict=None):
+        self._closed, self._thread, self._error, self._lock = True, None, None, threading.Lock()
         self.B, self.T = check_int('B', B), check_int('T', T)
         self.prefetch = check_int('prefetch', prefetch, 0)
         if strategy not in STRATEGIES: raise ValueError(f"unknown strategy {strategy!r}: expected one of {list(STRATEGIES)}")
@@ -515,10 +730,11 @@ class PackedLoader:
         if not self.files: raise ValueError("PackedLoader needs at least one shard file, got none")
         self.device = resolve_device(device)
         read_ahead = check_int('read_ahead', read_ahead, 0)
+        worker_timeout = _check_timeout('worker_timeout', worker_timeout)
         self.fingerprint = dict(data=data_fingerprint(self.files), tokenizer=tokenizer_fingerprint(tokenizer))
         reader = RowGroupReader(self.files, rank, world_size, tokenizer_batch_size, shuffle=shuffle, seed=seed,
-                                text_column=text_column)
-        encoder = make_encoder(tokenizer, tokenizer_threads, tokenize_in)   # from here on, a failure must close it again
+                                text_column=text_column, utf8_errors=utf8_errors)
+        encoder = make_encoder(tokenizer, tokenizer_threads, tokenize_in, worker_timeout)   # from here on, a failure must close it again
         try:
             packer = Packer(self.T, buffer_size, strategy, bos_id=encoder.bos, pad_id=pad_id, max_docs_per_row=max_docs_per_row)
             self.config = dict(split=split, B=self.B, T=self.T, strategy=strategy, buffer_size=packer.buffer_size,
@@ -565,41 +781,32 @@ class PackedLoader:
             raise TypeError(f"resume_state_dict must be a dict (a batch's state, or nanochat's {{pq_idx, rg_idx, epoch}}), got {type(sd).__name__}")
         p, cfg = self._producer, self.config
         if 'format' not in sd:
-            if not {'pq_idx', 'rg_idx'} <= set(sd):
-                raise ValueError(f"resume_state_dict has keys {sorted(sd)}: expected a state from this loader (with 'format') "
-                                 "or nanochat's {'pq_idx', 'rg_idx', 'epoch'}")
+            if set(sd) - set(_NANOCHAT_KEYS) or not {'pq_idx', 'rg_idx'} <= set(sd):
+                raise ValueError(f"resume_state_dict lacks 'format' (its keys: {sorted(map(str, sd))[:12]}): expected a state from this "
+                                 "loader (with 'format') or nanochat's {'pq_idx', 'rg_idx', 'epoch'} alone")
             if cfg['shuffle']: raise ValueError("a nanochat state {pq_idx, rg_idx, epoch} can only be continued with shuffle=False")
-            for k, lo in (('pq_idx', 0), ('rg_idx', 0), ('epoch', 1)):
-                if k in sd: check_int(f"resume_state_dict[{k!r}]", sd[k], lo)
+            for k, lo, hi in (('pq_idx', 0, len(self.files)), ('rg_idx', 0, None), ('epoch', 1, None)):
+                if k in sd: _as_int(sd[k], (k,), lo, hi)
             p.reader.close()
             p.reader = RowGroupReader.from_nanochat_state(self.files, sd, cfg['rank'], cfg['world_size'],
-                                                          cfg['tokenizer_batch_size'], cfg['text_column'])
+                                                          cfg['tokenizer_batch_size'], cfg['text_column'], p.reader.utf8_errors)
             p.last = {'pq_idx': int(sd['pq_idx']), 'rg_idx': int(sd['rg_idx']), 'epoch': int(sd.get('epoch', 1))}
             self.resumed = 'approximate'
             return
+        if sd['format'] == 'nanochat_dl.loader/1':
+            raise ValueError("resume_state_dict has format 'nanochat_dl.loader/1', written by an earlier version of this loader, "
+                             f"which reads {STATE_FORMAT!r} (its data fingerprint also covers the shards' parquet footers, and a "
+                             f"checksum covers the state); {_APPROX}")
         if sd['format'] != STATE_FORMAT:
-            raise ValueError(f"resume_state_dict has format {sd['format']!r}: this version reads {STATE_FORMAT!r}")
-        missing = [k for k in ('step', 'config', 'fingerprint', 'reader', 'buffer', 'metrics') if k not in sd]
-        if missing: raise ValueError(f"resume_state_dict lacks {missing}: expected a state handed out by PackedLoader")
-        fp = sd['fingerprint'] if isinstance(sd['fingerprint'], dict) else {}
-        if fp.get('data') != self.fingerprint['data']:
-            raise ValueError(f"resume_state_dict was saved over different data: {_describe_data(fp.get('data'))}; this loader reads "
-                             f"{_describe_data(self.fingerprint['data'])}: exact resume needs the same shards (names and sizes); to continue "
-                             "approximately, as nanochat does, pass only the state's 'pq_idx', 'rg_idx' and 'epoch'")
-        if fp.get('tokenizer') != self.fingerprint['tokenizer']:
-            raise ValueError(f"resume_state_dict was saved with a different tokenizer ({_describe_tok(fp.get('tokenizer'))}); this loader "
-                             f"has {_describe_tok(self.fingerprint['tokenizer'])}: exact resume needs the same tokenizer")
-        for k in _CONFIG_KEYS:
-            if sd['config'].get(k) != cfg[k]:
-                raise ValueError(f"resume_state_dict was saved by a loader with {k}={sd['config'].get(k)!r}, but this loader has "
-                                 f"{k}={cfg[k]!r}: exact resume needs the same {k} (each rank resumes from its own state)")
+            raise ValueError(f"resume_state_dict has format {sd['format']!r:.60}: this version reads {STATE_FORMAT!r}")
+        _check_state(sd, cfg, self.fingerprint, p.reader, tuple(p.packer.metrics_state()))   # everything, before any work
         entries = buffer_entries(sd['buffer'])
         p.reader.load_state_dict(sd['reader'])
-        docs = p.encoder(read_documents(self.files, [k[1:] for k, _ in entries], cfg['text_column'])) if entries else []
+        docs = p.encoder(read_documents(self.files, [k[1:] for k, _ in entries], cfg['text_column'], p.reader.utf8_errors)) if entries else []
         p.packer.restore([(d, k, off) for d, (k, off) in zip(docs, entries)])
         p.packer.load_metrics_state(sd['metrics'])
-        p.step = check_int("resume_state_dict['step']", sd['step'], 0)
-        p.last = {k: int(sd[k]) for k in ('pq_idx', 'rg_idx', 'epoch')} if 'pq_idx' in sd else None
+        p.step = sd['step']
+        p.last = {k: sd[k] for k in _NANOCHAT_KEYS} if 'pq_idx' in sd else None
         self.resumed = 'exact'
 
     def _get(self) -> _Produced:
@@ -619,6 +826,9 @@ class PackedLoader:
     def __iter__(self): return self
 
     def __next__(self) -> LoaderBatch:
+        with self._lock: return self._next()   # one caller at a time: a batch, its staging slot and its state stay together
+
+    def _next(self) -> LoaderBatch:
         if self._error is not None:
             raise RuntimeError(f"this loader stopped after an error: {self._error!r}")
         if self._closed: raise RuntimeError("this loader is closed")

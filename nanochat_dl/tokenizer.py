@@ -253,12 +253,13 @@ RustBPETokenizer = Tokenizer  # nanochat's name, for drop-in imports
 
 # %% ../nbs/03_tokenizer.ipynb #e39cdfff
 def iter_texts(files, max_chars: int | None = None, doc_cap: int | None = None, text_column: str = "text",
-               stats: dict | None = None, progress: bool = False):
-    "Documents of parquet `files`, row group by row group, each cropped to `doc_cap` (None: no cap), `max_chars` in total."
+               stats: dict | None = None, progress: bool = False, utf8_errors: str = 'strict'):
+    "Documents of parquet `files`, row group by row group, each cropped to `doc_cap` (None: no cap), `max_chars` in total; text that is not UTF-8 is an error naming its row, or replaced (`utf8_errors='replace'`)."
     import pyarrow as pa
     from tqdm.auto import tqdm
-    from nanochat_dl.shards import _open_shard, shard_layout  # shards imports core and dataset only: no cycle
+    from nanochat_dl.shards import _open_shard, shard_layout, column_texts, check_utf8_errors  # shards imports core and dataset only: no cycle
     if doc_cap is not None: check_int('doc_cap', doc_cap, 1)
+    check_utf8_errors(utf8_errors)
     files = [Path(f) for f in files]
     stats = {} if stats is None else stats
     stats.update(chars=0, docs=0, row_groups=0)
@@ -270,10 +271,11 @@ def iter_texts(files, max_chars: int | None = None, doc_cap: int | None = None, 
             with _open_shard(f, text_column) as pf:  # one file open at a time, one row group in memory
                 for rg in range(pf.num_row_groups):
                     stats['row_groups'] += 1
-                    try: docs = pf.read_row_group(rg, columns=[text_column]).column(text_column).to_pylist()
+                    try: col = pf.read_row_group(rg, columns=[text_column]).column(text_column)
                     except (pa.ArrowException, OSError) as e:
                         raise ValueError(f"{f}: row group {rg} could not be read ({e}); expected a parquet row group "
                                          f"with a string column {text_column!r}") from None
+                    docs = column_texts(col, f, rg, text_column, utf8_errors)
                     for doc in docs:
                         if doc is None: continue
                         if doc_cap is not None: doc = doc[:doc_cap]
@@ -296,10 +298,11 @@ def _check_out_dir(out: Path):
     raise ValueError(f"out_dir {out} {where}; expected a folder to save the tokenizer in (created if missing)")
 
 def train_tokenizer(data_dir=None, vocab_size: int = 8192, max_chars: int | None = 2_000_000_000,
-                    doc_cap: int | None = 10_000, out_dir=None, progress: bool = True) -> Tokenizer:
+                    doc_cap: int | None = 10_000, out_dir=None, progress: bool = True, utf8_errors: str = 'strict') -> Tokenizer:
     "Train on the text of the local train shards (all but the last) and save to `out_dir` (default: `get_tokenizer_dir()`)."
-    from nanochat_dl.shards import shard_layout
+    from nanochat_dl.shards import shard_layout, check_utf8_errors
     if max_chars is not None: check_int('max_chars', max_chars, 1)
+    check_utf8_errors(utf8_errors)
     if doc_cap is not None: check_int('doc_cap', doc_cap, 1)
     out = get_tokenizer_dir() if out_dir is None else Path(out_dir)
     _check_out_dir(out)
@@ -310,7 +313,7 @@ def train_tokenizer(data_dir=None, vocab_size: int = 8192, max_chars: int | None
                                 f"for validation); {_NO_SHARDS}")
     shard_layout(files)  # every shard, val included, must open as parquet with a string `text` column: fail before training
     stats, t0 = {}, time.perf_counter()
-    tok = Tokenizer.train_from_iterator(iter_texts(files[:-1], max_chars, doc_cap, stats=stats, progress=progress), vocab_size)
+    tok = Tokenizer.train_from_iterator(iter_texts(files[:-1], max_chars, doc_cap, stats=stats, progress=progress, utf8_errors=utf8_errors), vocab_size)
     tok.train_info = dict(stats, train_files=[f.name for f in files[:-1]], max_chars=max_chars, doc_cap=doc_cap,
                           seconds=round(time.perf_counter() - t0, 3))
     tok.save(out)
@@ -321,11 +324,12 @@ def train_tokenizer_cli(vocab_size: int = 8192,  # number of token ids, special 
                         max_chars: int = 2_000_000_000,  # stop after this many characters of training text
                         doc_cap: int = 10_000,  # crop every document to this many characters
                         data_dir: str = None,  # shard folder (default: NANOCHAT_DL_DATA_DIR or the cache)
-                        out_dir: str = None):  # where to save (default: the cache's tokenizer/ folder)
+                        out_dir: str = None,  # where to save (default: the cache's tokenizer/ folder)
+                        utf8_errors: str = 'strict'):  # text that is not UTF-8: 'strict' stops with the file, row group and row; 'replace' reads it with U+FFFD
     "Train a BPE tokenizer on the local train shards and save it; exit code 2 for bad arguments or shards, 1 if saving fails."
     try:
-        val = list(iter_texts(list_parquet_files(data_dir)[-1:], max_chars=1_000_000, doc_cap=doc_cap))  # read before anything is saved
-        tok = train_tokenizer(data_dir, vocab_size, max_chars, doc_cap, out_dir, progress=sys.stderr.isatty())
+        val = list(iter_texts(list_parquet_files(data_dir)[-1:], max_chars=1_000_000, doc_cap=doc_cap, utf8_errors=utf8_errors))  # read before anything is saved
+        tok = train_tokenizer(data_dir, vocab_size, max_chars, doc_cap, out_dir, progress=sys.stderr.isatty(), utf8_errors=utf8_errors)
     except (FileNotFoundError, ValueError) as e:
         print(f"nanochat-dl train-tokenizer: error: {e}", file=sys.stderr); return 2
     except OSError as e:  # e.g. no permission to write the tokenizer

@@ -1,12 +1,12 @@
 """Tests for nanochat_dl.dataloader that read better as pytest: a property test of exact resume over random
 settings, the drop-in against the reference at several shapes, worker failures (a lost, hung or interrupted
 worker, a constructor that fails after starting workers, a close with unread answers), and interpreter exit."""
-import itertools, json, os, subprocess, sys, textwrap, time
+import itertools, json, os, re, subprocess, sys, textwrap, time
 from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, event, given, settings, strategies as st
 
 from nanochat_dl.dataloader import PackedLoader, reference_loader, tokenizing_distributed_data_loader_with_state_bos_bestfit
 from nanochat_dl.dataset import make_sample_shards
@@ -266,3 +266,367 @@ def test_worker_survives_ctrl_c(env):
         assert enc._procs[0].poll() is None
         assert enc(['hello world'])[0].tolist() == want
     finally: enc.close()
+
+
+# -- worker processes import what the loader's process imports, never a file of the current directory ----------------
+
+POISON = "open({marker!r}, 'a').write({name!r} + '\\n')\nraise ImportError('the {name}.py of the current directory was imported')\n"
+
+
+def _poison(folder, marker):
+    for name in ('tiktoken', 'numpy', 'regex'):
+        (folder / f'{name}.py').write_text(POISON.format(marker=str(marker), name=name))
+
+
+@pytest.mark.timeout(120)
+def test_workers_ignore_modules_in_the_current_directory(env, tmp_path, monkeypatch):
+    """A training run started in a folder that holds a `tiktoken.py` or `numpy.py`: the workers must not run them
+    (`python -c` puts the current directory first on `sys.path`), they import what this process imported."""
+    from nanochat_dl.dataloader import DocEncoder, ProcessEncoder
+    marker = tmp_path / 'imported.txt'
+    run_dir = tmp_path / 'run'; run_dir.mkdir()
+    _poison(run_dir, marker)
+    texts = [words(f, g, r) for f in range(3) for g in range(3) for r in range(5)]
+    want = [a.tolist() for a in DocEncoder(env['tok'], 1)(texts)]
+    kw = dict(files=env['toy'], device='cpu', tokenizer_threads=2, buffer_size=6, tokenizer_batch_size=4)
+    with PackedLoader(env['tok'], 2, 32, tokenize_in='threads', **kw) as ld:
+        ref = [b.inputs.clone() for b in itertools.islice(ld, 5)]
+    monkeypatch.chdir(run_dir)
+    enc = ProcessEncoder(env['tok'], 2)
+    try: got = [a.tolist() for a in enc(texts)]
+    finally: enc.close()
+    with PackedLoader(env['tok'], 2, 32, tokenize_in='processes', **kw) as ld:
+        again = [b.inputs.clone() for b in itertools.islice(ld, 5)]
+    assert not marker.exists(), marker.read_text()
+    assert got == want and all(torch.equal(a, b) for a, b in zip(again, ref))
+
+
+SOURCE_RUN = """
+import json, sys
+import nanochat_dl
+from nanochat_dl.dataloader import ProcessEncoder
+from nanochat_dl.tokenizer import Tokenizer
+assert nanochat_dl.__file__.startswith(sys.argv[1]), nanochat_dl.__file__
+enc = ProcessEncoder(Tokenizer.load(sys.argv[2]), 1)
+ids = enc(['hello world', 'a second document'])
+print(json.dumps([a.tolist() for a in ids]))
+enc.close()
+"""
+
+
+@pytest.mark.timeout(120)
+def test_workers_of_a_source_checkout_on_pythonpath(env, tmp_path):
+    """The loader's process imports nanochat_dl from a source checkout named by PYTHONPATH (here a copy of the package)
+    and runs in a folder with a poisoned `tiktoken.py`: the workers run the checkout's code and the installed tiktoken."""
+    import shutil, nanochat_dl
+    from nanochat_dl.dataloader import DocEncoder
+    src = tmp_path / 'checkout'
+    shutil.copytree(Path(nanochat_dl.__file__).parent, src / 'nanochat_dl', ignore=shutil.ignore_patterns('__pycache__'))
+    scripts, run_dir, marker = tmp_path / 'scripts', tmp_path / 'run', tmp_path / 'imported.txt'
+    scripts.mkdir(); run_dir.mkdir()
+    _poison(run_dir, marker)
+    (scripts / 'train.py').write_text(SOURCE_RUN)
+    r = subprocess.run([sys.executable, str(scripts / 'train.py'), str(src), str(env['tok_dir'])], cwd=run_dir, capture_output=True,
+                       text=True, timeout=100, env=dict(os.environ, PYTHONPATH=str(src)))
+    assert r.returncode == 0, r.stderr
+    assert not marker.exists(), marker.read_text()
+    assert json.loads(r.stdout.strip().splitlines()[-1]) == [a.tolist() for a in DocEncoder(env['tok'], 1)(['hello world', 'a second document'])]
+
+
+def test_a_worker_with_other_modules_is_refused():
+    "A worker whose tiktoken is not this process's (a path mix-up this test fakes) is refused, naming both files."
+    from types import SimpleNamespace
+    from nanochat_dl.dataloader import _check_ready
+    from nanochat_dl._tokworker import _module_files
+    w = SimpleNamespace(i=1, proc=SimpleNamespace(pid=4321))
+    _check_ready(w, ('ready', _module_files()))
+    other = dict(_module_files(), tiktoken='/elsewhere/tiktoken/__init__.py')
+    with pytest.raises(RuntimeError, match=r"worker 1 \(pid 4321\) imported tiktoken from /elsewhere/tiktoken/__init__.py, but this process uses"):
+        _check_ready(w, ('ready', other))
+    with pytest.raises(RuntimeError, match="did not start properly: it answered 'ready'"): _check_ready(w, 'ready')
+
+
+# -- a hung worker: detected, named, and no wait for it when closing ---------------------------------------------------
+
+@linux_only
+@pytest.mark.timeout(90)
+def test_a_hung_worker_is_reported_by_next(env, monkeypatch):
+    """A worker that stops answering (SIGSTOP) used to block `next()` forever without a word. With a short
+    `worker_timeout` the loader raises, naming the worker, its pid, what it was sent and for how long; closing then
+    kills it rather than waiting for it (a close that waited would wait for an hour here)."""
+    import signal
+    from nanochat_dl.dataloader import ProcessEncoder
+    monkeypatch.setattr(ProcessEncoder.close, '__defaults__', (3600.0,))
+    ld = PackedLoader(env['tok'], 4, 256, files=split_files('train', env['data']), device='cpu', tokenizer_threads=2,
+                      tokenize_in='processes', buffer_size=20, worker_timeout=(3.0, 0.0))
+    next(ld)
+    procs = list(ld._producer.encoder._procs)
+    os.kill(procs[0].pid, signal.SIGSTOP)
+    try:
+        with pytest.raises(RuntimeError) as e:
+            for _ in range(10_000): next(ld)
+        msg = str(e.value)
+        assert re.search(rf"tokenizer worker 0 \(pid {procs[0].pid}\) was sent \d+ documents \([\d,]+ characters\) [\d.]+ s ago "
+                         r"and has not answered for [\d.]+ s \(allowed 3\.0 s: 3 s \+ 0 s per character\); its state: T \(stopped\): it looks hung", msg), msg
+        ld.close()
+        assert all(p.poll() is not None for p in procs)
+    finally:
+        for p in procs:
+            if p.poll() is None: p.kill()
+
+
+@linux_only
+@pytest.mark.timeout(90)
+def test_a_hung_worker_is_reported_while_sending(env):
+    """The worker stops while the encoder writes it more than a pipe holds: the write can never finish. The encoder
+    raises after the allowed time instead of waiting forever, refuses further calls, and closes without waiting."""
+    import signal
+    from nanochat_dl.dataloader import ProcessEncoder
+    enc = ProcessEncoder(env['tok'], 1, timeout=(2.0, 0.0))
+    pid = enc._procs[0].pid
+    try:
+        os.kill(pid, signal.SIGSTOP)
+        big = [' '.join(f"w{i}x{j}" for j in range(100_000)) for i in range(8)]   # ~7 MB of text for a 1 MiB pipe
+        with pytest.raises(RuntimeError, match=rf"tokenizer worker 0 \(pid {pid}\) has not read its input for [\d.]+ s \(allowed 2\.0 s: "
+                                               r"2 s \+ 0 s per character\) while 8 documents \([\d,]+ characters\) wait to be sent"):
+            enc.submit(big)
+        with pytest.raises(RuntimeError, match='stopped after'): enc(['more'])
+        enc.close(timeout=3600)
+        assert enc_exited(pid)
+    finally:
+        if not enc_exited(pid): os.kill(pid, signal.SIGKILL)
+
+
+def enc_exited(pid):
+    try: return Path(f'/proc/{pid}/stat').read_text().rsplit(')', 1)[1].split()[0] == 'Z'
+    except OSError: return True
+
+
+def test_worker_timeout_is_checked(env):
+    for bad in [(0, 1e-5), (-1.0, 0.0), (60.0, -1.0), 60.0, (60.0,), ('a', 0.0), (True, 0.0)]:
+        with pytest.raises(ValueError, match=r"worker_timeout=.* is invalid: expected None or \(seconds, seconds per character\)"):
+            PackedLoader(env['tok'], 2, 32, files=env['toy'], device='cpu', worker_timeout=bad)
+
+
+# -- next() from several threads ----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize('prefetch', [0, 16])
+def test_next_from_several_threads(env, prefetch):
+    """Threads that share one loader get every batch of the single-threaded stream exactly once, each with its own
+    state (`copy=True`: a batch's tensors are then its own, whoever fetched the batches after it)."""
+    import threading
+    kw = dict(files=split_files('train', env['data']), B=16, T=512, device='cpu', tokenizer_threads=1, tokenize_in='threads',
+              buffer_size=50, copy=True, prefetch=prefetch)
+    n, k = 96, 6
+    with PackedLoader(env['tok'], **kw) as ld:
+        want = {b.state['step']: (b.inputs.clone(), b.targets.clone(), json.dumps(b.state)) for b in itertools.islice(ld, n)}
+    got, errors = [], []
+    with PackedLoader(env['tok'], **kw) as ld:
+        start = threading.Barrier(k)
+        def take():
+            start.wait()
+            try:
+                for _ in range(n // k):
+                    b = next(ld); got.append((b.state['step'], b.inputs, b.targets, json.dumps(b.state)))
+            except Exception as e: errors.append(e)
+        threads = [threading.Thread(target=take) for _ in range(k)]
+        if prefetch: _until(lambda: ld._q.full(), 30)          # batches waiting: the threads take them at the same moment
+        for t in threads: t.start()
+        for t in threads: t.join(60)
+    assert not errors, errors
+    assert sorted(s for s, *_ in got) == list(range(1, n + 1))
+    wrong = [s for s, x, y, st in got if not (torch.equal(x, want[s][0]) and torch.equal(y, want[s][1]) and st == want[s][2])]
+    assert not wrong, f"{len(wrong)} of {n} batches differ from the single-threaded stream: steps {wrong[:10]}"
+
+
+def test_invalid_utf8_in_a_shard(env, tmp_path):
+    "The loader names the file, row group and row of text that is not UTF-8; `utf8_errors='replace'` reads it with U+FFFD."
+    import numpy as np, pyarrow as pa, pyarrow.parquet as pq
+    p = tmp_path / 'shard_00000.parquet'
+    rows = [b'first document here', b'second \xc3 broken', b'third one']
+    offsets = np.cumsum([0] + [len(b) for b in rows]).astype(np.int32)
+    pq.write_table(pa.table({'text': pa.Array.from_buffers(pa.string(), 3, [None, pa.py_buffer(offsets.tobytes()), pa.py_buffer(b''.join(rows))])}), p)
+    kw = dict(files=[p], device='cpu', tokenizer_threads=1, tokenize_in='threads', buffer_size=2, tokenizer_batch_size=2)
+    with PackedLoader(env['tok'], 1, 8, **kw) as ld:
+        with pytest.raises(ValueError, match=re.escape(f"{p}: row group 0, row 1: 'text' is not valid UTF-8 (invalid continuation byte at byte 7")):
+            next(ld)
+    with PackedLoader(env['tok'], 1, 8, **kw, utf8_errors='replace') as ld:
+        b = next(ld)
+    docs = {s.key[3]: s for row in b.segments for s in row}
+    bos = env['tok'].get_bos_token_id()
+    assert b.packed.rows[0][:docs[0].length].tolist() == [bos] + env['tok'].encode('first document here')[:docs[0].length - 1]
+
+
+# -- exact resume over changed data -------------------------------------------------------------------------------------
+
+def _plain_shards(d, layout, text_fn):
+    "Uncompressed shards without dictionaries: texts of the same lengths give files of the same size."
+    import pyarrow as pa, pyarrow.parquet as pq
+    d.mkdir(parents=True, exist_ok=True)
+    out = []
+    for f, groups in enumerate(layout):
+        p = d / f"shard_{f:05d}.parquet"
+        with pq.ParquetWriter(p, pa.schema([('text', pa.string())]), compression='none', use_dictionary=False) as w:
+            for g, n in enumerate(groups): w.write_table(pa.table({'text': [text_fn(f, g, r) for r in range(n)]}))
+        out.append(p)
+    return out
+
+
+def test_exact_resume_refuses_a_changed_shard_of_the_same_name_and_size(env, tmp_path):
+    """A shard rewritten with other text of the same length keeps its name and size: a state saved over the old one
+    used to resume into other batches without a word. It is refused, naming the shard."""
+    layout = [[5, 3, 4], [2, 6, 1], [4, 4]]
+    files = _plain_shards(tmp_path / 'data', layout, words)
+    kw = dict(files=files, B=2, T=32, device='cpu', tokenizer_threads=1, tokenize_in='threads', buffer_size=6, tokenizer_batch_size=4)
+    with PackedLoader(env['tok'], **kw) as ld:
+        sd = json.loads(json.dumps(list(itertools.islice(ld, 3))[-1].state))
+    with PackedLoader(env['tok'], **kw, resume_state_dict=sd) as ld: assert ld.resumed == 'exact'
+    size, data = files[1].stat().st_size, files[1].read_bytes()
+    _plain_shards(tmp_path / 'new', layout, lambda f, g, r: words(f, g, r).replace('w', 'v'))
+    files[1].write_bytes((tmp_path / 'new' / files[1].name).read_bytes())
+    assert files[1].stat().st_size == size and files[1].read_bytes() != data
+    with pytest.raises(ValueError, match=r"resume_state_dict\['fingerprint'\]: shard shard_00001\.parquet changed since the state was saved "
+                                         r"\(same name and size, another parquet footer\)"):
+        PackedLoader(env['tok'], **kw, resume_state_dict=sd)
+    with PackedLoader(env['tok'], **kw, resume_state_dict={k: sd[k] for k in ('pq_idx', 'rg_idx', 'epoch')}) as ld:
+        assert ld.resumed == 'approximate'                       # nanochat's state still continues, approximately
+
+
+# -- hand-edited states: refused before any work, with the field named; or an exact resume --------------------------
+
+TOYKW = dict(B=2, T=24, buffer_size=6, tokenizer_batch_size=4, device='cpu', tokenizer_threads=1, tokenize_in='threads', prefetch=0)
+
+
+@pytest.fixture(scope='module')
+def runs(env):
+    "For three strategies (whole documents, split pieces, concat remainders): 16 batches with their states, and the state at batch 9."
+    out = {}
+    for strategy in ('bestfit-crop', 'bestfit-split', 'concat'):
+        full, _ = run(env['tok'], 16, files=env['toy'], strategy=strategy, **TOYKW)
+        out[strategy] = (full, full[8][2])
+    return out
+
+
+class Reads:
+    "Counts documents read or encoded while it is active (a refused state must cost neither)."
+    def __init__(self, monkeypatch):
+        from nanochat_dl import dataloader, shards
+        self.n = 0
+        for mod, name in ((dataloader, 'read_documents'), (shards, '_read_group')):
+            orig = getattr(mod, name)
+            def spy(*a, _orig=orig, **k): self.n += 1; return _orig(*a, **k)
+            monkeypatch.setattr(mod, name, spy)
+        for cls in (dataloader.DocEncoder, dataloader.ProcessEncoder):
+            orig = cls.submit
+            def spy_submit(me, texts, _orig=orig): self.n += 1; return _orig(me, texts)
+            monkeypatch.setattr(cls, 'submit', spy_submit)
+
+
+def refused(env, sd, strategy='bestfit-crop'):
+    "The error a loader gives for state `sd` (after a JSON round trip), or None if it resumes."
+    try:
+        with PackedLoader(env['tok'], files=env['toy'], strategy=strategy, **TOYKW, resume_state_dict=json.loads(json.dumps(sd))): return None
+    except (ValueError, TypeError) as e: return e
+
+
+def test_hand_edited_states_are_refused_naming_the_field(env, runs, monkeypatch):
+    full, sd = runs['bestfit-crop']
+    buf = sd['buffer']
+    assert len(buf['row']) >= 3
+    reads = Reads(monkeypatch)
+    def dup(cols, i, j): return {c: v[:j] + [v[i]] + v[j:] for c, v in cols.items()}
+    entry = lambda i: (tuple(buf[c][i] for c in ('epoch', 'file', 'rg', 'row')), buf['offset'][i])
+    cases = [
+        (dict(sd, buffer=dup(buf, 1, 3)), ValueError, re.escape(f"resume_state_dict['buffer']: entry 3 duplicates entry 1 ({entry(1)[0]}, offset 0)")),
+        (dict(sd, buffer={c: v * 600 for c, v in buf.items()}), ValueError,
+         re.escape(f"resume_state_dict['buffer'] holds {600 * len(buf['row'])} documents: a loader with buffer_size=6 and "
+                   "tokenizer_batch_size=4 holds at most 9")),
+        (dict(sd, metrics=dict(sd['metrics'], emitted=-5)), ValueError, re.escape("resume_state_dict['metrics']['emitted']=-5 is invalid: expected an int >= 0")),
+        (dict(sd, metrics=dict(sd['metrics'], rows=2.0)), ValueError, re.escape("resume_state_dict['metrics']['rows']=2.0 is invalid: expected an int >= 0")),
+        (dict(sd, metrics=dict(sd['metrics'], rows='2')), ValueError, re.escape("resume_state_dict['metrics']['rows']='2' is invalid")),
+        (dict(sd, epoch=0), ValueError, re.escape("resume_state_dict['epoch']=0 is invalid: expected an int >= 1")),
+        (dict(sd, config=[1]), TypeError, re.escape("resume_state_dict['config'] must be a dict, got list")),
+        (dict(sd, pq_idx='x'), ValueError, re.escape("resume_state_dict['pq_idx']='x' is invalid: expected an int >= 0")),
+        (dict(sd, reader=5), TypeError, re.escape("resume_state_dict['reader'] must be a dict, got int")),
+        (dict(sd, step=True), ValueError, re.escape("resume_state_dict['step']=True is invalid")),
+        (dict(sd, extra=1), ValueError, re.escape("resume_state_dict has unknown keys ['extra']")),
+        ({k: v for k, v in sd.items() if k != 'format'}, ValueError, re.escape("resume_state_dict lacks 'format'")),
+        ({k: v for k, v in sd.items() if k != 'rg_idx'}, ValueError, re.escape("resume_state_dict has 'pq_idx', 'epoch' but not 'rg_idx'")),
+        (dict(sd, buffer=dict(buf, row=[buf['row'][0] + 1000] + buf['row'][1:])), ValueError,
+         re.escape("resume_state_dict['buffer']: entry 0 has row=")),
+        (dict(sd, checksum='0' * 16), ValueError, re.escape("resume_state_dict['checksum'] does not match the state's contents")),
+    ]
+    for bad, kind, msg in cases:
+        e = refused(env, bad)
+        assert isinstance(e, kind) and re.search(msg, str(e)), (msg, repr(e))
+    assert reads.n == 0, f"{reads.n} reads or encodings before refusing"
+
+
+JSONS = st.recursive(st.none() | st.booleans() | st.integers(-3, 2 ** 64) | st.floats(allow_nan=False) | st.text(max_size=4),
+                     lambda kids: st.lists(kids, max_size=3) | st.dictionaries(st.text(max_size=4), kids, max_size=3), max_leaves=6)
+
+
+def _paths(x, path=()):
+    yield path
+    if isinstance(x, dict):
+        for k, v in x.items(): yield from _paths(v, path + (k,))
+    elif isinstance(x, list):
+        for i, v in enumerate(x): yield from _paths(v, path + (i,))
+
+
+def _mutate(sd, data):
+    "One random edit of a state: a value replaced, nudged or deleted, a key added, list items repeated or dropped, buffer entries duplicated, dropped, swapped or moved."
+    sd = json.loads(json.dumps(sd))
+    op = data.draw(st.sampled_from(['replace', 'nudge', 'delete', 'add', 'repeat', 'dup_entry', 'drop_entry', 'swap_entries', 'move_entry', 'grow']))
+    buf = sd.get('buffer') if isinstance(sd, dict) and isinstance(sd.get('buffer'), dict) else None
+    cols = [c for c in ('epoch', 'file', 'rg', 'row', 'offset') if buf and isinstance(buf.get(c), list)]
+    n = min((len(buf[c]) for c in cols), default=0) if cols else 0
+    if op in ('dup_entry', 'drop_entry', 'swap_entries', 'move_entry', 'grow') and n:
+        i, j = data.draw(st.integers(0, n - 1)), data.draw(st.integers(0, n))
+        for c in cols:
+            v = buf[c]
+            if op == 'dup_entry': v.insert(j, v[i])
+            elif op == 'drop_entry': del v[i]
+            elif op == 'swap_entries': v[i], v[min(j, n - 1)] = v[min(j, n - 1)], v[i]
+            elif op == 'move_entry': v.insert(j, v.pop(i))
+            else: buf[c] = v * data.draw(st.integers(2, 700))
+        return sd
+    path = data.draw(st.sampled_from(list(_paths(sd))))
+    if not path: return {} if op != 'replace' or (v := data.draw(JSONS)) is None else v     # (None would mean: no state at all)
+    parent = sd
+    for k in path[:-1]: parent = parent[k]
+    k, v = path[-1], parent[path[-1]]
+    if op == 'replace': parent[k] = data.draw(JSONS)
+    elif op == 'nudge' and isinstance(v, int) and not isinstance(v, bool): parent[k] = v + data.draw(st.sampled_from([-2, -1, 1, 2, 7, 10 ** 6]))
+    elif op == 'nudge' and isinstance(v, str): parent[k] = v[:-1] + ('0' if v[-1:] != '0' else '1')
+    elif op == 'delete': del parent[k]
+    elif op == 'add' and isinstance(v, dict): v[data.draw(st.text(max_size=6))] = data.draw(JSONS)
+    elif op == 'repeat' and isinstance(v, list) and v: v.insert(data.draw(st.integers(0, len(v))), v[data.draw(st.integers(0, len(v) - 1))])
+    return sd
+
+
+FIELD = re.compile(r"resume_state_dict(\['\w+'\])?")
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(strategy=st.sampled_from(['bestfit-crop', 'bestfit-split', 'concat']), data=st.data())
+def test_mutated_states_are_refused_or_resume_exactly(env, runs, monkeypatch, strategy, data):
+    """Any edit of a valid state (one to three of them, at any place) either is refused with a ValueError or TypeError
+    that names a field of `resume_state_dict`, before any document is read or encoded, or resumes exactly."""
+    full, sd = runs[strategy]
+    bad = sd
+    for _ in range(data.draw(st.integers(1, 3))): bad = _mutate(bad, data)
+    with monkeypatch.context() as m:
+        reads = Reads(m)
+        try:
+            ld = PackedLoader(env['tok'], files=env['toy'], strategy=strategy, **TOYKW, resume_state_dict=json.loads(json.dumps(bad)))
+        except (ValueError, TypeError) as e:
+            assert 'resume_state_dict' in str(e), repr(e)
+            assert reads.n == 0, f"{reads.n} reads or encodings before refusing: {e}"
+            event('refused: ' + FIELD.match(str(e))[0])
+            return
+    event('resumed exactly' if bad == sd else 'edited, resumed exactly')
+    with ld:
+        for i, b in enumerate(itertools.islice(ld, len(full) - 9)):
+            x0, y0, s0 = full[9 + i]
+            assert torch.equal(b.inputs, x0) and torch.equal(b.targets, y0) and json.loads(json.dumps(b.state)) == s0

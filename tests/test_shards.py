@@ -1,5 +1,5 @@
 """Property tests for nanochat_dl.shards: nanochat's order, exact cover per epoch, exact resume, shuffle, errors."""
-import itertools, json, tempfile
+import itertools, json, re, tempfile
 from collections import Counter
 from pathlib import Path
 
@@ -296,3 +296,31 @@ def test_empty_row_groups_never_stall(tmp_path, mode):
     both = [docs_by_epoch(RowGroupReader(fs, r, 2, 2, **mode), 3) for r in range(2)]
     for e in (1, 2, 3): assert sorted(both[0][e] + both[1][e]) == sorted(
         (f, g, r) for f, rows in enumerate([[4, 0, 0, 2], [0, 3], [0]]) for g, n in enumerate(rows) for r in range(n))
+
+
+# -- invalid UTF-8 in a shard: named down to the row, or replaced on request -----------------------------------------
+
+def bad_utf8_shard(path, groups):
+    "A shard whose string column holds the given bytes, valid UTF-8 or not (pyarrow does not check them on write); `groups`: one list of bytes per row group."
+    import numpy as np
+    with pq.ParquetWriter(path, pa.schema([('text', pa.string())])) as w:
+        for rows in groups:
+            offsets = np.cumsum([0] + [len(b) for b in rows]).astype(np.int32)
+            arr = pa.Array.from_buffers(pa.string(), len(rows), [None, pa.py_buffer(offsets.tobytes()), pa.py_buffer(b''.join(rows))])
+            w.write_table(pa.table({'text': arr}))
+    return path
+
+
+def test_invalid_utf8_is_named_or_replaced(tmp_path):
+    p = bad_utf8_shard(tmp_path / 'shard_00000.parquet', [[b'one', b'two'], [b'ok', b'bad \xff\xfe byte', b'fine']])
+    want = re.escape(f"{p}: row group 1, row 1: 'text' is not valid UTF-8 (invalid start byte at byte 4: b'bad \\xff\\xfe byte'); "
+                     "pass utf8_errors='replace'")
+    rd = RowGroupReader([p], batch_size=2)
+    assert next(rd).texts == ['one', 'two']
+    with pytest.raises(ValueError, match=want): next(rd)
+    with pytest.raises(ValueError, match=want): read_documents([p], [(0, 1, 2)])
+    got = [t for b in take(RowGroupReader([p], batch_size=2, utf8_errors='replace'), 3) for t in b.texts]
+    assert got == ['one', 'two', 'ok', 'bad \ufffd\ufffd byte', 'fine']
+    assert read_documents([p], [(0, 1, 1), (0, 0, 0)], utf8_errors='replace') == ['bad \ufffd\ufffd byte', 'one']
+    with pytest.raises(ValueError, match=r"utf8_errors='ignore' is invalid: expected 'strict' .* or 'replace'"):
+        RowGroupReader([p], utf8_errors='ignore')

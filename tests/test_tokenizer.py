@@ -414,3 +414,33 @@ def test_from_pretrained_cached_and_unknown(tok, tmp_path, monkeypatch):
     assert t.encode(CORPUS[:100], prepend='<|endoftext|>') == tok.encode(CORPUS[:100], prepend=BOS_TOKEN)
     with pytest.raises(ValueError, match="unknown tiktoken encoding 'nope'"):
         Tokenizer.from_pretrained('nope')
+
+
+def _bad_utf8_shard(path, groups):
+    "A shard whose string column holds the given bytes, valid UTF-8 or not; `groups`: one list of bytes per row group."
+    import numpy as np
+    with pq.ParquetWriter(path, pa.schema([('text', pa.string())])) as w:
+        for rows in groups:
+            offsets = np.cumsum([0] + [len(b) for b in rows]).astype(np.int32)
+            arr = pa.Array.from_buffers(pa.string(), len(rows), [None, pa.py_buffer(offsets.tobytes()), pa.py_buffer(b''.join(rows))])
+            w.write_table(pa.table({'text': arr}))
+    return path
+
+
+def test_invalid_utf8_in_training_text(tmp_path, capsys):
+    """A shard with bytes that are not UTF-8 used to stop training with a bare UnicodeDecodeError: the error names the
+    file, row group and row, and `--utf8-errors replace` trains on the text with U+FFFD in their place."""
+    from nanochat_dl.cli import main
+    data = _write_shards(tmp_path / 'data')
+    bad = _bad_utf8_shard(data / 'shard_00001.parquet', [[t.encode() for t in TOPICS[:3]], [b'ok', b'caf\xe9 au lait', b'x']])
+    with pytest.raises(ValueError, match=re.escape(f"{bad}: row group 1, row 1: 'text' is not valid UTF-8 (invalid continuation byte at byte 3")):
+        list(iter_texts([bad]))
+    assert list(iter_texts([bad], utf8_errors='replace'))[3:] == ['ok', 'caf\ufffd au lait', 'x']
+    args = ['train-tokenizer', '--vocab-size', '600', '--max-chars', '100000', '--data-dir', str(data), '--out-dir', str(tmp_path / 'out')]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert f"{bad}: row group 1, row 1: 'text' is not valid UTF-8" in err and "--utf8-errors replace" in err, err
+    assert not (tmp_path / 'out').exists()
+    assert main(args + ['--utf8-errors', 'replace']) == 0, capsys.readouterr().err
+    assert Tokenizer.load(tmp_path / 'out').get_vocab_size() == 600
+    with pytest.raises(ValueError, match=r"utf8_errors='skip' is invalid"): train_tokenizer(data, 600, utf8_errors='skip', progress=False)
