@@ -115,21 +115,38 @@ class ShuffleBuffer(Stage):
         self.upstream, self.window = upstream, check_int('window', window, 0)
         self.seed, self.stream = check_int('seed', seed, 0), check_int('stream', stream, 0)
         self.buf, self.drawn, self.done = [], 0, False
-        self._base = draw_base(self.seed, self.stream)   # draw k is (mix64(base ^ k) * n) >> 64, i.e. draw_index
+        self._hash = draw_base(self.seed, self.stream)   # draw k is (mix64(hash ^ k) * n) >> 64, i.e. draw_index
+        self._copy, self._log = [], []                    # the window at some moment, and every change since
     def __next__(self):
         if self.window == 0: return next(self.upstream)
-        while len(self.buf) < self.window and not self.done:
-            try: self.buf.append(next(self.upstream))
-            except StopIteration: self.done = True
-        if not self.buf: raise StopIteration
-        j = (mix64(self._base ^ self.drawn) * len(self.buf)) >> 64
+        buf, log = self.buf, self._log
+        while len(buf) < self.window and not self.done:
+            try: x = next(self.upstream)
+            except StopIteration: self.done = True; break
+            buf.append(x); log.append(x)
+        if not buf: raise StopIteration
+        j = (mix64(self._hash ^ self.drawn) * len(buf)) >> 64
         self.drawn += 1
-        item, self.buf[j] = self.buf[j], self.buf[-1]   # the last slot moves into the hole
-        self.buf.pop()
+        item, buf[j] = buf[j], buf[-1]   # the last slot moves into the hole
+        buf.pop(); log.append(j)
+        if len(log) > 2 * self.window + 64: self._copy, self._log = list(buf), []
         return item
-    def state_dict(self) -> dict:
-        return dict(window=self.window, seed=self.seed, stream=self.stream, drawn=self.drawn,
-                    addresses=[list(it.address) for it in self.buf])
+    def snapshot(self):
+        "The state as it is now, in O(1): the last copy of the window and how many changes since; `state_of` reads it later."
+        return self._copy, self._log, len(self._log), self.drawn
+    def window_of(self, snap) -> list:
+        "The window's items at `snap`, in slot order: the copy, with the changes replayed."
+        copy, log, n, _ = snap
+        buf = list(copy)
+        for op in itertools.islice(log, n):
+            if type(op) is int: buf[op] = buf[-1]; buf.pop()
+            else: buf.append(op)
+        return buf
+    def state_of(self, snap) -> dict:
+        "`state_dict()` as it was when `snap` was taken."
+        return dict(window=self.window, seed=self.seed, stream=self.stream, drawn=snap[3],
+                    addresses=[list(it.address) for it in self.window_of(snap)])
+    def state_dict(self) -> dict: return self.state_of(self.snapshot())
     def load_state_dict(self, state):
         for k in ('window', 'seed', 'stream'):
             if state.get(k) != getattr(self, k):
@@ -139,6 +156,7 @@ class ShuffleBuffer(Stage):
         if len(set(addrs)) != len(addrs): raise ValueError("shuffle state holds an address twice: that document would be delivered twice")
         self.drawn, self.done = check_int("shuffle state['drawn']", state['drawn'], 0), False
         self.buf = list(self.upstream.fetch(addrs)) if addrs else []
+        self._copy, self._log = list(self.buf), []
         return self
 
 # %% ../nbs/04_stages.ipynb #f5d26138
