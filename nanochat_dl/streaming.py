@@ -38,12 +38,13 @@ def owned_shards(n_shards:int,     # logical shards per dataset
     lo, hi = n_shards * rank // world_size, n_shards * (rank + 1) // world_size
     return range(lo + (hi - lo) * worker // n_workers, lo + (hi - lo) * (worker + 1) // n_workers)
 
-# %% ../nbs/13_streaming.ipynb #970c9326
+# %% ../nbs/13_streaming.ipynb #c2bc0e12
 _M64, _K = (1 << 64) - 1, 0x9E3779B97F4A7C15
 
 class Permutation:
     "A bijection of `range(n)` chosen by `key`, computed one index at a time and never stored: a 4-round Feistel network on the bits of `n - 1`, walked until it lands in range."
-    def __init__(self, n:int, key:int):
+    def __init__(self, n:int,      # the size of the range permuted
+                 key:int):         # any int below 2**64: a different key, a different order
         self.n = n
         b = (n - 1).bit_length()                        # bits of the largest index; the network permutes [0, 2**b)
         self.hr = b // 2                                # the right half's bits (the left half has the rest)
@@ -65,14 +66,18 @@ class Permutation:
     def __len__(self): return self.n
     def __iter__(self): return map(self, range(self.n))
 
-def shard_key(seed:int, dataset:str, shard:int, epoch:int) -> int:
+def shard_key(seed:int,        # the run's seed
+              dataset:str,     # the dataset's name
+              shard:int,       # the logical shard
+              epoch:int        # the pass over it (from 1)
+              ) -> int:
     "The key of logical `shard`'s order in `epoch`: a hash of the four (the dataset by name, so adding another leaves it alone)."
     return mix64(mix64(mix64(seed ^ mix64(zlib.crc32(dataset.encode()))) ^ shard) ^ epoch)
 
-# %% ../nbs/13_streaming.ipynb #9aa28f58
+# %% ../nbs/13_streaming.ipynb #b2737e90
 class CountTree:
     "Counts in a complete binary tree of sums: `take(u)` finds the index whose stretch of the running total holds `u` and takes one from it, in one pass from the root."
-    def __init__(self, counts):
+    def __init__(self, counts):   # non-negative ints, one per index
         n = len(counts)
         P = 1 << max(0, (n - 1).bit_length())
         t = [0] * (2 * P)
@@ -91,7 +96,7 @@ class CountTree:
         t[v] -= 1
         return v - P
 
-# %% ../nbs/13_streaming.ipynb #317125aa
+# %% ../nbs/13_streaming.ipynb #fd9f1e18
 class ShardSource(Stage):
     "One dataset's documents in logical shards `shards`: each shard in its own order per epoch, the next shard drawn in proportion to the documents it has left; empty documents are consumed, never yielded. Items: `Doc((doc, epoch, 0), tokens)`, `doc` the dataset-wide index."
     def __init__(self, root,               # a `TokenRoot`
@@ -129,21 +134,23 @@ class ShardSource(Stage):
         if p is None: p = self._perms[j] = Permutation(self.n[j], shard_key(self.seed, self.dataset, self.shards[j], self.epoch[j]))
         return p
 
-    def __next__(self) -> Doc:
-        pos, starts, lens, open_, ds = self.pos, self.file_starts, self._lens, self.root.open, self.dataset
-        while True:
-            if self.remaining == 0: self._new_epoch(); pos = self.pos
-            u = (mix64(self._draw_key ^ self.draws) * self.remaining) >> 64   # uniform over the documents left ...
-            self.draws += 1; self.remaining -= 1
-            j = self._tree.take(u)                                            # ... so shard j with chance left_j / left
-            k = pos[j]; pos[j] = k + 1
-            g = self.lo[j] + (self._perms[j] or self.perm(j))(k)              # its k-th document in this epoch's order
-            f = bisect.bisect_right(starts, g) - 1
-            i, L = g - starts[f], lens[f]
-            if L is None: L = self._file_lens(f)
-            if L[i]:                                                          # an empty document is consumed, not yielded
-                self._live += 1
-                return Doc((g, self.epoch[j], 0), open_(ds, self.files[f]).doc(i))
+# %% ../nbs/13_streaming.ipynb #a87c701d
+@patch
+def __next__(self:ShardSource) -> Doc:
+    pos, starts, lens, open_, ds = self.pos, self.file_starts, self._lens, self.root.open, self.dataset
+    while True:
+        if self.remaining == 0: self._new_epoch(); pos = self.pos
+        u = (mix64(self._draw_key ^ self.draws) * self.remaining) >> 64   # uniform over the documents left ...
+        self.draws += 1; self.remaining -= 1
+        j = self._tree.take(u)                                            # ... so shard j with chance left_j / left
+        k = pos[j]; pos[j] = k + 1
+        g = self.lo[j] + (self._perms[j] or self.perm(j))(k)              # its k-th document in this epoch's order
+        f = bisect.bisect_right(starts, g) - 1
+        i, L = g - starts[f], lens[f]
+        if L is None: L = self._file_lens(f)
+        if L[i]:                                                          # an empty document is consumed, not yielded
+            self._live += 1
+            return Doc((g, self.epoch[j], 0), open_(ds, self.files[f]).doc(i))
 
 # %% ../nbs/13_streaming.ipynb #35cc7f04
 @patch
@@ -223,7 +230,7 @@ def load_state_dict(self:ShardSource, state):
 
 def _span(shards) -> str: return f"{shards[0]}..{shards[-1]} ({len(shards)})" if shards else "none"
 
-# %% ../nbs/13_streaming.ipynb #89096056
+# %% ../nbs/13_streaming.ipynb #42e4cd73
 class Framing(NamedTuple):
     "Where delimiters go: a document of `L` tokens becomes its *unit* `[bos] + tokens + [eos] + [sep]` (each only if set); units are what gets cut into pieces and packed."
     bos: int = None   # before the document's first token
@@ -246,7 +253,9 @@ class Framing(NamedTuple):
 
 class Chunker(Stage):
     "Cut each document's unit into pieces of at most `max_chunk` tokens (delimiters count), in order: items `Doc((doc, epoch, start), tokens)`, `start` the piece's first unit position, `tokens` the whole document."
-    def __init__(self, upstream, framing:Framing, max_chunk:int):
+    def __init__(self, upstream,          # a stage of whole documents (a `ShardSource`)
+                 framing:Framing,         # where the delimiters go
+                 max_chunk:int):          # the most tokens in a piece, delimiters included
         self.upstream, self.framing, self.max_chunk = upstream, framing, check_int('max_chunk', max_chunk, 1)
         self.cur = None   # [document, start of its next piece] while one is being cut
     def __next__(self) -> Doc:
@@ -314,7 +323,7 @@ class Mixer(Stage):
         for u in self.ups:
             if u is not None: u.close()
 
-# %% ../nbs/13_streaming.ipynb #9fceef6c
+# %% ../nbs/13_streaming.ipynb #50f804f0
 class DocKey(NamedTuple):
     "Where a segment's tokens come from."
     dataset: str   # the dataset's folder name
@@ -351,7 +360,7 @@ class TokenStream:
         self.packer = Packer(c['seq_len'], c['pack_buffer'] if self.pack == 'bestfit' else 1, _STRATEGY[self.pack],
                              pad_id=c['pad_token'], max_docs_per_row=1 if self.pack == 'pad' else None)
         self.step = 0
-        self._bos = np.array([self.framing.bos or 0], dtype=np.uint32)
+        self._h, self._bos = self.framing.head, np.array([self.framing.bos or 0], dtype=np.uint32)
         self._tail = np.array(self.framing.tail, dtype=np.uint32)
 
     @property
@@ -363,10 +372,12 @@ class TokenStream:
         return U if self.mc is None else min(a - a % self.mc + self.mc, U)
 
     def _size(self, item) -> int:
-        "The document tokens in a mixer item."
-        a, L = item.address[2], len(item.tokens)
-        lo, hi = self.framing.doc_span(a, self._end(a, L), L)
-        return max(hi - lo, 0)
+        "The document tokens in a mixer item (a whole unit, or a max_chunk piece of one)."
+        L, mc = len(item.tokens), self.mc
+        if mc is None: return L
+        a, h = item.address[2], self._h
+        lo, hi = (a - h if a > h else 0), min(a - a % mc + mc - h, L)
+        return hi - lo if hi > lo else 0
 
 # %% ../nbs/13_streaming.ipynb #ab224360
 @patch
@@ -488,7 +499,7 @@ def state_of(self:TokenStream, snap) -> dict:
         out[name] = d
     return dict(step=step, datasets=out, packer=dict(entries=[[*k[:4], o] for k, o in zip(keys, offs)], metrics=metrics))
 
-# %% ../nbs/13_streaming.ipynb #9f7ddf42
+# %% ../nbs/13_streaming.ipynb #feaa73f3
 def _field(d, k, typ, where):
     "`d[k]` if it is a `typ`, else a ValueError naming where it is missing or wrong."
     if not isinstance(d, dict): raise ValueError(f"{where} is {type(d).__name__}, expected a dict")
@@ -527,7 +538,15 @@ def load_state(self:TokenStream, st:dict):
             for j, (g, a) in enumerate(zip(doc, at)): self._check_piece(src, check_int(f"{w}['doc'][{j}]", g, 0), a, w)
             sh.load_state_dict(dict(window=sh.window, seed=sh.seed, stream=sh.stream, drawn=s.get('drawn'), addresses=list(zip(doc, ep, at))))
     self.mixer.load_state_dict(dict(tokens=[ds[n].get('tokens') for n in self.names]))
-    pk, items = _field(st, 'packer', dict, 'state'), []
+    self._load_packer(_field(st, 'packer', dict, 'state'))
+    self.step = check_int("state['step']", st.get('step'), 0)
+    return self
+
+# %% ../nbs/13_streaming.ipynb #185edc8a
+@patch
+def _load_packer(self:TokenStream, pk:dict):
+    "Refill the packer from its entries (addresses and offsets), each checked against the data."
+    items = []
     for j, ent in enumerate(_field(pk, 'entries', list, "state['packer']")):
         where = f"state['packer']['entries'][{j}]"
         if not (isinstance(ent, list) and len(ent) == 5 and isinstance(ent[0], int) and 0 <= ent[0] < len(self.names)):
@@ -541,10 +560,8 @@ def load_state(self:TokenStream, st:dict):
         items.append((piece, (i, g, e, a, len(tok)), off))
     self.packer.restore(items)
     self.packer.load_metrics_state(_field(pk, 'metrics', dict, "state['packer']"))
-    self.step = check_int("state['step']", st.get('step'), 0)
-    return self
 
-# %% ../nbs/13_streaming.ipynb #471b3e8b
+# %% ../nbs/13_streaming.ipynb #ebf13e75
 FORMAT = 'nanochat_dl.streaming/1'
 _CONFIG = ('datasets', 'weights', 'seq_len', 'pack', 'max_chunk', 'bos_token', 'eos_token', 'sep_token', 'pad_token',
            'seed', 'n_logical_shards', 'shuffle_window', 'pack_buffer', 'world_size', 'rank', 'n_workers', 'worker')
@@ -572,7 +589,9 @@ def _weights(weights, datasets, root) -> list:
     if not any(w): raise ValueError(f"weights={list(weights)} are all zero: at least one dataset needs a positive weight")
     return [int(x) if x == int(x) else x for x in w]
 
-def data_fingerprint(root, datasets) -> dict:
+def data_fingerprint(root,          # a `TokenRoot`
+                     datasets,      # the dataset names
+                     ) -> dict:
     "Per dataset: its files, documents and tokens, and a digest of every file's name and counts."
     out = {}
     for d in datasets:
@@ -581,8 +600,9 @@ def data_fingerprint(root, datasets) -> dict:
         out[d] = dict(files=len(fs), docs=sum(i.docs for i in fs), tokens=sum(i.tokens for i in fs), digest=h)
     return out
 
-# %% ../nbs/13_streaming.ipynb #ed246c93
-def stream_config(root, seq_len, *, datasets=None, weights=None, rank=None, world_size=None, n_logical_shards=1024,
+# %% ../nbs/13_streaming.ipynb #f1dc600a
+def stream_config(root, seq_len, *,   # the settings of `StreamingLoader`, documented there
+                  datasets=None, weights=None, rank=None, world_size=None, n_logical_shards=1024,
                   shuffle_window=10_000, seed=0, bos_token=None, eos_token=None, sep_token=None, pad_token=0,
                   pack='concat', max_chunk=None, pack_buffer=1000, tokenizer=None, max_open=None) -> tuple:
     "Check every setting (the names are `StreamingLoader`'s); returns `(TokenRoot, config, fingerprint)`."
@@ -609,7 +629,9 @@ def stream_config(root, seq_len, *, datasets=None, weights=None, rank=None, worl
     cfg['weights'] = _weights(weights, cfg['datasets'], root)
     return root, cfg, dict(data=data_fingerprint(root, cfg['datasets']), tokenizer=tokenizer)
 
-def check_resume(state, config:dict, fingerprint:dict):
+def check_resume(state,             # a state from `state_dict()`, or anything a checkpoint file held
+                 config:dict,       # this loader's checked settings
+                 fingerprint:dict): # this loader's data and tokenizer fingerprint
     "Refuse `state`, naming the field, unless it was saved over the same data and tokenizer with the same settings."
     if not isinstance(state, dict): raise TypeError(f"state is {type(state).__name__}: expected a dict from state_dict()")
     if state.get('format') != FORMAT: raise ValueError(f"state['format']={str(state.get('format'))[:60]!r}: expected {FORMAT!r}, a state from StreamingLoader.state_dict()")
@@ -630,12 +652,17 @@ def check_resume(state, config:dict, fingerprint:dict):
         if c.get(k) != config[k]:
             raise ValueError(f"state was saved with {k}={c.get(k)!r}, this loader has {k}={config[k]!r}: exact resume needs the same {k}")
 
-# %% ../nbs/13_streaming.ipynb #bd0d3bfa
+# %% ../nbs/13_streaming.ipynb #b1e5d7d5
 class StreamBatch:
     "One batch: `inputs`/`targets` `[B, seq_len]` on the device, per-row document `segments`, `metrics`, and the `state` to resume after it."
-    def __init__(self, inputs, targets, packed, metrics, stream, state_fn):
-        self.inputs, self.targets, self.packed, self.metrics = inputs, targets, packed, metrics
-        self._stream, self._segs, self._state_fn, self._state = stream, None, state_fn, None
+    def __init__(self, inputs, targets, packed, stream, metrics_fn, state_fn):
+        self.inputs, self.targets, self.packed, self._stream = inputs, targets, packed, stream
+        self._segs, self._metrics_fn, self._metrics, self._state_fn, self._state = None, metrics_fn, None, state_fn, None
+    @property
+    def metrics(self) -> dict:
+        "Tokens/s, waits, padding and delimiter shares, realised dataset shares, epochs (built on first use)."
+        if self._metrics is None: self._metrics = self._metrics_fn()
+        return self._metrics
     @property
     def rows(self) -> np.ndarray: return self.packed.rows   # int64 [B, seq_len + 1] on the host
     @property
@@ -679,7 +706,7 @@ def _stop(thread, stop):
     stop.set()
     if thread.is_alive(): thread.join(10)
 
-# %% ../nbs/13_streaming.ipynb #026295b1
+# %% ../nbs/13_streaming.ipynb #72217c6a
 class StreamingLoader:
     "Endless, exactly resumable batches of pre-tokenized documents for this rank: logical shards walked in per-epoch orders, shuffled, mixed by token share, packed, copied to `device`."
     def __init__(self, root,                # the token root (ROOT/<dataset>/**/*.arrow), or a `TokenRoot`
@@ -713,7 +740,7 @@ class StreamingLoader:
             raise ValueError(f"rank {c['rank']} of {c['world_size']} owns no document of datasets {c['datasets']} with a positive weight: "
                              f"{c['n_logical_shards']} logical shards of " + ', '.join(f"{d}: {v['docs']} documents" for d, v in self.fingerprint['data'].items()))
         self.transfer = DeviceTransfer(self.B, c['seq_len'], self.device, slots, copy)
-        self._snap, self._state, self._started, self._yielded, self._error, self.last_metrics = self.stream.snapshot(), None, False, 0, None, None
+        self._snap, self._state, self._started, self._yielded, self._error, self._last = self.stream.snapshot(), None, False, 0, None, None
         self._closed = False
 
     def _full_state(self, snap) -> dict:
@@ -735,7 +762,7 @@ class StreamingLoader:
         self.stream, self._snap, self._state = fresh, fresh.snapshot(), None
         return self
 
-# %% ../nbs/13_streaming.ipynb #2216a4e6
+# %% ../nbs/13_streaming.ipynb #687cea8c
 def _produce(stream, B):
     "One batch's rows, its document tokens per dataset, a snapshot of the state after it, and the seconds it took."
     t0 = time.perf_counter()
@@ -777,16 +804,22 @@ def __next__(self:StreamingLoader) -> StreamBatch:
     x, y = self.transfer.put(packed.rows)
     t2 = time.perf_counter()
     self._yielded += 1
-    self._snap, self._state = snap, None
-    self.last_metrics = m = self._metrics(packed, per, snap, produce_s, t1 - t0, t2 - t1, t2)
-    return StreamBatch(x, y, packed, m, self.stream, lambda: self._full_state(snap))
+    self._snap, self._state, n = snap, None, self._yielded
+    self._last = StreamBatch(x, y, packed, self.stream, lambda: self._metrics(packed, per, snap, produce_s, t1 - t0, t2 - t1, t2, n),
+                             lambda: self._full_state(snap))
+    return self._last
+
+@patch(as_prop=True)
+def last_metrics(self:StreamingLoader) -> dict:
+    "The metrics of the last batch handed out (None before the first)."
+    return None if self._last is None else self._last.metrics
 
 @patch
-def _metrics(self:StreamingLoader, packed, per, snap, produce_s, wait_s, transfer_s, now) -> dict:
+def _metrics(self:StreamingLoader, packed, per, snap, produce_s, wait_s, transfer_s, now, yielded) -> dict:
     names, pm, doc = self.config['datasets'], packed.metrics, sum(per)
     tok, BT = snap[2], self.B * self.config['seq_len']
     return dict(step=snap[0], tokens_per_s=BT / produce_s if produce_s > 0 else math.inf,
-                delivered_per_s=self._yielded * BT / (now - self._t_first), produce_s=produce_s, wait_s=wait_s, transfer_s=transfer_s,
+                delivered_per_s=yielded * BT / (now - self._t_first), produce_s=produce_s, wait_s=wait_s, transfer_s=transfer_s,
                 pad_pct=pm['pad_pct'], delim_pct=100 * (pm['tokens_emitted'] - pm['tokens_padded'] - doc) / pm['tokens_emitted'],
                 docs_per_row=pm['docs_per_row'], shares={d: n / doc if doc else 0.0 for d, n in zip(names, per)},
                 total_shares={d: t / sum(tok) if sum(tok) else 0.0 for d, t in zip(names, tok)},
