@@ -38,7 +38,7 @@ def owned_shards(n_shards:int,     # logical shards per dataset
     lo, hi = n_shards * rank // world_size, n_shards * (rank + 1) // world_size
     return range(lo + (hi - lo) * worker // n_workers, lo + (hi - lo) * (worker + 1) // n_workers)
 
-# %% ../nbs/13_streaming.ipynb #c2bc0e12
+# %% ../nbs/13_streaming.ipynb #3d21df79
 _M64, _K = (1 << 64) - 1, 0x9E3779B97F4A7C15
 
 class Permutation:
@@ -53,6 +53,7 @@ class Permutation:
     def __call__(self, i:int) -> int:
         "The image of `i` (in `[0, n)`)."
         n, hr, mask, sl, sr = self.n, self.hr, self.mask, self.sl, self.sr
+        if not 0 <= i < n: raise IndexError(f"index {i!r} is outside the permuted range [0, {n})")
         k0, k1, k2, k3 = self.keys
         x = i
         while True:     # each pass is a bijection of [0, 2**b); walking on until inside is one of [0, n)
@@ -284,7 +285,7 @@ class Chunker(Stage):
         docs = self.upstream.fetch([(a[0], a[1], 0) for a in addresses])
         return [Doc(tuple(a), d.tokens) for a, d in zip(addresses, docs)]
 
-# %% ../nbs/13_streaming.ipynb #6b63f3ba
+# %% ../nbs/13_streaming.ipynb #57bffc68
 class Mixer(Stage):
     "Items from several datasets' stages, the next from the one furthest below its share of tokens (no randomness); items `(dataset index, item)`; a stage that runs dry drops out."
     def __init__(self, upstreams,       # one stage per dataset (None: this rank has nothing of it)
@@ -292,6 +293,8 @@ class Mixer(Stage):
                  size=lambda item: len(item.tokens)):   # the tokens an item counts for
         self.ups, self.size = list(upstreams), size
         tot = float(sum(weights))
+        if len(weights) != len(self.ups) or min(weights, default=0) < 0 or not tot > 0:
+            raise ValueError(f"weights={list(weights)} for {len(self.ups)} stages: expected one number >= 0 per stage, not all 0")
         self.w = [float(w) / tot for w in weights]
         self.tokens = [0] * len(self.ups)
         self.active = [i for i, (u, w) in enumerate(zip(self.ups, self.w)) if u is not None and w > 0]
