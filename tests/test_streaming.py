@@ -2,8 +2,7 @@
 hypothesis, DataLoader workers, bad input. fms-fsdp's own test list, on our data: single and two epochs, chunking, two
 loaders, multi-file and nested folders, reload mid-epoch and at an epoch's end, BOS/EOS placement, sampler rates, reload
 stress through every stage combination, buffer formats, shuffle uniformity, checkpoint-reload match, workers."""
-import itertools, json, threading, warnings
-warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
+import itertools, json, threading
 from collections import defaultdict
 from pathlib import Path
 
@@ -31,6 +30,8 @@ def toy_root(path, spec, seed=0, empty=0.05, mean=60, T=64, counts=True):
     if counts: write_counts(path, c)
     return Path(path)
 
+
+pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")   # torchdata 0.11 on a newer torch
 
 SPEC = {'web': {'a.arrow': 260, 'deep/er/b.arrow': 140}, 'code': {'x.arrow': 90}, 'books': {'y.arrow': 25}}
 
