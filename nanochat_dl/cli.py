@@ -17,6 +17,7 @@ COMMANDS = {
     'bench-pack':      ('nanochat_dl.bench',      'bench_pack_cli',      'benchmark reference vs fast best-fit packing'),
     'demo':            ('nanochat_dl.dataloader', 'demo_cli',            'the main job: sample data, tokenizer, stream batches, check resume'),
     'bench':           ('nanochat_dl.dataloader', 'bench_cli',           'benchmark the loaders against the reference'),
+    'bench-stream':    ('nanochat_dl.bench_stream', 'bench_stream_cli',  'benchmark the pre-tokenized loader against a per-document reader'),
 }
 
 def _usage():

@@ -1,0 +1,403 @@
+"""The pre-tokenized loader (nbs/13_streaming.ipynb): exactly once per epoch at many world sizes, exact resume under
+hypothesis, DataLoader workers, bad input. fms-fsdp's own test list, on our data: single and two epochs, chunking, two
+loaders, multi-file and nested folders, reload mid-epoch and at an epoch's end, BOS/EOS placement, sampler rates, reload
+stress through every stage combination, buffer formats, shuffle uniformity, checkpoint-reload match, workers."""
+import itertools, json, threading
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from nanochat_dl.arrow import TokenRoot, write_counts, write_token_file
+from nanochat_dl.packing import fineweb_like_lengths
+from nanochat_dl.stages import ShuffleBuffer, Stage, Doc
+from nanochat_dl.streaming import (PACKS, DocKey, Framing, Permutation, StreamingDataset, StreamingLoader, TokenStream,
+                                   owned_shards, shard_key, stream_config, _unrle)
+
+
+def toy_root(path, spec, seed=0, empty=0.05, mean=60, T=64, counts=True):
+    "Datasets `{name: {file: documents}}`; token = uid << 12 | position, so each token names its document; some empty."
+    rng, uid, c = np.random.default_rng(seed), 1, {}
+    for ds, files in spec.items():
+        for f, n in files.items():
+            L = fineweb_like_lengths(n, rng, mean=mean, T=T)
+            L[rng.random(n) < empty] = 0
+            c[(ds, f)] = write_token_file(Path(path)/ds/f, [(np.int64(uid + i) << 12) | (np.arange(l) & 0xFFF) for i, l in enumerate(L)])
+            uid += n
+    if counts: write_counts(path, c)
+    return Path(path)
+
+
+pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")   # torchdata 0.11 on a newer torch
+
+SPEC = {'web': {'a.arrow': 260, 'deep/er/b.arrow': 140}, 'code': {'x.arrow': 90}, 'books': {'y.arrow': 25}}
+
+
+@pytest.fixture(scope='module')
+def root(tmp_path_factory):
+    return toy_root(tmp_path_factory.mktemp('stream')/'root', SPEC)
+
+
+def open_epochs(state):
+    "Per dataset, the lowest epoch that may still have tokens to deliver on this rank (or worker)."
+    out = {}
+    for d, s in state['datasets'].items():
+        eps = _unrle(s['epoch'], '') + ([s['cut'][1]] if s['cut'] else []) + (_unrle(s['shuffle']['epoch'], '') if 'shuffle' in s else [])
+        eps += [e[2] for e in state['packer']['entries'] if state['config']['datasets'][e[0]] == d]
+        out[d] = min(eps)
+    return out
+
+
+def coverage(loaders, tr, epochs):
+    "Run every loader until the first `epochs` of its datasets are closed; segments of those epochs, each checked against the file."
+    cov = defaultdict(list)
+    for ld in loaders:
+        for _ in range(100_000):
+            if min(open_epochs(ld.state_dict()).values()) > epochs: break
+            b = next(ld)
+            for r, row in enumerate(b.segments):
+                for s in row:
+                    k = s.key
+                    assert np.array_equal(b.rows[r, s.start:s.start + s.length], tr.doc(k.dataset, k.file, k.doc)[s.offset:s.offset + s.length])
+                    if k.epoch <= epochs: cov[k].append((s.offset, s.length))
+        else: raise AssertionError('the epochs never closed')
+        ld.close()
+    return cov
+
+
+def assert_tiles(cov, tr, epochs, datasets=None):
+    for ds in datasets or tr.datasets:
+        for fi in tr.files[ds]:
+            for i, L in enumerate(tr.open(ds, fi.file).lens.tolist()):
+                for e in range(1, epochs + 1):
+                    pieces, at = sorted(cov.get(DocKey(ds, fi.file, i, e), [])), 0
+                    for off, n in pieces:
+                        assert off == at, (ds, fi.file, i, e, pieces, L)
+                        at += n
+                    assert at == L, (ds, fi.file, i, e, pieces, L)
+
+
+# ---------------------------------------------------------------- exactly once per epoch
+
+@pytest.mark.parametrize('pack', list(PACKS))
+@pytest.mark.parametrize('W', range(1, 9))
+def test_exactly_once_per_epoch(root, W, pack):
+    # every stage on: delimiters, cutting, shuffle, mixing; empty documents and documents longer than a row; two epochs
+    kw = dict(weights=[1, 2, 3], bos_token=1, eos_token=2, sep_token=3, n_logical_shards=24, shuffle_window=20,
+              max_chunk=50, pack=pack, pack_buffer=12, prefetch=0, world_size=W)
+    tr = TokenRoot(root)
+    assert_tiles(coverage([StreamingLoader(root, 24, 3, rank=r, **kw) for r in range(W)], tr, 2), tr, 2)
+
+
+def test_exactly_once_plain_and_more_ranks_than_shards(root):
+    # no delimiters, no shuffle; 8 ranks share 5 logical shards, so three ranks own nothing of any dataset
+    tr = TokenRoot(root)
+    lds = []
+    for r in range(8):
+        try: lds.append(StreamingLoader(root, 16, 2, n_logical_shards=5, shuffle_window=0, prefetch=0, world_size=8, rank=r))
+        except ValueError as e: assert 'owns no document' in str(e)
+    assert len(lds) == 5
+    assert_tiles(coverage(lds, tr, 1), tr, 1)
+
+
+def test_two_loaders_split_an_epoch(root):
+    tr = TokenRoot(root)
+    kw = dict(datasets='web', n_logical_shards=6, shuffle_window=0, prefetch=0, world_size=2)
+    cov = [coverage([StreamingLoader(root, 16, 2, rank=r, **kw)], tr, 1) for r in range(2)]
+    assert not set(cov[0]) & set(cov[1])
+    assert_tiles({**cov[0], **cov[1]}, tr, 1, ['web'])
+
+
+def test_single_and_two_epochs_multi_file_nested(root):
+    # one loader over the nested, two-file dataset: epoch 1 and epoch 2 each deliver every document once, in other orders
+    tr = TokenRoot(root)
+    ld = StreamingLoader(root, 16, 2, datasets='web', shuffle_window=0, prefetch=0, n_logical_shards=7)
+    order = defaultdict(list)
+    for _ in range(100_000):
+        if min(open_epochs(ld.state_dict()).values()) > 2: break
+        for row in next(ld).segments:
+            for s in row:
+                if s.offset == 0: order[s.key.epoch].append((s.key.file, s.key.doc))
+    assert {f for f, _ in order[1]} == {'a.arrow', 'deep/er/b.arrow'}
+    nonempty = sorted((fi.file, i) for fi in tr.files['web'] for i, L in enumerate(tr.open('web', fi.file).lens) if L)
+    assert sorted(order[1]) == nonempty == sorted(order[2])
+    assert order[1] != order[2]
+
+
+# ---------------------------------------------------------------- exact resume
+
+def run_rows(make, n):
+    ld = make()
+    out = [(b.rows.copy(), json.loads(json.dumps(b.state))) for b in itertools.islice(ld, n)]
+    ld.close()
+    return out
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(pack=st.sampled_from(list(PACKS)), seq_len=st.integers(3, 40), window=st.sampled_from([0, 1, 7, 60]),
+       max_chunk=st.sampled_from([None, 1, 5, 33]), delims=st.sampled_from([(None, None, None), (1, None, None), (1, 2, 3), (None, 2, None)]),
+       shards=st.sampled_from([1, 5, 64]), prefetch=st.sampled_from([0, 2]), at=st.integers(0, 30), seed=st.integers(0, 3))
+def test_exact_resume_hypothesis(root, pack, seq_len, window, max_chunk, delims, shards, prefetch, at, seed):
+    bos, eos, sep = delims
+    kw = dict(weights=[1, 1, 2], bos_token=bos, eos_token=eos, sep_token=sep, n_logical_shards=shards, shuffle_window=window,
+              max_chunk=max_chunk, pack=pack, pack_buffer=9, prefetch=prefetch, seed=seed)
+    full = run_rows(lambda: StreamingLoader(root, seq_len, 2, **kw), at + 6)
+    with StreamingLoader(root, seq_len, 2, **kw).load_state_dict(full[at][1]) as ld:
+        for j in range(at + 1, at + 6): assert np.array_equal(next(ld).rows, full[j][0]), (j, at)
+
+
+@pytest.mark.parametrize('pack', list(PACKS))
+def test_reload_stress_many_steps_and_twice(root, pack):
+    # resume from states after many steps, and resume a resumed loader again: the same rows as one run
+    kw = dict(weights=[3, 5, 1], bos_token=1, eos_token=2, n_logical_shards=15, shuffle_window=30, max_chunk=17, pack=pack,
+              pack_buffer=8, prefetch=2)
+    full = run_rows(lambda: StreamingLoader(root, 20, 3, **kw), 400)
+    for at in (0, 1, 10, 100, 250):
+        with StreamingLoader(root, 20, 3, **kw).load_state_dict(full[at][1]) as ld:
+            mid = [next(ld) for _ in range(40)]
+            assert all(np.array_equal(b.rows, full[at + 1 + j][0]) for j, b in enumerate(mid))
+            again = json.loads(json.dumps(mid[-1].state))
+        with StreamingLoader(root, 20, 3, **kw).load_state_dict(again) as ld:
+            for j in range(at + 41, at + 61): assert np.array_equal(next(ld).rows, full[j][0])
+
+
+def epoch_end_state(make):
+    "The first batch after which a dataset's source has just started a new epoch, and the states around it."
+    ld = make()
+    prev = json.loads(json.dumps(ld.state_dict()))
+    for k in range(5000):
+        b = next(ld)
+        st = json.loads(json.dumps(b.state))
+        if any(_unrle(st['datasets'][d]['epoch'], '') != _unrle(prev['datasets'][d]['epoch'], '') for d in st['datasets']):
+            ld.close(); return k, prev, st
+        prev = st
+    raise AssertionError('no epoch ended')
+
+
+def test_reload_at_an_epochs_end(root):
+    make = lambda: StreamingLoader(root, 16, 2, datasets=['code'], shuffle_window=0, n_logical_shards=4, prefetch=0, bos_token=1)
+    k, before, after = epoch_end_state(make)
+    full = run_rows(make, k + 12)
+    for at, st in ((k - 1, before), (k, after)):
+        assert st == full[at][1] if at >= 0 else True
+        with make().load_state_dict(st) as ld:
+            for j in range(at + 1, k + 12): assert np.array_equal(next(ld).rows, full[j][0])
+
+
+def test_state_is_the_batch_handed_out(root):
+    # a prefetching loader is batches ahead; its state_dict() is still the last batch's
+    with StreamingLoader(root, 16, 2, prefetch=4, n_logical_shards=8, shuffle_window=10) as ld:
+        bs = [next(ld) for _ in range(5)]
+        assert ld.state_dict() == bs[-1].state and ld.state_dict()['step'] == 5
+        assert bs[1].state['step'] == 2
+
+
+def test_state_holds_no_tokens_and_stays_small(root):
+    with StreamingLoader(root, 16, 2, bos_token=1, n_logical_shards=64, shuffle_window=50, prefetch=0) as ld:
+        for _ in range(30): b = next(ld)
+        text = json.dumps(b.state)
+    windows = sum(min(50, 500) for _ in SPEC)
+    assert len(text) < 200 * windows + 8000, len(text)          # addresses and counters: tens of bytes per buffered piece
+    assert '4096' not in text and str(int(b.rows[0, 1])) not in text   # no token id (all are >= 4096 here) in it
+
+
+# ---------------------------------------------------------------- delimiters, chunking, formats
+
+@pytest.mark.parametrize('bos', [None, 1])
+@pytest.mark.parametrize('chunk', [99, 100, 101, 102, 103])
+def test_bos_eos_chunking_around_the_document_length(tmp_path, bos, chunk):
+    write_token_file(tmp_path/'d'/'a.arrow', [np.arange(5000, 5100)])
+    tr, cfg, _ = stream_config(tmp_path, 200, bos_token=bos, eos_token=2, max_chunk=chunk, pack='pad', shuffle_window=0, n_logical_shards=1)
+    stream = TokenStream(tr, cfg)
+    unit = ([1] if bos else []) + list(range(5000, 5100)) + [2]
+    rows = stream.next_rows(6).rows
+    pieces = [r[r != 0].tolist() for r in rows]                  # pad mode: one piece per row, padded with 0
+    sizes = [len(p) for p in pieces]
+    want = [len(unit)] if chunk >= len(unit) else [chunk, len(unit) - chunk]
+    assert sizes[:len(want)] == want
+    assert sum(pieces[:len(want)], []) == unit
+
+
+def test_buffer_formats(root):
+    tr = TokenRoot(root)
+    for pack in PACKS:
+        with StreamingLoader(root, 30, 4, pack=pack, eos_token=2, pad_token=0, prefetch=0, n_logical_shards=8) as ld:
+            for _ in range(20):
+                b = next(ld)
+                assert b.rows.shape == (4, 31) and b.inputs.shape == (4, 30)
+                assert torch.equal(b.inputs[:, 1:], b.targets[:, :-1])
+                covered = np.zeros(b.rows.shape, bool)
+                for r, row in enumerate(b.segments):
+                    for s in row: covered[r, s.start:s.start + s.length] = True
+                other = b.rows[~covered]
+                assert set(np.unique(other)) <= {0, 2}
+                if pack == 'concat': assert (other == 2).all()
+                if pack == 'pad': assert all(len(row) <= 1 for row in b.segments)
+                pos = b.position_ids()
+                for r, row in enumerate(b.segments):   # a document's tokens count up from where its unit starts
+                    for s in row:
+                        p = pos[r, s.start:min(s.start + s.length, 30)]
+                        assert torch.equal(p, torch.arange(len(p)) + int(p[0])) if len(p) else True
+
+
+def test_delimiter_value_inside_documents(tmp_path):
+    write_token_file(tmp_path/'d'/'a.arrow', [[2, 2, 2], [7, 2], [2]])
+    with StreamingLoader(tmp_path, 11, 1, eos_token=2, shuffle_window=0, n_logical_shards=1, prefetch=0) as ld:
+        b = next(ld)
+    got = sorted((s.key.doc, s.offset, s.length) for s in b.segments[0] if s.key.epoch == 1)
+    assert got == [(0, 0, 3), (1, 0, 2), (2, 0, 1)]                 # ends from the file, not from the value 2
+    covered = np.zeros(12, bool)
+    for s in b.segments[0]: covered[s.start:s.start + s.length] = True
+    assert (b.rows[0][~covered] == 2).all() and (~covered).sum() >= 3   # outside them: the EOS after each
+
+
+def test_shuffle_uniformity():
+    class Counting(Stage):
+        def __init__(self): self.i = -1
+        def __next__(self): self.i += 1; return Doc((self.i,), None)
+    b = ShuffleBuffer(Counting(), 200, 0, 0)
+    out = [next(b).address[0] for _ in range(1000)]
+    assert sum(x < 100 for x in out) > 95
+
+
+@pytest.mark.parametrize('weights,period', [([1, 1], 'Lss'), ([2, 1], 'Ls'), ([2, 3], 'Lsss')])
+def test_sampler_rates(tmp_path, weights, period):
+    # fms-fsdp's test: documents of two sizes in two datasets; the mixer keeps an exact periodic pattern
+    write_token_file(tmp_path/'long'/'a.arrow', [np.full(20, 7)] * 50)
+    write_token_file(tmp_path/'short'/'a.arrow', [np.full(10, 8)] * 50)
+    with StreamingLoader(tmp_path, 30, 1, weights=weights, shuffle_window=0, n_logical_shards=3, pack='pad', prefetch=0) as ld:
+        seq = ''.join('L' if next(ld).segments[0][0].key.dataset == 'long' else 's' for _ in range(60))
+    assert period * 5 in seq[12:], seq
+
+
+def test_permutation_bijective_hypothesis():
+    @given(n=st.integers(1, 5000), key=st.integers(0, 2**64 - 1))
+    @settings(max_examples=60, deadline=None)
+    def check(n, key): assert sorted(Permutation(n, key)) == list(range(n))
+    check()
+    assert list(Permutation(50, shard_key(1, 'a', 2, 3))) != list(Permutation(50, shard_key(1, 'a', 2, 4)))
+
+
+# ---------------------------------------------------------------- data on disk
+
+def test_missing_counts_csv_gives_the_same_batches(tmp_path):
+    a = toy_root(tmp_path/'a', SPEC, counts=True)
+    b = toy_root(tmp_path/'b', SPEC, counts=False)
+    assert not (b/'meta').exists()
+    kw = dict(bos_token=1, n_logical_shards=10, prefetch=0)
+    with StreamingLoader(a, 16, 2, **kw) as la, StreamingLoader(b, 16, 2, **kw) as lb:
+        for _ in range(20): assert np.array_equal(next(la).rows, next(lb).rows)
+
+
+def test_empty_documents_and_dry_datasets(tmp_path):
+    write_token_file(tmp_path/'empty'/'a.arrow', [[]] * 7)
+    write_token_file(tmp_path/'full'/'a.arrow', [[5, 6, 7]] * 4)
+    # an all-empty dataset with a weight drops out; the other carries the batches
+    with StreamingLoader(tmp_path, 4, 2, weights=[1, 1], shuffle_window=3, n_logical_shards=2, prefetch=0) as ld:
+        for _ in range(10): assert {s.key.dataset for row in next(ld).segments for s in row} == {'full'}
+    # by default (weights by tokens) it is not even read
+    with StreamingLoader(tmp_path, 4, 2, prefetch=0) as ld: assert ld.config['weights'] == [0, 12]
+    # alone, it is an error that says so
+    with StreamingLoader(tmp_path, 4, 2, datasets='empty', weights=[1], prefetch=0) as ld:
+        with pytest.raises(RuntimeError, match='no document with a token'): next(ld)
+
+
+def test_fingerprint_refuses_changed_files(tmp_path):
+    r = toy_root(tmp_path/'r', {'web': {'a.arrow': 30}})
+    with StreamingLoader(r, 8, 2, prefetch=0, n_logical_shards=4) as ld: next(ld); sd = ld.state_dict()
+    toy_root(tmp_path/'r', {'web': {'a.arrow': 30}}, seed=1)          # same names and count, other lengths
+    with pytest.raises(ValueError, match="dataset 'web' differs \\(tokens"):
+        StreamingLoader(r, 8, 2, prefetch=0, n_logical_shards=4).load_state_dict(sd)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_garbage_states_are_refused_cleanly(root, data):
+    # any damage to a valid state: refused with ValueError/TypeError, or loaded; never another error, never half-loaded
+    kw = dict(bos_token=1, max_chunk=20, n_logical_shards=6, shuffle_window=5, prefetch=0, pack='bestfit', pack_buffer=6, weights=[1, 1, 1])
+    with StreamingLoader(root, 12, 2, **kw) as ld:
+        for _ in range(7): next(ld)
+        sd = json.loads(json.dumps(ld.state_dict()))
+    paths = []
+    def walk(x, p):
+        paths.append(p)
+        if isinstance(x, dict): [walk(v, p + (k,)) for k, v in x.items()]
+        elif isinstance(x, list): [walk(v, p + (i,)) for i, v in enumerate(x)]
+    walk(sd, ())
+    p = data.draw(st.sampled_from(paths[1:]))
+    junk = data.draw(st.sampled_from([None, -1, 10**9, 'x', [], {}, 1.5, [[1, 2, 3]]]))
+    bad = json.loads(json.dumps(sd))
+    x = bad
+    for k in p[:-1]: x = x[k]
+    x[p[-1]] = junk
+    fresh = StreamingLoader(root, 12, 2, **kw)
+    try: fresh.load_state_dict(bad)
+    except (ValueError, TypeError): assert np.array_equal(next(fresh).rows, next(StreamingLoader(root, 12, 2, **kw)).rows)
+    fresh.close()
+
+
+# ---------------------------------------------------------------- DataLoader workers
+
+def test_dataloader_two_workers_split_and_resume(root):
+    from torchdata.stateful_dataloader import StatefulDataLoader
+    kw = dict(bos_token=1, eos_token=2, n_logical_shards=8, shuffle_window=10, weights=[1, 1, 1])
+    # each worker is the TokenStream of its half of the rank's shards; the DataLoader takes them in turn
+    tr = TokenRoot(root)
+    cfg = stream_config(root, 16, **kw)[1]
+    streams = [TokenStream(tr, cfg, w, 2) for w in range(2)]
+    want = [streams[i % 2].next_rows(1).rows[0] for i in range(12)]
+    dl = StatefulDataLoader(StreamingDataset(root, 16, **kw), batch_size=1, num_workers=2)
+    it = iter(dl)
+    got = [torch.cat([x[0], y[0, -1:]]).numpy() for x, y in itertools.islice(it, 12)]
+    assert all(np.array_equal(a, b) for a, b in zip(got, want))
+    assert set(owned_shards(8, 0, 1, 0, 2)) | set(owned_shards(8, 0, 1, 1, 2)) == set(range(8))
+    # checkpoint-reload match: a fresh DataLoader from the state continues the stream exactly
+    sd = dl.state_dict()
+    rest = [x.clone() for x, _ in itertools.islice(it, 10)]
+    dl2 = StatefulDataLoader(StreamingDataset(root, 16, **kw), batch_size=1, num_workers=2)
+    dl2.load_state_dict(sd)
+    again = [x for x, _ in itertools.islice(iter(dl2), 10)]
+    assert all(torch.equal(a, b) for a, b in zip(rest, again))
+
+
+def test_dataset_refuses_loader_arguments(root):
+    with pytest.raises(TypeError, match="takes no \\['batch_size'\\]"): StreamingDataset(root, 8, batch_size=2)
+
+
+# ---------------------------------------------------------------- bad input, threads
+
+@pytest.mark.parametrize('kw,msg', [
+    (dict(seq_len=0), 'seq_len=0 is invalid'), (dict(seq_len='8'), "seq_len='8' is invalid"),
+    (dict(batch_size=0), 'batch_size=0 is invalid'), (dict(datasets=['nope']), "unknown dataset(s) ['nope']"),
+    (dict(weights=[1, 2]), 'weights has 2 values for 3 datasets'), (dict(weights=[1, float('nan'), 1]), "weight nan of dataset 'code'"),
+    (dict(weights='abc'), "weights='abc' is invalid"), (dict(n_logical_shards=0), 'n_logical_shards=0 is invalid'),
+    (dict(shuffle_window=-1), 'shuffle_window=-1 is invalid'), (dict(max_chunk=0), 'max_chunk=0 is invalid'),
+    (dict(eos_token=2**32), 'eos_token=4294967296 is invalid'), (dict(tokenizer=3), 'tokenizer=3 is invalid'),
+    (dict(device='tpu'), "device='tpu' is not a device"), (dict(prefetch=-1), 'prefetch=-1 is invalid')])
+def test_bad_settings_are_named(root, kw, msg):
+    args = dict(dict(seq_len=8, batch_size=2), **kw)
+    with pytest.raises((ValueError, RuntimeError)) as e: StreamingLoader(root, args.pop('seq_len'), args.pop('batch_size'), **args)
+    assert msg in str(e.value)
+
+
+def test_missing_root_is_named(tmp_path):
+    with pytest.raises(FileNotFoundError, match='does not exist'): StreamingLoader(tmp_path/'nowhere', 8, 2)
+
+
+def test_close_stops_the_thread(root):
+    before = {t.name for t in threading.enumerate()}
+    ld = StreamingLoader(root, 8, 2, prefetch=2, n_logical_shards=4)
+    next(ld)
+    assert any(t.name == 'nanochat_dl-stream' for t in threading.enumerate())
+    ld.close()
+    assert not [t for t in threading.enumerate() if t.name == 'nanochat_dl-stream' and t.name not in before]
+    with pytest.raises(RuntimeError, match='closed'): next(ld)
+
+
+def test_load_after_start_is_refused(root):
+    with StreamingLoader(root, 8, 2, prefetch=0, n_logical_shards=4) as ld:
+        sd = ld.state_dict(); next(ld)
+        with pytest.raises(RuntimeError, match='before the first batch'): ld.load_state_dict(sd)
