@@ -64,6 +64,19 @@ class Permutation:
             R ^= (((L ^ k3) * _K) & _M64) >> sr
             x = (L << hr) | R
             if x < n: return x
+    def index(self, x:int) -> int:
+        "The `i` with `self(i) == x`: the rounds undone in reverse order, walked the same way."
+        n, hr, mask, sl, sr = self.n, self.hr, self.mask, self.sl, self.sr
+        if not 0 <= x < n: raise IndexError(f"value {x!r} is outside the permuted range [0, {n})")
+        k0, k1, k2, k3 = self.keys
+        while True:
+            L, R = x >> hr, x & mask
+            R ^= (((L ^ k3) * _K) & _M64) >> sr
+            L ^= (((R ^ k2) * _K) & _M64) >> sl
+            R ^= (((L ^ k1) * _K) & _M64) >> sr
+            L ^= (((R ^ k0) * _K) & _M64) >> sl
+            x = (L << hr) | R
+            if x < n: return x
     def __len__(self): return self.n
     def __iter__(self): return map(self, range(self.n))
 
@@ -351,13 +364,13 @@ class TokenStream:
         self.framing = Framing(c['bos_token'], c['eos_token'], c['sep_token'])
         self.C, self.mc, self.pack, self.names = c['seq_len'] + 1, c['max_chunk'], c['pack'], c['datasets']
         unit, shards = c['rank'] * n_workers + worker, owned_shards(c['n_logical_shards'], c['rank'], c['world_size'], worker, n_workers)
-        self.sources, self.chunkers, self.shuffles, tops = [], [], [], []
+        self.sources, self.chunkers, self.shuffles, self.windows, tops = [], [], [], [], []
         for ds in self.names:
             src = ShardSource(root, ds, shards, c['n_logical_shards'], c['seed'], stream=unit)
             ch = Chunker(src, self.framing, self.mc) if self.mc else None
             win = min(c['shuffle_window'], src.total)        # no window holds more than the shards have
             sh = ShuffleBuffer(ch or src, win, c['seed'], mix64(zlib.crc32(ds.encode()) ^ (unit << 32))) if win else None
-            self.sources.append(src); self.chunkers.append(ch); self.shuffles.append(sh)
+            self.sources.append(src); self.chunkers.append(ch); self.shuffles.append(sh); self.windows.append(win)
             tops.append((sh or ch or src) if src.total else None)
         self.mixer = Mixer(tops, c['weights'], self._size)
         self.packer = Packer(c['seq_len'], c['pack_buffer'] if self.pack == 'bestfit' else 1, _STRATEGY[self.pack],
@@ -454,14 +467,29 @@ def _rle(xs) -> list:
         else: out.append([x, 1])
     return out
 
-def _unrle(runs, where, lo=0) -> list:
-    "The values of `_rle`'s runs, each an int >= `lo`; errors name `where`."
-    if not isinstance(runs, list): raise ValueError(f"{where} must be a list of [value, count] runs, got {str(runs)[:80]}")
-    out = []
+_BIG = 1 << 63   # no count, index or epoch in a state reaches this
+
+def _int(where, v, lo=0, hi=_BIG) -> int:
+    "`v` if it is an int in `[lo, hi)`; else a ValueError naming `where`."
+    if type(v) is not int or not lo <= v < hi:
+        raise ValueError(f"{where}={str(v)[:60]} is invalid: expected an int >= {lo}" + (f" and < {hi}" if hi < _BIG else ""))
+    return v
+
+def _pairs(runs, where) -> list:
+    "`runs` checked to be a list of `[int, int]` pairs (each int in `[0, 2**63)`)."
+    if not isinstance(runs, list): raise ValueError(f"{where} must be a list of runs, got {str(runs)[:80]}")
     for j, r in enumerate(runs):
-        if not (isinstance(r, list) and len(r) == 2): raise ValueError(f"{where}[{j}]={str(r)[:80]} is not a [value, count] run")
-        out += [check_int(f"{where}[{j}][0]", r[0], lo)] * check_int(f"{where}[{j}][1]", r[1], 1)
-    return out
+        if not (isinstance(r, list) and len(r) == 2): raise ValueError(f"{where}[{j}]={str(r)[:80]} is not a run of two ints")
+        _int(f"{where}[{j}][0]", r[0]); _int(f"{where}[{j}][1]", r[1])
+    return runs
+
+def _unrle(runs, where, n:int, lo=0) -> list:
+    "The `n` values of `_rle`'s runs, each an int >= `lo`: the runs are checked to cover exactly `n` values before any is expanded."
+    total = 0
+    for j, (v, c) in enumerate(_pairs(runs, where)):
+        _int(f"{where}[{j}][0]", v, lo); total += _int(f"{where}[{j}][1]", c, 1)
+    if total != n: raise ValueError(f"{where}: its runs hold {total} values, expected {n}")
+    return [v for v, c in runs for _ in range(c)]
 
 def _ranges(xs) -> list:
     "Ints as `[[start, stop], ...]` runs of consecutive values."
@@ -469,14 +497,6 @@ def _ranges(xs) -> list:
     for x in xs:
         if out and out[-1][1] == x: out[-1][1] += 1
         else: out.append([x, x + 1])
-    return out
-
-def _unranges(runs, where) -> list:
-    if not isinstance(runs, list): raise ValueError(f"{where} must be a list of [start, stop] runs, got {str(runs)[:80]}")
-    out = []
-    for j, r in enumerate(runs):
-        if not (isinstance(r, list) and len(r) == 2): raise ValueError(f"{where}[{j}]={str(r)[:80]} is not a [start, stop] run")
-        out += range(check_int(f"{where}[{j}][0]", r[0], 0), check_int(f"{where}[{j}][1]", r[1], 0))
     return out
 
 @patch
@@ -510,59 +530,160 @@ def _field(d, k, typ, where):
     if not isinstance(v, typ): raise ValueError(f"{where}[{k!r}] is {'missing' if k not in d else type(v).__name__}, expected {typ.__name__}")
     return v
 
-@patch
-def _check_piece(self:TokenStream, src, g, a, where, rows=False) -> np.ndarray:
-    "Document `g`'s tokens, once `a` is checked to be where one of its pieces starts (a row piece if `rows`)."
-    if not 0 <= g < src.n_docs: raise ValueError(f"{where}: dataset {src.dataset!r} has no document {g} (it has {src.n_docs})")
-    tok = src.doc(g)
-    U, mc = self.framing.unit_len(len(tok)), self.mc
-    c = a - a % mc if mc else 0                          # the max_chunk piece holding position a
-    if not (0 <= a < U and ((a - c) % self.C == 0 if rows else a == c)):
-        raise ValueError(f"{where}: position {a} is not where a piece of document {g} ({U} tokens with delimiters) starts")
-    return tok
+class _Shards(NamedTuple):
+    "A dataset's checked cursors, with what the address checks need."
+    epoch: list; pos: list; index: dict; bounds: list; perms: dict
 
 @patch
-def load_state(self:TokenStream, st:dict):
-    "Continue from `state_of`'s form (its settings and fingerprint already checked by the caller)."
-    ds = _field(st, 'datasets', dict, 'state')
-    if sorted(ds) != sorted(self.names): raise ValueError(f"state['datasets'] has {sorted(ds)}, this loader reads {self.names}")
-    for name, src, ch, sh in zip(self.names, self.sources, self.chunkers, self.shuffles):
-        where = f"state['datasets'][{name!r}]"
-        d = _field(ds, name, dict, "state['datasets']")
-        src.load_state_dict(dict(shards=_unranges(d.get('shards'), where + "['shards']"), epoch=_unrle(d.get('epoch'), where + "['epoch']", 1),
-                                 pos=d.get('pos'), draws=d.get('draws')))
-        if d.get('cut') is not None and ch is None: raise ValueError(f"{where}['cut']={d['cut']}: a document half cut, but max_chunk is None")
-        if ch is not None: ch.load_state_dict(dict(cut=d.get('cut')))
-        if sh is not None:
-            s, w = _field(d, 'shuffle', dict, where), where + "['shuffle']"
-            doc = _field(s, 'doc', list, w)
-            ep, at = _unrle(s.get('epoch'), w + "['epoch']", 1), _unrle(s.get('start'), w + "['start']")
-            if not len(doc) == len(ep) == len(at): raise ValueError(f"{w}: {len(doc)} docs, {len(ep)} epochs, {len(at)} starts")
-            for j, (g, a) in enumerate(zip(doc, at)): self._check_piece(src, check_int(f"{w}['doc'][{j}]", g, 0), a, w)
-            sh.load_state_dict(dict(window=sh.window, seed=sh.seed, stream=sh.stream, drawn=s.get('drawn'), addresses=list(zip(doc, ep, at))))
-    self.mixer.load_state_dict(dict(tokens=[ds[n].get('tokens') for n in self.names]))
-    self._load_packer(_field(st, 'packer', dict, 'state'))
-    self.step = check_int("state['step']", st.get('step'), 0)
-    return self
+def _check_doc(self:TokenStream, i, g, e, cur:_Shards, where) -> int:
+    "The length of document `g` of dataset `i`, once `(g, e)` is checked to be an address a buffer can hold: a non-empty document of one of this unit's shards, drawn in epoch `e`."
+    src = self.sources[i]
+    if not g < src.n_docs: raise ValueError(f"{where}: dataset {src.dataset!r} has no document {g} (it has {src.n_docs})")
+    s = bisect.bisect_right(cur.bounds, g) - 1                      # the logical shard holding g
+    j = cur.index.get(s)
+    if j is None: raise ValueError(f"{where}: document {g} of dataset {src.dataset!r} is in logical shard {s}, which this unit does not walk ({_span(src.shards)})")
+    if e > cur.epoch[j]: raise ValueError(f"{where}: epoch {e}, but logical shard {s} of dataset {src.dataset!r} is only in epoch {cur.epoch[j]}")
+    L = len(src.doc(g))
+    if L == 0: raise ValueError(f"{where}: document {g} of dataset {src.dataset!r} is empty: empty documents are never delivered, so never buffered")
+    if e == cur.epoch[j]:
+        p = cur.perms.get(j)
+        if p is None: p = cur.perms[j] = Permutation(src.n[j], shard_key(src.seed, src.dataset, s, e))
+        k = p.index(g - src.lo[j])
+        if k >= cur.pos[j]: raise ValueError(f"{where}: document {g} is number {k} of logical shard {s}'s order in epoch {e}, "
+                                             f"which has drawn {cur.pos[j]}: it cannot have been delivered yet")
+    return L
+
+@patch
+def _check_start(self:TokenStream, g, L, a, where, rows=False):
+    "Refuse `a` unless a piece of document `g` (of `L` tokens) starts there: a max_chunk piece, or with `rows` a row piece of one."
+    U, mc = self.framing.unit_len(L), self.mc
+    c = a - a % mc if mc else 0                          # the max_chunk piece holding position a
+    if not (a < U and ((a - c) % self.C == 0 if rows else a == c)):
+        raise ValueError(f"{where}: start {a} is not where a piece of document {g} ({U} tokens with delimiters) starts")
+
+@patch
+def _parse_dataset(self:TokenStream, i, d, where) -> dict:
+    "Dataset `i`'s part of a state, checked: its shards' cursors, the document being cut, the shuffle window."
+    src, mc = self.sources[i], self.mc
+    if _pairs(d.get('shards'), where + "['shards']") != _ranges(src.shards):
+        raise ValueError(f"{where}['shards']={str(d['shards'])[:80]}: this unit walks logical shards {_span(src.shards)} of dataset {src.dataset!r}")
+    epoch = _unrle(d.get('epoch'), where + "['epoch']", len(src.shards), 1)
+    pos = d.get('pos')
+    if not isinstance(pos, list) or len(pos) != len(src.shards): raise ValueError(f"{where}['pos'] must be a list of {len(src.shards)} ints, got {str(pos)[:80]}")
+    for j, (p, n) in enumerate(zip(pos, src.n)):
+        if _int(f"{where}['pos'][{j}]", p) > n: raise ValueError(f"{where}['pos'][{j}]={p}: logical shard {src.shards[j]} has {n} documents")
+    draws, want = _int(where + "['draws']", d.get('draws')), sum((e - 1) * n + p for e, n, p in zip(epoch, src.n, pos))
+    if draws != want: raise ValueError(f"{where}['draws']={draws}, but the shards' 'epoch' and 'pos' count {want} documents drawn")
+    cur = _Shards(epoch, pos, {s: j for j, s in enumerate(src.shards)}, shard_starts(src.n_docs, src.n_shards), {})
+    out = dict(epoch=epoch, pos=pos, draws=draws, tokens=_int(where + "['tokens']", d.get('tokens')), cut=None, shuffle=None, cur=cur)
+    cut = d.get('cut')
+    if cut is not None:
+        w = where + "['cut']"
+        if not mc: raise ValueError(f"{w}={str(cut)[:80]}: a document half cut, but max_chunk is None")
+        if not (isinstance(cut, list) and len(cut) == 3): raise ValueError(f"{w}={str(cut)[:80]}: expected [doc, epoch, start]")
+        g, e, a = _int(w + '[0]', cut[0]), _int(w + '[1]', cut[1], 1), _int(w + '[2]', cut[2], 1)
+        L = self._check_doc(i, g, e, cur, w)
+        if a % mc or a >= self.framing.unit_len(L): raise ValueError(f"{w}: start {a} is not where a later piece of document {g} starts (max_chunk={mc})")
+        out['cut'] = (g, e, a)
+    win = self.windows[i]
+    if win:
+        s, w = _field(d, 'shuffle', dict, where), where + "['shuffle']"
+        drawn, doc = _int(w + "['drawn']", s.get('drawn')), _field(s, 'doc', list, w)
+        if len(doc) > win: raise ValueError(f"{w}['doc'] holds {len(doc)} pieces, more than the window's {win}")
+        ep, at = _unrle(s.get('epoch'), w + "['epoch']", len(doc), 1), _unrle(s.get('start'), w + "['start']", len(doc))
+        for j, (g, e, a) in enumerate(zip(doc, ep, at)):
+            wj = f"{w} piece {j} (doc, epoch, start)=({_int(f'{w}[{chr(39)}doc{chr(39)}][{j}]', g)}, {e}, {a})"
+            self._check_start(g, self._check_doc(i, g, e, cur, wj), a, wj)
+        out['shuffle'] = (drawn, list(zip(doc, ep, at)))
+    return out
+
 
 # %% ../nbs/13_streaming.ipynb #185edc8a
 @patch
-def _load_packer(self:TokenStream, pk:dict):
-    "Refill the packer from its entries (addresses and offsets), each checked against the data."
-    items = []
-    for j, ent in enumerate(_field(pk, 'entries', list, "state['packer']")):
+def _parse_entries(self:TokenStream, pk, ds) -> list:
+    "The packer's entries as `(dataset index, doc, epoch, start, offset, piece length, document length)`, each checked against the data."
+    entries, items, concat = _field(pk, 'entries', list, "state['packer']"), [], self.pack == 'concat'
+    for j, ent in enumerate(entries):
         where = f"state['packer']['entries'][{j}]"
-        if not (isinstance(ent, list) and len(ent) == 5 and isinstance(ent[0], int) and 0 <= ent[0] < len(self.names)):
-            raise ValueError(f"{where}={str(ent)[:80]}: expected [dataset index, doc, epoch, start, offset]")
-        i = ent[0]
-        g, e, a, off = (check_int(f"{where}[{k}]", v, lo) for k, (v, lo) in enumerate(zip(ent[1:], (0, 1, 0, 0)), 1))
-        tok = self._check_piece(self.sources[i], g, a, where, rows=self.pack != 'concat')
-        b = self._end(a, len(tok))
-        piece = self.framing.render(tok, a, min(b, a + self.C) if self.pack != 'concat' else b)
-        if off >= len(piece): raise ValueError(f"{where}: offset {off} is past the piece's {len(piece)} tokens")
-        items.append((piece, (i, g, e, a, len(tok)), off))
-    self.packer.restore(items)
-    self.packer.load_metrics_state(_field(pk, 'metrics', dict, "state['packer']"))
+        if not (isinstance(ent, list) and len(ent) == 5): raise ValueError(f"{where}={str(ent)[:80]}: expected [dataset index, doc, epoch, start, offset]")
+        i = _int(where + '[0]', ent[0], 0, len(self.names))
+        if self.mixer.ups[i] is None or not self.mixer.w[i]: raise ValueError(f"{where}: dataset {self.names[i]!r} is not read by this unit (weight 0, or no documents in its shards)")
+        g, e, a, off = _int(where + '[1]', ent[1]), _int(where + '[2]', ent[2], 1), _int(where + '[3]', ent[3]), _int(where + '[4]', ent[4])
+        L = self._check_doc(i, g, e, ds[i]['cur'], where)
+        self._check_start(g, L, a, where, rows=not concat)
+        n = (self._end(a, L) if concat else min(self._end(a, L), a + self.C)) - a     # the piece's tokens
+        if off >= n or (off and j): raise ValueError(f"{where}: offset {off} is not possible: a piece of {n} tokens, and only the first entry is partly delivered")
+        items.append((i, g, e, a, off, n, L))
+    return items
+
+@patch
+def _parse_metrics(self:TokenStream, pk, items) -> dict:
+    "The packer's counters, checked against each other and the entries."
+    w, m = "state['packer']['metrics']", _field(pk, 'metrics', dict, "state['packer']")
+    v = {k: _int(f"{w}[{k!r}]", m.get(k)) for k in self.packer.metrics_state()}
+    left, done = sum(n - off for *_, off, n, L in items), v['docs_in'] - len(items)    # tokens still buffered; pieces delivered whole
+    for bad, why in [(v['emitted'] != v['rows'] * self.C, f"emitted={v['emitted']}, but rows={v['rows']} of {self.C} tokens emit {v['rows'] * self.C}"),
+                     (v['tokens_in'] != v['doc_tokens'], f"tokens_in={v['tokens_in']} and doc_tokens={v['doc_tokens']} differ (every piece pulled enters the buffer)"),
+                     (v['doc_tokens'] != v['emitted'] - v['padded'] + v['cropped'] + left,
+                      f"doc_tokens={v['doc_tokens']}, but emitted - padded + cropped + the entries' {left} undelivered tokens = {v['emitted'] - v['padded'] + v['cropped'] + left}"),
+                     (v['floor_tokens'] > v['doc_tokens'], f"floor_tokens={v['floor_tokens']} exceeds doc_tokens={v['doc_tokens']}"),
+                     (not 0 <= done <= v['placed'] <= done + v['rows'],
+                      f"placed={v['placed']}, but docs_in={v['docs_in']} less {len(items)} entries over rows={v['rows']} rows allow {done} to {done + v['rows']}"),
+                     (v['truncated'] > v['placed'], f"truncated={v['truncated']} exceeds placed={v['placed']}")]:
+        if bad: raise ValueError(f"{w}: {why}: the counters disagree")
+    return v
+
+@patch
+def _check_once(self:TokenStream, ds, items):
+    "Refuse a state that buffers a piece twice (shuffle window, packer), or a piece of a document being cut beyond the cut."
+    seen = {}   # (dataset, doc, epoch) -> [(max_chunk piece, start, 0 for the shuffle window or 1 for the packer, where)]
+    for i, d in enumerate(ds):
+        for g, e, a in (d['shuffle'] or (0, []))[1]: seen.setdefault((i, g, e), []).append((a, a, 0, f"the shuffle window of {self.names[i]!r}"))
+    for j, (i, g, e, a, *_) in enumerate(items):
+        c = a - a % self.mc if self.mc else 0
+        seen.setdefault((i, g, e), []).append((c, a, 1, f"state['packer']['entries'][{j}]"))
+    for (i, g, e), ps in seen.items():
+        ps.sort()
+        for (c0, a0, k0, w0), (c1, a1, k1, w1) in zip(ps, ps[1:]):
+            if c0 == c1 and (a0 == a1 or k0 == 0 or k1 == 0):    # the same piece, or a row piece of a max_chunk piece still in the window
+                raise ValueError(f"{w1}: piece (doc {g}, epoch {e}, start {a1}) of dataset {self.names[i]!r} is also in {w0}: it would be delivered twice")
+        cut = ds[i]['cut']
+        if cut is not None and cut[:2] == (g, e) and ps[-1][0] >= cut[2]:
+            raise ValueError(f"{ps[-1][3]}: piece (doc {g}, epoch {e}, start {ps[-1][1]}) of dataset {self.names[i]!r} lies beyond "
+                             f"state['datasets'][{self.names[i]!r}]['cut'] at {cut[2]}: that part is not cut off yet")
+
+@patch
+def parse_state(self:TokenStream, st) -> dict:
+    "Every field of `st` (`state_of`'s form) checked against this stream's data and settings and against each other, before anything is built or read beyond document lengths: the values to load, or a ValueError naming the field."
+    ds = _field(st, 'datasets', dict, 'state')
+    if sorted(ds) != sorted(self.names): raise ValueError(f"state['datasets'] has {sorted(ds)[:20]}, this loader reads {self.names}")
+    out = dict(step=_int("state['step']", st.get('step')))
+    out['datasets'] = [self._parse_dataset(i, _field(ds, n, dict, "state['datasets']"), f"state['datasets'][{n!r}]") for i, n in enumerate(self.names)]
+    pk = _field(st, 'packer', dict, 'state')
+    out['entries'] = self._parse_entries(pk, out['datasets'])
+    self._check_once(out['datasets'], out['entries'])
+    out['metrics'] = self._parse_metrics(pk, out['entries'])
+    return out
+
+@patch
+def load_state(self:TokenStream, st:dict):
+    "Continue from `state_of`'s form (settings and fingerprint checked by the caller): the whole state is checked first (`parse_state`), then loaded."
+    p = self.parse_state(st)
+    for src, ch, sh, d in zip(self.sources, self.chunkers, self.shuffles, p['datasets']):
+        src.load_state_dict(dict(shards=list(src.shards), epoch=d['epoch'], pos=d['pos'], draws=d['draws']))
+        if ch is not None: ch.load_state_dict(dict(cut=None if d['cut'] is None else list(d['cut'])))
+        if sh is not None: sh.load_state_dict(dict(window=sh.window, seed=sh.seed, stream=sh.stream, drawn=d['shuffle'][0], addresses=d['shuffle'][1]))
+    self.mixer.load_state_dict(dict(tokens=[d['tokens'] for d in p['datasets']]))
+    self._load_packer(p['entries'], p['metrics'])
+    self.step = p['step']
+    return self
+
+@patch
+def _load_packer(self:TokenStream, items, metrics):
+    "Refill the packer from checked entries: each piece rendered from its document, with how much of it was delivered."
+    self.packer.restore([(self.framing.render(self.sources[i].doc(g), a, a + n), (i, g, e, a, L), off) for i, g, e, a, off, n, L in items])
+    self.packer.load_metrics_state(metrics)
+
 
 # %% ../nbs/13_streaming.ipynb #ebf13e75
 FORMAT = 'nanochat_dl.streaming/1'
@@ -640,17 +761,16 @@ def check_resume(state,             # a state from `state_dict()`, or anything a
     if state.get('format') != FORMAT: raise ValueError(f"state['format']={str(state.get('format'))[:60]!r}: expected {FORMAT!r}, a state from StreamingLoader.state_dict()")
     missing = [k for k in ('step', 'config', 'fingerprint', 'datasets', 'packer') if k not in state]
     if missing: raise ValueError(f"state lacks {missing}: expected a state from StreamingLoader.state_dict()")
-    fp = state['fingerprint'] if isinstance(state['fingerprint'], dict) else {}
+    fp, c = _field(state, 'fingerprint', dict, 'state'), _field(state, 'config', dict, 'state')
     if fp.get('tokenizer') != fingerprint['tokenizer']:
         raise ValueError(f"state was saved with tokenizer={fp.get('tokenizer')!r}, this loader has tokenizer={fingerprint['tokenizer']!r}: exact resume needs the same tokens")
-    data = fp.get('data') if isinstance(fp.get('data'), dict) else {}
+    data = _field(fp, 'data', dict, "state['fingerprint']")
     for ds, want in fingerprint['data'].items():
         got = data.get(ds)
         if got != want:
             diff = ('it has no such dataset' if got is None else
                     ', '.join(f"{k} {got.get(k)!r} -> {v!r}" for k, v in want.items() if got.get(k) != v) if isinstance(got, dict) else repr(got))
             raise ValueError(f"state was saved over other data: dataset {ds!r} differs ({diff}): exact resume needs the same files")
-    c = state['config'] if isinstance(state['config'], dict) else {}
     for k in _CONFIG:
         if c.get(k) != config[k]:
             raise ValueError(f"state was saved with {k}={c.get(k)!r}, this loader has {k}={config[k]!r}: exact resume needs the same {k}")
@@ -761,6 +881,7 @@ class StreamingLoader:
         if self._started: raise RuntimeError("load_state_dict must come before the first batch is taken")
         check_resume(state, self.stream.cfg, self.fingerprint)
         check_state(state)
+        if 'batch_size' in state['config']: _int("state['config']['batch_size']", state['config']['batch_size'], 1)   # may differ from ours
         fresh = TokenStream(self.root, self.config).load_state(state)   # a bad state leaves this loader as it was
         self.stream, self._snap, self._state = fresh, fresh.snapshot(), None
         return self

@@ -2,7 +2,7 @@
 hypothesis, DataLoader workers, bad input. fms-fsdp's own test list, on our data: single and two epochs, chunking, two
 loaders, multi-file and nested folders, reload mid-epoch and at an epoch's end, BOS/EOS placement, sampler rates, reload
 stress through every stage combination, buffer formats, shuffle uniformity, checkpoint-reload match, workers."""
-import itertools, json, threading
+import contextlib, itertools, json, subprocess, sys, threading
 from collections import defaultdict
 from pathlib import Path
 
@@ -15,7 +15,7 @@ from nanochat_dl.arrow import TokenRoot, write_counts, write_token_file
 from nanochat_dl.packing import fineweb_like_lengths
 from nanochat_dl.stages import ShuffleBuffer, Stage, Doc
 from nanochat_dl.streaming import (PACKS, DocKey, Framing, Permutation, StreamingDataset, StreamingLoader, TokenStream,
-                                   owned_shards, shard_key, stream_config, _unrle)
+                                   owned_shards, shard_key, stream_config)
 
 
 def toy_root(path, spec, seed=0, empty=0.05, mean=60, T=64, counts=True):
@@ -41,11 +41,14 @@ def root(tmp_path_factory):
     return toy_root(tmp_path_factory.mktemp('stream')/'root', SPEC)
 
 
+def runs(rle): return [v for v, c in rle for _ in range(c)]   # a trusted state's runs, expanded
+
+
 def open_epochs(state):
     "Per dataset, the lowest epoch that may still have tokens to deliver on this rank (or worker)."
     out = {}
     for d, s in state['datasets'].items():
-        eps = _unrle(s['epoch'], '') + ([s['cut'][1]] if s['cut'] else []) + (_unrle(s['shuffle']['epoch'], '') if 'shuffle' in s else [])
+        eps = runs(s['epoch']) + ([s['cut'][1]] if s['cut'] else []) + (runs(s['shuffle']['epoch']) if 'shuffle' in s else [])
         eps += [e[2] for e in state['packer']['entries'] if state['config']['datasets'][e[0]] == d]
         out[d] = min(eps)
     return out
@@ -171,7 +174,7 @@ def epoch_end_state(make):
     for k in range(5000):
         b = next(ld)
         st = json.loads(json.dumps(b.state))
-        if any(_unrle(st['datasets'][d]['epoch'], '') != _unrle(prev['datasets'][d]['epoch'], '') for d in st['datasets']):
+        if any(runs(st['datasets'][d]['epoch']) != runs(prev['datasets'][d]['epoch']) for d in st['datasets']):
             ld.close(); return k, prev, st
         prev = st
     raise AssertionError('no epoch ended')
@@ -313,30 +316,213 @@ def test_fingerprint_refuses_changed_files(tmp_path):
         StreamingLoader(r, 8, 2, prefetch=0, n_logical_shards=4).load_state_dict(sd)
 
 
+GARBAGE_KW = dict(bos_token=1, max_chunk=20, n_logical_shards=6, shuffle_window=5, prefetch=0, pack='bestfit', pack_buffer=6, weights=[1, 1, 1])
+
+
+def leaf_paths(x, p=()):
+    "The paths of every leaf of a JSON state (and of every dict and list in it), depth first."
+    out = [p]
+    if isinstance(x, dict): out += [q for k, v in x.items() for q in leaf_paths(v, p + (k,))]
+    elif isinstance(x, list): out += [q for i, v in enumerate(x) for q in leaf_paths(v, p + (i,))]
+    return out
+
+
+def replaced(state, path, value):
+    bad = json.loads(json.dumps(state))
+    x = bad
+    for k in path[:-1]: x = x[k]
+    x[path[-1]] = value
+    return bad
+
+
+@contextlib.contextmanager
+def address_space(extra=2 << 30):
+    "Cap this process's address space at what it maps now plus `extra` bytes (Linux), so a runaway allocation is a MemoryError, not the OOM killer."
+    try:
+        import resource
+        vm = int(Path('/proc/self/status').read_text().split('VmSize:')[1].split()[0]) * 1024
+    except (ImportError, OSError, IndexError, ValueError): yield; return
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    cap = vm + extra if hard == resource.RLIM_INFINITY else min(vm + extra, hard)
+    resource.setrlimit(resource.RLIMIT_AS, (cap, hard))
+    try: yield
+    finally: resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+
+
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_garbage_states_are_refused_cleanly(root, data):
-    # any damage to a valid state: refused with ValueError/TypeError, or loaded; never another error, never half-loaded
-    kw = dict(bos_token=1, max_chunk=20, n_logical_shards=6, shuffle_window=5, prefetch=0, pack='bestfit', pack_buffer=6, weights=[1, 1, 1])
-    with StreamingLoader(root, 12, 2, **kw) as ld:
+    # any damage to a valid state: refused with ValueError/TypeError, or loaded; never another error, never half-loaded.
+    # The junk is bounded, and the load runs under an address-space cap: a state asking for too much is a MemoryError here, never an OOM kill
+    with StreamingLoader(root, 12, 2, **GARBAGE_KW) as ld:
         for _ in range(7): next(ld)
         sd = json.loads(json.dumps(ld.state_dict()))
-    paths = []
-    def walk(x, p):
-        paths.append(p)
-        if isinstance(x, dict): [walk(v, p + (k,)) for k, v in x.items()]
-        elif isinstance(x, list): [walk(v, p + (i,)) for i, v in enumerate(x)]
-    walk(sd, ())
-    p = data.draw(st.sampled_from(paths[1:]))
-    junk = data.draw(st.sampled_from([None, -1, 10**9, 'x', [], {}, 1.5, [[1, 2, 3]]]))
-    bad = json.loads(json.dumps(sd))
-    x = bad
-    for k in p[:-1]: x = x[k]
-    x[p[-1]] = junk
-    fresh = StreamingLoader(root, 12, 2, **kw)
-    try: fresh.load_state_dict(bad)
-    except (ValueError, TypeError): assert np.array_equal(next(fresh).rows, next(StreamingLoader(root, 12, 2, **kw)).rows)
+    p = data.draw(st.sampled_from(leaf_paths(sd)[1:]))
+    junk = data.draw(st.sampled_from([None, -1, 0, 1, 2, 10**4, 2**64, 'x', [], {}, 1.5, [[1, 2, 3]], [[0, 10**4]], [[1, 10**4]]]))
+    fresh = StreamingLoader(root, 12, 2, **GARBAGE_KW)
+    with address_space():
+        try: fresh.load_state_dict(replaced(sd, p, junk))
+        except (ValueError, TypeError): assert np.array_equal(next(fresh).rows, next(StreamingLoader(root, 12, 2, **GARBAGE_KW)).rows)
+        else: next(fresh)
     fresh.close()
+
+
+# every leaf of a valid state set to 10**9 in turn, in a process whose address space is capped: a clean refusal naming the field,
+# never a MemoryError; only counters that may be that large load
+PROBE = r"""
+import json, resource, sys
+from nanochat_dl.streaming import StreamingLoader
+root, kw, steps = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
+with StreamingLoader(root, 12, 2, **kw) as ld:
+    for _ in range(steps): next(ld)
+    sd = json.loads(json.dumps(ld.state_dict()))
+def paths(x, p=()):
+    out = [p]
+    if isinstance(x, dict): out += [q for k, v in x.items() for q in paths(v, p + (k,))]
+    elif isinstance(x, list): out += [q for i, v in enumerate(x) for q in paths(v, p + (i,))]
+    return out
+vm = int(open('/proc/self/status').read().split('VmSize:')[1].split()[0]) * 1024
+resource.setrlimit(resource.RLIMIT_AS, (vm + (1536 << 20), resource.getrlimit(resource.RLIMIT_AS)[1]))
+out = []
+for p in paths(sd)[1:]:
+    bad = json.loads(json.dumps(sd)); x = bad
+    for k in p[:-1]: x = x[k]
+    x[p[-1]] = 10**9
+    ld = StreamingLoader(root, 12, 2, **kw)
+    try:
+        ld.load_state_dict(bad); next(ld); got = ['loaded', '']
+    except (ValueError, TypeError) as e: got = ['refused', str(e)]
+    except BaseException as e: got = [type(e).__name__, str(e)[:200]]
+    ld.close()
+    out.append([list(p), *got])
+print(json.dumps(out))
+"""
+
+LARGE_COUNTERS = {('step',), ('config', 'batch_size'), ('datasets', '*', 'tokens'), ('datasets', '*', 'shuffle', 'drawn')}
+
+
+@pytest.mark.parametrize('kw,steps', [(GARBAGE_KW, 7),
+                                      (dict(bos_token=1, eos_token=2, sep_token=3, n_logical_shards=5, shuffle_window=7, prefetch=0, weights=[2, 1, 1]), 9),
+                                      (dict(eos_token=2, n_logical_shards=4, shuffle_window=0, prefetch=0, pack='pad'), 5)])
+def test_every_leaf_at_a_billion_is_refused_without_memory(root, kw, steps):
+    r = subprocess.run([sys.executable, '-c', PROBE, str(root), json.dumps(kw), str(steps)], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(r.stdout)
+    assert len(res) > 40
+    crashed = [(p, what, msg) for p, what, msg in res if what not in ('loaded', 'refused')]
+    assert not crashed, crashed
+    generic = lambda p: tuple('*' if i == 1 and p[0] == 'datasets' else k for i, k in enumerate(p))
+    loaded = sorted(tuple(p) for p, what, _ in res if what == 'loaded')
+    assert {generic(p) for p in loaded} <= LARGE_COUNTERS, loaded
+    for p, what, msg in res:     # a refusal names the field: the last key on its path
+        if what == 'refused': assert next(k for k in reversed(p) if isinstance(k, str)) in msg, (p, msg)
+
+
+NAMED_KW = {'bestfit': dict(GARBAGE_KW, world_size=2, rank=0),
+            'concat': dict(bos_token=1, eos_token=2, max_chunk=30, n_logical_shards=6, shuffle_window=9, prefetch=0, pack='concat',
+                           weights=[1, 1, 1], world_size=2, rank=0),
+            'zero': dict(eos_token=2, n_logical_shards=4, shuffle_window=0, prefetch=0, pack='pad', weights=[0, 1, 1])}
+
+
+def window(d):
+    "A dataset state's shuffle window as (doc, epoch, start) triples."
+    return list(zip(d['shuffle']['doc'], runs(d['shuffle']['epoch']), runs(d['shuffle']['start'])))
+
+
+def set_window(d, pieces):
+    from nanochat_dl.streaming import _rle
+    d['shuffle'].update(doc=[p[0] for p in pieces], epoch=_rle(p[1] for p in pieces), start=_rle(p[2] for p in pieces))
+
+
+def geometry(root, kw):
+    "The stream the state belongs to (for its sources' shards, orders and document lengths)."
+    return TokenStream(TokenRoot(root), stream_config(root, 12, **{k: v for k, v in kw.items() if k != 'prefetch'})[1])
+
+
+def undrawn(ts, i, d):
+    "A non-empty document of dataset `i`, in the current epoch of one of its shards, not drawn yet: `(doc, epoch)`."
+    src = ts.sources[i]
+    for j, (e, p, n) in enumerate(zip(runs(d['epoch']), d['pos'], src.n)):
+        perm = Permutation(n, shard_key(src.seed, src.dataset, src.shards[j], e)) if n else None
+        for k in range(p, n):
+            g = src.lo[j] + perm(k)
+            if len(src.doc(g)): return g, e
+    raise AssertionError('every document drawn')
+
+
+def empty_doc(ts, i):
+    src = ts.sources[i]
+    return next(g for g in range(src.lo[0], src.lo[-1] + src.n[-1]) if not len(src.doc(g)))
+
+
+def cut_behind(st):
+    "Put the piece a dataset's `cut` is about to cut off into its shuffle window, as if it had been cut already."
+    name, d = next((n, d) for n, d in st['datasets'].items() if d['cut'])
+    set_window(d, [tuple(d['cut'])] + window(d)[1:])
+
+
+def metric(**delta):
+    def f(st, ts):
+        m = st['packer']['metrics']
+        for k, v in delta.items(): m[k] = v(m) if callable(v) else m[k] + v
+        return True
+    return f
+
+
+CASES = {   # name: (base state, change (returns False to skip), what the refusal says)
+    'entry epoch ahead of its shard': ('bestfit', lambda st, ts: st['packer']['entries'][1].__setitem__(2, 2), 'is only in epoch 1'),
+    'entry of another rank': ('bestfit', lambda st, ts: st['packer']['entries'][1][1:4].__class__ and st['packer']['entries'][1].__setitem__(1, ts.sources[st['packer']['entries'][1][0]].n_docs - 1),
+                              'which this unit does not walk'),
+    'entry not drawn yet': ('concat', lambda st, ts: st['packer']['entries'].__setitem__(1, [2, *undrawn(ts, 2, st['datasets']['web']), 0, 0]), 'cannot have been delivered yet'),
+    'entry of an empty document': ('concat', lambda st, ts: st['packer']['entries'].__setitem__(1, [2, empty_doc(ts, 2), 1, 0, 0]), 'is empty'),
+    'entry start inside a piece': ('bestfit', lambda st, ts: st['packer']['entries'][1].__setitem__(3, 1), 'start 1 is not where a piece'),
+    'entry offset past its piece': ('concat', lambda st, ts: st['packer']['entries'][0].__setitem__(4, 10**6), 'offset 1000000 is not possible'),
+    'offset on a later entry': ('concat', lambda st, ts: st['packer']['entries'][1].__setitem__(4, 1), 'only the first entry is partly delivered'),
+    'entry of a dataset with weight 0': ('zero', lambda st, ts: st['packer']['entries'][0].__setitem__(0, 0), "dataset 'books' is not read by this unit"),
+    'a piece twice in a window': ('concat', lambda st, ts: set_window(st['datasets']['web'], window(st['datasets']['web'])[:1] * 2 + window(st['datasets']['web'])[2:]),
+                                  'it would be delivered twice'),
+    'a window piece also in the packer': ('concat', lambda st, ts: set_window(st['datasets'][st['config']['datasets'][st['packer']['entries'][1][0]]],
+                                          [tuple(st['packer']['entries'][1][1:4])] + window(st['datasets'][st['config']['datasets'][st['packer']['entries'][1][0]]])[1:]),
+                                          'it would be delivered twice'),
+    'a buffered piece beyond the cut': ('concat', lambda st, ts: cut_behind(st), 'lies beyond'),
+    'draws that disagree with the cursors': ('bestfit', lambda st, ts: st['datasets']['web'].__setitem__('draws', st['datasets']['web']['draws'] + 1), "'epoch' and 'pos' count"),
+    'a shard past its last document': ('bestfit', lambda st, ts: st['datasets']['code']['pos'].__setitem__(0, 10**6), "['pos'][0]=1000000: logical shard 0 has"),
+    'shards of another rank': ('bestfit', lambda st, ts: st['datasets']['code'].__setitem__('shards', [[3, 6]]), 'this unit walks logical shards 0..2'),
+    'window runs that do not add up': ('bestfit', lambda st, ts: st['datasets']['web']['shuffle']['epoch'][-1].__setitem__(1, 10**12), 'its runs hold'),
+    'a window fuller than its slots': ('bestfit', lambda st, ts: set_window(st['datasets']['web'], window(st['datasets']['web']) * 3), 'more than the window'),
+    'emitted != rows * (seq_len + 1)': ('bestfit', metric(emitted=1), 'emitted='),
+    'tokens_in != doc_tokens': ('bestfit', metric(tokens_in=1), 'tokens_in='),
+    'tokens lost (padding miscounted)': ('bestfit', metric(padded=1), 'undelivered tokens'),
+    'more segments than pieces': ('bestfit', metric(placed=lambda m: m['docs_in'] + m['rows'] + 1), 'placed='),
+    'fewer pieces than entries': ('concat', metric(docs_in=lambda m: 0), 'docs_in=0'),
+    'truncated > placed': ('bestfit', metric(truncated=lambda m: m['placed'] + 1), 'truncated='),
+    'floor_tokens > doc_tokens': ('concat', metric(floor_tokens=lambda m: m['doc_tokens'] + 1), 'floor_tokens='),
+    'a step beyond 2**63': ('bestfit', lambda st, ts: st.__setitem__('step', 2**63), "state['step']=9223372036854775808 is invalid"),
+    'a batch size of 0': ('bestfit', lambda st, ts: st['config'].__setitem__('batch_size', 0), "state['config']['batch_size']=0 is invalid"),
+}
+
+
+@pytest.fixture(scope='module')
+def named_states(root):
+    out = {}
+    for name, kw in NAMED_KW.items():
+        with StreamingLoader(root, 12, 2, **kw) as ld:
+            for _ in range(9): next(ld)
+            out[name] = json.loads(json.dumps(ld.state_dict()))
+        assert StreamingLoader(root, 12, 2, **kw).load_state_dict(out[name])   # the unchanged state loads
+    return out
+
+
+@pytest.mark.parametrize('case', list(CASES))
+def test_impossible_states_are_refused_naming_the_field(root, named_states, case):
+    base, change, msg = CASES[case]
+    st = json.loads(json.dumps(named_states[base]))
+    kw = NAMED_KW[base]
+    assert change(st, geometry(root, kw)) is not False
+    with StreamingLoader(root, 12, 2, **kw) as fresh, StreamingLoader(root, 12, 2, **kw) as plain:
+        with pytest.raises(ValueError) as e: fresh.load_state_dict(st)
+        assert msg in str(e.value), str(e.value)
+        assert np.array_equal(next(fresh).rows, next(plain).rows)      # nothing of the refused state stayed
 
 
 # ---------------------------------------------------------------- DataLoader workers
