@@ -221,7 +221,16 @@ def fetch(self:ShardSource, addresses) -> list:
 @patch
 def state_dict(self:ShardSource) -> dict:
     "Per shard its epoch and position in that epoch's order, and the draws made: nothing that depends on the rank."
-    return dict(shards=list(self.shards), epoch=list(self.epoch), pos=list(self.pos), draws=self.draws)
+    epoch, pos, draws = self.at(self.cursor())
+    return dict(shards=list(self.shards), epoch=list(epoch), pos=list(pos), draws=draws)
+
+@patch
+def cursor(self:ShardSource):
+    "The cursors as they are now, kept for later: `at(cursor)` gives `(epoch, pos, draws)`."
+    return list(self.epoch), list(self.pos), self.draws
+
+@patch
+def at(self:ShardSource, cur) -> tuple: return cur
 
 @patch
 def load_state_dict(self:ShardSource, state):
@@ -280,9 +289,13 @@ class Chunker(Stage):
         d, a = self.cur
         self.cur = None if a + self.max_chunk >= self.framing.unit_len(len(d.tokens)) else [d, a + self.max_chunk]
         return Doc((d.address[0], d.address[1], a), d.tokens)
+    def cut(self):
+        "`(doc, epoch, start of its next piece)` of the document being cut, or None."
+        return None if self.cur is None else (*self.cur[0].address[:2], self.cur[1])
     def state_dict(self) -> dict:
         "The document being cut and where its next piece starts, or None."
-        return dict(cut=None if self.cur is None else [*self.cur[0].address[:2], self.cur[1]])
+        c = self.cut()
+        return dict(cut=None if c is None else list(c))
     def load_state_dict(self, state):
         cut = state.get('cut') if isinstance(state, dict) else None
         self.cur = None
@@ -364,20 +377,29 @@ class TokenStream:
         self.framing = Framing(c['bos_token'], c['eos_token'], c['sep_token'])
         self.C, self.mc, self.pack, self.names = c['seq_len'] + 1, c['max_chunk'], c['pack'], c['datasets']
         unit, shards = c['rank'] * n_workers + worker, owned_shards(c['n_logical_shards'], c['rank'], c['world_size'], worker, n_workers)
-        self.sources, self.chunkers, self.shuffles, self.windows, tops = [], [], [], [], []
-        for ds in self.names:
-            src = ShardSource(root, ds, shards, c['n_logical_shards'], c['seed'], stream=unit)
-            ch = Chunker(src, self.framing, self.mc) if self.mc else None
-            win = min(c['shuffle_window'], src.total)        # no window holds more than the shards have
-            sh = ShuffleBuffer(ch or src, win, c['seed'], mix64(zlib.crc32(ds.encode()) ^ (unit << 32))) if win else None
-            self.sources.append(src); self.chunkers.append(ch); self.shuffles.append(sh); self.windows.append(win)
-            tops.append((sh or ch or src) if src.total else None)
-        self.mixer = Mixer(tops, c['weights'], self._size)
-        self.packer = Packer(c['seq_len'], c['pack_buffer'] if self.pack == 'bestfit' else 1, _STRATEGY[self.pack],
-                             pad_id=c['pad_token'], max_docs_per_row=1 if self.pack == 'pad' else None)
-        self.step = 0
         self._h, self._bos = self.framing.head, np.array([self.framing.bos or 0], dtype=np.uint32)
         self._tail = np.array(self.framing.tail, dtype=np.uint32)
+        self.sources, self.chunkers, self.shuffles, self.windows, tops = [], [], [], [], []
+        for ds in self.names:
+            src, ch, sh, top = self._stages(ds, shards, unit)
+            self.sources.append(src); self.chunkers.append(ch); self.shuffles.append(sh); self.windows.append(sh.window if sh else 0)
+            tops.append(top if src.total else None)
+        self.mixer = Mixer(tops, c['weights'], self._size)
+        self.packer, self.step = self._make_packer(), 0
+
+    def _stages(self, ds, shards, unit) -> tuple:
+        "Dataset `ds`'s source, chunker and shuffle buffer (None where off), and the stage the mixer pulls from."
+        c = self.cfg
+        src = ShardSource(self.root, ds, shards, c['n_logical_shards'], c['seed'], stream=unit)
+        ch = Chunker(src, self.framing, self.mc) if self.mc else None
+        win = min(c['shuffle_window'], src.total)            # no window holds more than the shards have
+        sh = ShuffleBuffer(ch or src, win, c['seed'], mix64(zlib.crc32(ds.encode()) ^ (unit << 32))) if win else None
+        return src, ch, sh, sh or ch or src
+
+    def _make_packer(self):
+        c = self.cfg
+        return Packer(c['seq_len'], c['pack_buffer'] if self.pack == 'bestfit' else 1, _STRATEGY[self.pack],
+                      pad_id=c['pad_token'], max_docs_per_row=1 if self.pack == 'pad' else None)
 
     @property
     def empty(self) -> bool: return not self.mixer.active
@@ -502,25 +524,31 @@ def _ranges(xs) -> list:
 @patch
 def snapshot(self:TokenStream):
     "The state as it is now, cheaply (small copies and references); `state_of` turns it into JSON later."
-    ds = [(list(src.epoch), list(src.pos), src.draws, None if ch is None or ch.cur is None else (ch.cur[0].address, ch.cur[1]),
-           None if sh is None else sh.snapshot(), src.progress())
+    ds = [(src.cursor(), None if ch is None else ch.cut(), None if sh is None else sh.snapshot(), src.progress())
           for src, ch, sh in zip(self.sources, self.chunkers, self.shuffles)]
-    return (self.step, ds, list(self.mixer.tokens), *self.packer.buffer_keys(), self.packer.metrics_state())
+    return (self.step, ds, list(self.mixer.tokens), self._packer_snap(), self.packer.metrics_state())
 
 @patch
 def state_of(self:TokenStream, snap) -> dict:
     "The JSON state at `snap`: per dataset its shard cursors, the cut in progress, the shuffle window's addresses and the tokens mixed; the packer's buffer as addresses with how much was delivered."
-    step, ds, tokens, keys, offs, metrics = snap
+    step, ds, tokens, ps, metrics = snap
     out = {}
-    for name, src, shuf, (epoch, pos, draws, cut, sh, _), t in zip(self.names, self.sources, self.shuffles, ds, tokens):
-        d = dict(shards=_ranges(src.shards), epoch=_rle(epoch), pos=pos, draws=draws, tokens=t,
-                 cut=None if cut is None else [cut[0][0], cut[0][1], cut[1]])
+    for name, src, shuf, (cur, cut, sh, _), t in zip(self.names, self.sources, self.shuffles, ds, tokens):
+        epoch, pos, draws = src.at(cur)
+        d = dict(shards=_ranges(src.shards), epoch=_rle(epoch), pos=list(pos), draws=draws, tokens=t, cut=None if cut is None else list(cut))
         if sh is not None:
-            win = shuf.window_of(sh)
-            d['shuffle'] = dict(drawn=sh[3], doc=[x.address[0] for x in win], epoch=_rle(x.address[1] for x in win),
-                                start=_rle(x.address[2] for x in win))
+            win = [self._address(x) for x in shuf.window_of(sh)]
+            d['shuffle'] = dict(drawn=sh[3], doc=[a[0] for a in win], epoch=_rle(a[1] for a in win), start=_rle(a[2] for a in win))
         out[name] = d
-    return dict(step=step, datasets=out, packer=dict(entries=[[*k[:4], o] for k, o in zip(keys, offs)], metrics=metrics))
+    return dict(step=step, datasets=out, packer=dict(entries=self._packer_entries(ps), metrics=metrics))
+
+@patch
+def _address(self:TokenStream, item) -> tuple: return item.address
+@patch
+def _packer_snap(self:TokenStream): return self.packer.buffer_keys()
+@patch
+def _packer_entries(self:TokenStream, ps) -> list: return [[*k[:4], o] for k, o in zip(*ps)]
+
 
 # %% ../nbs/13_streaming.ipynb #feaa73f3
 def _field(d, k, typ, where):
@@ -888,10 +916,10 @@ class StreamingLoader:
 
 # %% ../nbs/13_streaming.ipynb #687cea8c
 def _produce(stream, B):
-    "One batch's rows, its document tokens per dataset, a snapshot of the state after it, and the seconds it took."
+    "One batch's rows, a snapshot of the state after it, and the seconds it took."
     t0 = time.perf_counter()
     packed = stream.next_rows(B)
-    return packed, stream.doc_tokens(packed), stream.snapshot(), time.perf_counter() - t0
+    return packed, stream.snapshot(), time.perf_counter() - t0
 
 @patch
 def _get(self:StreamingLoader):
@@ -919,7 +947,7 @@ def __next__(self:StreamingLoader) -> StreamBatch:
     if self._closed: raise RuntimeError("this loader is closed")
     if not self._started: self._start()
     t0 = time.perf_counter()
-    try: packed, per, snap, produce_s = self._get()
+    try: packed, snap, produce_s = self._get()
     except StopIteration:
         self._error = RuntimeError(f"rank {self.config['rank']}: no document with a token left in datasets {self.config['datasets']}")
         self.close(); raise self._error from None
@@ -929,7 +957,7 @@ def __next__(self:StreamingLoader) -> StreamBatch:
     t2 = time.perf_counter()
     self._yielded += 1
     self._snap, self._state, n = snap, None, self._yielded
-    self._last = StreamBatch(x, y, packed, self.stream, lambda: self._metrics(packed, per, snap, produce_s, t1 - t0, t2 - t1, t2, n),
+    self._last = StreamBatch(x, y, packed, self.stream, lambda: self._metrics(packed, snap, produce_s, t1 - t0, t2 - t1, t2, n),
                              lambda: self._full_state(snap))
     return self._last
 
@@ -939,15 +967,16 @@ def last_metrics(self:StreamingLoader) -> dict:
     return None if self._last is None else self._last.metrics
 
 @patch
-def _metrics(self:StreamingLoader, packed, per, snap, produce_s, wait_s, transfer_s, now, yielded) -> dict:
-    names, pm, doc = self.config['datasets'], packed.metrics, sum(per)
+def _metrics(self:StreamingLoader, packed, snap, produce_s, wait_s, transfer_s, now, yielded) -> dict:
+    names, pm, per = self.config['datasets'], packed.metrics, self.stream.doc_tokens(packed)
+    doc = sum(per)
     tok, BT = snap[2], self.B * self.config['seq_len']
     return dict(step=snap[0], tokens_per_s=BT / produce_s if produce_s > 0 else math.inf,
                 delivered_per_s=yielded * BT / (now - self._t_first), produce_s=produce_s, wait_s=wait_s, transfer_s=transfer_s,
                 pad_pct=pm['pad_pct'], delim_pct=100 * (pm['tokens_emitted'] - pm['tokens_padded'] - doc) / pm['tokens_emitted'],
                 docs_per_row=pm['docs_per_row'], shares={d: n / doc if doc else 0.0 for d, n in zip(names, per)},
                 total_shares={d: t / sum(tok) if sum(tok) else 0.0 for d, t in zip(names, tok)},
-                epochs={d: x[5] for d, x in zip(names, snap[1])})
+                epochs={d: x[-1] for d, x in zip(names, snap[1])})
 
 @patch
 def __iter__(self:StreamingLoader): return self
