@@ -6,19 +6,22 @@ resumed exactly from a few kilobytes of state."""
 
 # %% auto #0
 __all__ = ['PACKS', 'FORMAT', 'shard_starts', 'owned_shards', 'Permutation', 'shard_key', 'CountTree', 'ShardSource', 'Framing',
-           'Chunker', 'Mixer', 'DocKey', 'TokenStream', 'data_fingerprint', 'stream_config', 'check_resume',
-           'StreamBatch', 'StreamingLoader', 'StreamingDataset']
+           'Chunker', 'Mixer', 'DocKey', 'TokenStream', 'Permutations', 'shard_keys', 'BlockSource', 'Feed',
+           'LazyBatch', 'ConcatRows', 'PadRows', 'BestFitRows', 'FastTokenStream', 'data_fingerprint', 'stream_config',
+           'check_resume', 'StreamBatch', 'StreamingLoader', 'StreamingDataset']
 
 # %% ../nbs/13_streaming.ipynb #5eb651c8
 import bisect, hashlib, math, queue, threading, time, weakref, zlib
+from collections import deque
+from itertools import repeat
 from typing import NamedTuple
 import numpy as np
 import torch
 from fastcore.basics import patch
 from .core import check_int, get_dist_info
-from .stages import Stage, Doc, ShuffleBuffer, check_state, mix64
+from .stages import Stage, Doc, ShuffleBuffer, check_state, mix64, mix64s
 from .arrow import TokenRoot
-from .packing import Packer, FlatDocs, Segment, PackedBatch, position_ids, cu_seqlens
+from .packing import Packer, FlatDocs, Segment, PackedBatch, position_ids, cu_seqlens, _PackerBase
 from .transfer import DeviceTransfer, resolve_device
 
 # %% ../nbs/13_streaming.ipynb #46e7cf80
@@ -713,6 +716,494 @@ def _load_packer(self:TokenStream, items, metrics):
     self.packer.load_metrics_state(metrics)
 
 
+# %% ../nbs/13_streaming.ipynb #aca83678
+_U, _RC = np.uint64, [(r * 0xD1B54A32D192ED03) & _M64 for r in range(4)]   # Permutation's round-key constants
+
+class Permutations:
+    "`Permutation`s of many ranges at once, in numpy: the ranges' sizes are fixed, their keys set per epoch (`rekey`); `p(which, i)` are the images of positions `i` in ranges `which`."
+    def __init__(self, sizes):      # the size of each range
+        self.n = np.asarray(sizes, dtype=np.uint64)
+        b = np.array([(int(n) - 1).bit_length() if n else 0 for n in sizes], dtype=np.uint64)
+        self.hr = b // _U(2)
+        self.mask = (_U(1) << self.hr) - _U(1)
+        self.sl1, self.sr1 = _U(63) - (b - self.hr), _U(63) - self.hr    # a shift by s is done as (>> s-1) >> 1: numpy's shift by 64 is undefined
+    def rekey(self, keys):          # one key per range (uint64), as `Permutation` takes
+        self.keys = [np.asarray(keys, dtype=np.uint64) ^ _U(c) for c in _RC]
+        return self
+    def _pass(self, x, w):
+        "One pass of the network over values `x` of ranges `w`."
+        hr, mask, sl1, sr1 = self.hr[w], self.mask[w], self.sl1[w], self.sr1[w]
+        k0, k1, k2, k3 = (k[w] for k in self.keys)
+        K, one = _U(_K), _U(1)
+        L, R = x >> hr, x & mask
+        L ^= (((R ^ k0) * K) >> sl1) >> one
+        R ^= (((L ^ k1) * K) >> sr1) >> one
+        L ^= (((R ^ k2) * K) >> sl1) >> one
+        R ^= (((L ^ k3) * K) >> sr1) >> one
+        return (L << hr) | R
+    def __call__(self, which, i) -> np.ndarray:
+        "uint64 images of positions `i` in ranges `which` (arrays of the same length)."
+        w = np.asarray(which)
+        x = self._pass(np.asarray(i, dtype=np.uint64), w)
+        out = np.flatnonzero(x >= self.n[w])
+        while len(out):                        # cycle walking, for those outside their range
+            x[out] = self._pass(x[out], w[out])
+            out = out[x[out] >= self.n[w[out]]]
+        return x
+
+def shard_keys(seed:int, dataset:str, shards, epochs) -> np.ndarray:
+    "`shard_key` of many shards, each in its epoch, at once (uint64)."
+    base = _U(mix64(seed ^ mix64(zlib.crc32(dataset.encode()))))
+    return _mix64_np(_mix64_np(base ^ np.asarray(shards, dtype=np.uint64)) ^ np.asarray(epochs, dtype=np.uint64))
+
+def _mix64_np(x):
+    x = x + _U(0x9E3779B97F4A7C15)
+    x = (x ^ (x >> _U(30))) * _U(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> _U(27))) * _U(0x94D049BB133111EB)
+    return x ^ (x >> _U(31))
+
+# %% ../nbs/13_streaming.ipynb #ddb41ebd
+class BlockSource(ShardSource):
+    "`ShardSource`'s documents and states, drawn `block` at a time: the shard choices walked down the tree in Python, then the permutations, files and lengths of the whole block in numpy. Items: tuples `(doc, epoch, 0, length, file, index)`."
+    def __init__(self, root, dataset:str, shards, n_shards:int, seed:int=0, stream:int=0,   # as `ShardSource`
+                 block:int=256):                   # draws made at once
+        self.block = check_int('block', block, 1)
+        super().__init__(root, dataset, shards, n_shards, seed, stream)
+        self._lo, self._fstarts = np.asarray(self.lo, dtype=np.uint64), np.asarray(self.file_starts, dtype=np.int64)
+        self._orders = Permutations(self.n)
+        self._tf, self._n_files = [None] * len(self.files), sum(len(fs) for fs in root.files.values())
+        self._L, self._loaded = np.zeros(self.n_docs, dtype=np.uint32), np.zeros(len(self.files), dtype=bool)   # lengths, read per file
+    def _restart(self):
+        super()._restart()
+        self._keyed, self._js, self._items, self._nd, self._t, self._ahead = False, [], [], [], 0, None
+    def _commit(self):
+        "Count the whole block drawn: the cursors move to where it ends."
+        if self._ahead is not None:
+            n = len(self._js)
+            self.pos, self.draws, self.remaining, self._ahead = self._ahead, self.draws + n, self.remaining - n, None
+    def _read_lengths(self, F):
+        "Make sure the lengths of the documents of files `F` are read."
+        for f in np.unique(F[~self._loaded[F]]).tolist():
+            lens = self.root.open(self.dataset, self.files[f]).lens
+            if len(lens) and lens.max() >= 1 << 32: self._L = self._L.astype(np.int64)    # a document of 4G tokens: wider lengths
+            self._L[self.file_starts[f]:self.file_starts[f + 1]] = lens
+            self._loaded[f] = True
+
+# %% ../nbs/13_streaming.ipynb #446ed2b1
+@patch
+def _fill(self:BlockSource):
+    "Draw the next block within this epoch: the draws `__next__` of a `ShardSource` would make, in the same order."
+    self._commit()
+    if self.remaining == 0: self._new_epoch()
+    m, rem, ahead, take = min(self.block, self.remaining), self.remaining, list(self.pos), self._tree.take
+    js, ks = [], []
+    for h in mix64s(self._draw_key, self.draws, m):          # the hashes of draws draws..draws+m-1
+        j = take((h * rem) >> 64); rem -= 1
+        js.append(j); ks.append(ahead[j]); ahead[j] += 1
+    if not self._keyed: self._keyed = bool(self._orders.rekey(shard_keys(self.seed, self.dataset, self.shards, self.epoch)))
+    J = np.array(js, dtype=np.int64)
+    G = (self._lo[J] + self._orders(J, ks)).astype(np.int64)  # each draw's document
+    F = np.searchsorted(self._fstarts, G, 'right') - 1        # its file
+    self._read_lengths(F)
+    L = self._L[G]
+    k = np.flatnonzero(L)                                     # the draws of non-empty documents, which become items
+    items = list(zip(G[k].tolist(), np.asarray(self.epoch)[J[k]].tolist(), repeat(0, len(k)), L[k].tolist(), F[k].tolist(),
+                     (G - self._fstarts[F])[k].tolist()))
+    self._live += len(items)
+    self._js, self._items, self._nd, self._t, self._ahead = js, items, (k + 1).tolist(), 0, ahead   # nd: draws used once an item is out
+
+@patch
+def __next__(self:BlockSource) -> tuple:
+    "The next non-empty document: `(doc, epoch, 0, length, file, index)`."
+    t = self._t
+    while t == len(self._items): self._fill(); t = 0
+    self._t = t + 1
+    return self._items[t]
+
+@patch
+def cursor(self:BlockSource):
+    "The cursors after the items handed out, in O(1): the lists it holds are replaced, never changed."
+    return self.epoch, self.pos, self.draws, self._js, self._nd[self._t - 1] if self._t else 0
+
+@patch
+def at(self:BlockSource, cur) -> tuple:
+    "`(epoch, pos, draws)` of a `cursor()`."
+    epoch, pos, draws, js, d = cur
+    if d:
+        pos = list(pos)
+        for j in js[:d]: pos[j] += 1
+    return epoch, pos, draws + d
+
+@patch
+def progress(self:BlockSource) -> float:
+    left = self.remaining - (self._nd[self._t - 1] if self._t else 0)
+    return self._emin - 1 + (self.total - left) / self.total if self.total else 0.0
+
+@patch
+def open_file(self:BlockSource, f:int):
+    "File `f`'s `TokenFile` (kept here when the root keeps every file open anyway)."
+    tf = self.root.open(self.dataset, self.files[f])
+    if self.root.max_open >= self._n_files: self._tf[f] = tf
+    return tf
+
+@patch
+def fetch(self:BlockSource, addresses) -> list:
+    "The pieces at `addresses` (`(doc, epoch, start)`), as tuples."
+    out = []
+    for g, e, a in addresses:
+        if not 0 <= g < self.n_docs: raise ValueError(f"dataset {self.dataset!r} has no document {g} (it has {self.n_docs})")
+        f, i = self.locate(g)
+        self._read_lengths(np.array([f]))
+        out.append((g, e, a, int(self._L[g]), f, i))
+    return out
+
+# %% ../nbs/13_streaming.ipynb #f791887f
+class Feed(Stage):
+    "One dataset's `BlockSource` -> [cut into `max_chunk` pieces] -> [shuffle window] in one object: the pieces and states of `ShardSource` -> `Chunker` -> `ShuffleBuffer`, one call per piece. Items: tuples `(doc, epoch, start, length, file, index)`."
+    def __init__(self, src:BlockSource,   # the dataset's source
+                 framing:Framing,         # where the delimiters go
+                 max_chunk,               # the most tokens in a piece (None: whole units)
+                 window:int,              # the shuffle window (0: none)
+                 seed:int=0, stream:int=0):   # the shuffle's, as `ShuffleBuffer` takes them
+        self.src, self.upstream, self.max_chunk, self.extra = src, src, max_chunk, framing.head + len(framing.tail)
+        self.cur = None                      # [piece tuple, start of its next piece] while a document is being cut
+        self.shuffle = ShuffleBuffer(_Pieces(self), window, seed, stream) if window else None   # its state; its draws are made here
+    def _piece(self) -> tuple:
+        "The next piece, before the shuffle (what the `Chunker` would give)."
+        cur, mc = self.cur, self.max_chunk
+        if cur is None:
+            x = next(self.src)
+            if mc is None or x[3] + self.extra <= mc: return x
+            cur = [x, 0]
+        x, a = cur
+        self.cur = None if a + mc >= x[3] + self.extra else [x, a + mc]
+        return x if a == 0 else (x[0], x[1], a, x[3], x[4], x[5])
+    def cut(self): return None if self.cur is None else (self.cur[0][0], self.cur[0][1], self.cur[1])
+    def fetch(self, addresses) -> list: return self.src.fetch(addresses)
+
+class _Pieces(Stage):
+    "A `Feed`'s pieces before its shuffle window: the upstream of the `ShuffleBuffer` that holds the window's state."
+    def __init__(self, feed): self.feed = feed
+    def __next__(self): return self.feed._piece()
+    def fetch(self, addresses): return self.feed.src.fetch(addresses)
+
+@patch
+def __next__(self:Feed) -> tuple:
+    "The next piece out of the shuffle window: `ShuffleBuffer.__next__`, over `_piece`."
+    sh = self.shuffle
+    if sh is None: return self._piece()
+    buf, log, window = sh.buf, sh._log, sh.window
+    while len(buf) < window and not sh.done:
+        try: x = self._piece()
+        except StopIteration: sh.done = True; break
+        buf.append(x); log.append(x)
+    if not buf: raise StopIteration
+    k = sh.drawn - sh._h0
+    if not 0 <= k < len(sh._hs): sh._hs, sh._h0, k = mix64s(sh._hash, sh.drawn, 1024), sh.drawn, 0
+    j = (sh._hs[k] * len(buf)) >> 64
+    sh.drawn += 1
+    item, buf[j] = buf[j], buf[-1]          # the last slot moves into the hole
+    buf.pop(); log.append(j)
+    if len(log) > 2 * window + 64: sh._copy, sh._log = list(buf), []
+    return item
+
+@patch
+def load_state_dict(self:Feed, state):
+    "The chunker's part of a state (`{'cut': [doc, epoch, start] or None}`; the window's is loaded into `shuffle`)."
+    cut = state.get('cut') if isinstance(state, dict) else None
+    self.cur = None
+    if cut is not None:
+        g, e, a = cut
+        x = self.src.fetch([(g, e, 0)])[0]
+        if self.max_chunk is None or a % self.max_chunk or a >= x[3] + self.extra:
+            raise ValueError(f"chunk state {cut}: {a} is not where a piece of document {g} starts (max_chunk={self.max_chunk})")
+        self.cur = [x, a]
+    return self
+
+# %% ../nbs/13_streaming.ipynb #6137763d
+class LazyBatch(PackedBatch):
+    "A `PackedBatch` whose segments (`make()`, or a list) and metrics are made when first asked for."
+    def __init__(self, rows, make, packer, before:dict, B:int):   # the packer and its counters before the batch
+        self.rows, self._make, self._s, self._plain, self._m = rows, make, None, True, None
+        self._counted, self._before, self._B = _Counted(packer), before, B
+    @property
+    def _segs(self):
+        if self._s is None: self._s = self._make() if callable(self._make) else self._make
+        return self._s
+    @_segs.setter
+    def _segs(self, v): self._s = v
+    @property
+    def metrics(self) -> dict:
+        if self._m is None: self._m = _PackerBase._metrics(self._counted, self._before, self._B)
+        return self._m
+
+class _Counted:
+    "What `_PackerBase._metrics` reads of a packer, as it was after a batch."
+    def __init__(self, p): self._tot, self.buffered_tokens, self._n = dict(p._tot), p.buffered_tokens, len(p)
+    def __len__(self): return self._n
+
+class ConcatRows(_PackerBase):
+    "`Packer(strategy='concat')` for pulls of `(flat tokens, lengths, keys)`: rows sliced from the stream of units; the same rows, segments, buffer and counters."
+    strategy = 'concat'
+    def __init__(self, T:int):    # tokens per input row (rows hold T + 1)
+        super().__init__(T, 1, None)
+        self._chunks, self._p = deque(), 0      # pulls not all delivered: (tokens, unit ends, keys); tokens of the first delivered
+    def __len__(self):
+        if not self._chunks: return 0
+        return sum(len(c[2]) for c in self._chunks) - bisect.bisect_right(self._chunks[0][1], self._p)
+    def _intake(self, pull):
+        flat, lens, keys = pull()
+        ends, e, C = [], 0, self.C
+        for L in lens: e += L; ends.append(e)
+        self._chunks.append((flat, ends, keys))
+        t = self._tot
+        t['docs_in'] += len(keys); t['doc_tokens'] += e; t['tokens_in'] += e; t['floor_tokens'] += sum(L - C for L in lens if L > C)
+        self.buffered_tokens += e
+    def buffer_keys(self) -> tuple:
+        "`(keys, offsets)` of the units not all delivered, in order; only the first can have an offset."
+        keys, offs = [], []
+        for n, (flat, ends, ks) in enumerate(self._chunks):
+            k0 = bisect.bisect_right(ends, self._p) if n == 0 else 0
+            if n == 0 and k0 < len(ks): offs.append(self._p - (ends[k0 - 1] if k0 else 0)); offs += [0] * (len(ks) - k0 - 1)
+            else: offs += [0] * (len(ks) - k0)
+            keys += ks[k0:]
+        return keys, offs
+    def restore(self, items):
+        "Rebuild the buffer from `(tokens, key, offset)` triples in order (only the first may be partly delivered)."
+        items, self._chunks, self._p, self.buffered_tokens = list(items), deque(), 0, 0
+        if items:
+            ends = np.cumsum([len(t) for t, _, _ in items]).tolist()
+            self._chunks.append((np.concatenate([np.asarray(t) for t, _, _ in items]), ends, [k for _, k, _ in items]))
+            self._p = items[0][2]
+            self.buffered_tokens = ends[-1] - self._p
+
+# %% ../nbs/13_streaming.ipynb #beb6dd25
+@patch
+def next_batch(self:ConcatRows, B:int, pull, out=None) -> PackedBatch:
+    "`B` rows of `T + 1` tokens: the units end to end, continuing where the last batch stopped."
+    B, C, tot = self._check_B(B), self.C, self._tot
+    N, before = B * C, dict(tot)
+    while self.buffered_tokens < N: self._intake(pull)     # pulls as `Packer` makes them: only when the buffer runs out
+    rows = self._rows(B, out)
+    flat_rows, at, p, runs, chunks, placed = rows.reshape(-1), 0, self._p, [], self._chunks, 0
+    while at < N:                                         # slices of the pulls, end to end
+        c = chunks[0]
+        n = min(len(c[0]) - p, N - at)
+        flat_rows[at:at + n] = c[0][p:p + n]
+        runs.append((c, p, at, n))
+        while n:                                          # segments: one per unit and row it reaches
+            m = min(n, C - at % C)
+            placed += bisect.bisect_left(c[1], p + m) - bisect.bisect_right(c[1], p) + 1
+            at += m; p += m; n -= m
+        if p == len(c[0]): chunks.popleft(); p = 0
+    self._p, self.buffered_tokens = p, self.buffered_tokens - N
+    tot['placed'] += placed; tot['emitted'] += N; tot['rows'] += B
+    return LazyBatch(rows, lambda: _concat_segs(runs, B, C), self, before, B)
+
+def _concat_segs(runs, B, C) -> list:
+    "Per row, the segments of `runs` (slices of pulls laid end to end): `(start, length, key, offset, 0)`, one per unit and row."
+    out = [[] for _ in range(B)]
+    for (flat, ends, keys), p, at, n in runs:
+        k = bisect.bisect_right(ends, p)                  # the unit holding position p
+        while n:
+            take = min(ends[k] - p, C - at % C, n)
+            out[at // C].append((at % C, take, keys[k], p - (ends[k - 1] if k else 0), 0))
+            at += take; p += take; n -= take
+            if p == ends[k]: k += 1
+    return out
+
+class PadRows(_PackerBase):
+    "`Packer(strategy='greedy', max_docs_per_row=1)` for pulls of pieces of at most `T + 1` tokens: each piece starts a row, the rest is `pad_id`."
+    strategy = 'greedy'
+    def __init__(self, T:int, pad_id:int):
+        super().__init__(T, 1, None)
+        self.pad_id, self._q = pad_id, deque()             # pieces not yet delivered: (tokens, length, key)
+    def __len__(self): return len(self._q)
+    def _intake(self, pull):
+        flat, lens, keys = pull()
+        s, q = 0, self._q
+        for L, k in zip(lens, keys): q.append((flat[s:s + L], L, k)); s += L
+        t = self._tot
+        t['docs_in'] += len(keys); t['doc_tokens'] += s; t['tokens_in'] += s
+        self.buffered_tokens += s
+    def next_batch(self, B:int, pull, out=None) -> PackedBatch:
+        "`B` rows, each the next piece and padding."
+        B, C, tot = self._check_B(B), self.C, self._tot
+        before, rows, q, got = dict(tot), self._rows(B, out), self._q, []
+        rows.fill(self.pad_id)
+        for r in range(B):
+            if not q: self._intake(pull)
+            t, L, k = q.popleft()
+            rows[r, :L] = t
+            got.append((L, k))
+        n = sum(L for L, _ in got)
+        self.buffered_tokens -= n
+        tot['placed'] += B; tot['padded'] += B * C - n; tot['emitted'] += B * C; tot['rows'] += B
+        return LazyBatch(rows, lambda: [[(0, L, k, 0, 0)] for L, k in got], self, before, B)
+    def buffer_keys(self) -> tuple: return [k for _, _, k in self._q], [0] * len(self._q)
+    def restore(self, items):
+        self._q = deque((np.asarray(t), len(t), k) for t, k, _ in items)
+        self.buffered_tokens = sum(len(t) for t, _, _ in items)
+
+# %% ../nbs/13_streaming.ipynb #bf000001
+class BestFitRows(_PackerBase):
+    "`Packer(strategy='bestfit-pad')` for pulls of pieces of at most `T + 1` tokens, `(flat tokens, lengths, keys)`: each row takes the longest piece that fits (the earliest of that length) until none does, then padding. The buffer's order is kept as a journal (`snap`, `entries`): a snapshot copies nothing."
+    strategy = 'bestfit-pad'
+    def __init__(self, T:int, buffer_size:int, pad_id:int):
+        super().__init__(T, buffer_size, None)
+        self._padrow = np.full(self.C, pad_id, dtype=np.int64)
+        self._q, self._lens, self._n = {}, [], 0          # length -> deque of (tokens, start, key); lengths present, sorted; pieces
+        self._base, self._log, self._added = [], [], []   # the journal: keys once, then per batch (keys in, keys placed)
+    def __len__(self): return self._n
+    def _put(self, flat, s, L, k):
+        q = self._q.get(L)
+        if q is None: q = self._q[L] = deque()
+        if not q: bisect.insort(self._lens, L)
+        q.append((flat, s, k))
+    def _intake(self, pull):
+        flat, lens, keys = pull()
+        s, qs = 0, self._q
+        for L, k in zip(lens, keys):           # `_put`, inline
+            q = qs.get(L)
+            if q is None: q = qs[L] = deque()
+            if not q: bisect.insort(self._lens, L)
+            q.append((flat, s, k)); s += L
+        self._n += len(keys); self._added += keys; self.buffered_tokens += s
+        t = self._tot
+        t['docs_in'] += len(keys); t['doc_tokens'] += s; t['tokens_in'] += s
+    def snap(self): return self._base, self._log, len(self._log)
+    def entries(self, snap) -> list:
+        "The buffer's keys, in the order they came in, at `snap`."
+        base, log, n = snap
+        keys = dict.fromkeys(base)
+        for added, placed in log[:n]:
+            keys.update(dict.fromkeys(added))
+            for k in placed: del keys[k]
+        return list(keys)
+    def buffer_keys(self) -> tuple:
+        keys = self.entries(self.snap())
+        return keys, [0] * len(keys)
+    def restore(self, items):
+        "Rebuild the buffer from `(tokens, key, 0)` triples in order."
+        self._q, self._lens, self._n, self.buffered_tokens = {}, [], 0, 0
+        for t, k, _ in items:
+            t = np.asarray(t)
+            self._put(t, 0, len(t), k); self._n += 1; self.buffered_tokens += len(t)
+        self._base, self._log = [k for _, k, _ in items], []
+
+@patch
+def next_batch(self:BestFitRows, B:int, pull, out=None) -> PackedBatch:
+    "`B` rows, each filled best-fit from the buffer (refilled to `buffer_size` pieces before every choice, as `Packer` does)."
+    B, C, tot, size = self._check_B(B), self.C, self._tot, self.buffer_size
+    before, rows, pieces, segments, placed, qs, lens = dict(tot), self._rows(B, out), [], [], [], self._q, self._lens
+    self._added = []
+    for r in range(B):
+        pos, segs = 0, []
+        while True:
+            while self._n < size: self._intake(pull)
+            i = bisect.bisect_right(lens, C - pos) - 1       # the longest length that fits
+            if i < 0: break
+            L = lens[i]
+            q = qs[L]
+            flat, s, k = q.popleft()
+            if not q: del lens[i]
+            self._n -= 1
+            pieces.append(flat[s:s + L]); segs.append((pos, L, k, 0, 0)); placed.append(k)
+            pos += L
+            if pos == C: break
+        if pos < C: pieces.append(self._padrow[pos:])
+        segments.append(segs)
+        tot['padded'] += C - pos
+    np.concatenate(pieces, out=rows.reshape(-1), casting='unsafe')
+    self.buffered_tokens -= B * C - (tot['padded'] - before['padded'])
+    tot['placed'] += len(placed); tot['emitted'] += B * C; tot['rows'] += B
+    self._log.append((self._added, placed))
+    if len(self._log) > 256: self._base, self._log = self.entries(self.snap()), []     # a new list: snapshots keep the old one
+    return LazyBatch(rows, segments, self, before, B)
+
+# %% ../nbs/13_streaming.ipynb #4402cc22
+class FastTokenStream(TokenStream):
+    "`TokenStream`'s rows, segments, metrics and states, bit for bit, with less Python per document: `Feed`s of `BlockSource`s, the mixer's rule in `pull`, rows made by `ConcatRows`, `PadRows` or `BestFitRows`."
+    def _stages(self, ds, shards, unit) -> tuple:
+        c = self.cfg
+        src = BlockSource(self.root, ds, shards, c['n_logical_shards'], c['seed'], stream=unit)
+        feed = Feed(src, self.framing, self.mc, min(c['shuffle_window'], src.total), c['seed'], mix64(zlib.crc32(ds.encode()) ^ (unit << 32)))
+        return src, feed if self.mc else None, feed.shuffle, feed
+    def _make_packer(self):
+        c = self.cfg
+        return (ConcatRows(c['seq_len']) if self.pack == 'concat' else PadRows(c['seq_len'], c['pad_token']) if self.pack == 'pad'
+                else BestFitRows(c['seq_len'], c['pack_buffer'], c['pad_token']))
+    def _size(self, x) -> int:
+        "The document tokens in a piece tuple."
+        L, mc = x[3], self.mc
+        if mc is None: return L
+        a, h = x[2], self._h
+        lo, hi = (a - h if a > h else 0), min(a - a % mc + mc - h, L)
+        return hi - lo if hi > lo else 0
+    def _address(self, x) -> tuple: return x[:3]
+
+# %% ../nbs/13_streaming.ipynb #dcace0d1
+@patch
+def pull(self:FastTokenStream) -> tuple:
+    "`(tokens, lengths, keys)`: `TokenStream.pull`'s pieces, framed into one array, the mixer's choice made here."
+    mx, C, mc, split = self.mixer, self.C, self.mc, self.pack != 'concat'
+    tok, w, active, feeds, srcs = mx.tokens, mx.w, mx.active, mx.ups, self.sources
+    h, nt, bos, tail = self.framing.head, len(self._tail), self._bos, self._tail
+    plain, both, ex = not (h or nt), h and nt, h + nt
+    parts, lens, keys, n, total = [], [], [], 0, sum(tok)
+    while n < _GROUP:
+        if len(active) == 1: i = active[0]
+        elif not active: raise StopIteration
+        else:
+            i, best, bw = -1, 0.0, 0.0
+            for k in active:        # Mixer's rule: the largest deficit w*total - tokens; ties: the larger weight, then the first
+                d = w[k] * total - tok[k]
+                if i < 0 or d > best or (d == best and w[k] > bw): i, best, bw = k, d, w[k]
+        try: g, e, a, L, f, fi = next(feeds[i])
+        except StopIteration: active.remove(i); continue
+        n += 1
+        U = L + ex
+        if mc is None: tok[i] += L; total += L; b = U
+        else:
+            b = min(a - a % mc + mc, U)
+            lo, hi = (a - h if a > h else 0), min(b - h, L)
+            if hi > lo: tok[i] += hi - lo; total += hi - lo
+        src = srcs[i]
+        t_ = (src._tf[f] or src.open_file(f)).doc(fi)
+        if a == 0 and b == U and (U <= C or not split):     # a whole unit in one piece (most of them)
+            if both: parts += (bos, t_, tail)
+            elif plain: parts.append(t_)
+            else:
+                if h: parts.append(bos)
+                parts.append(t_)
+                if nt: parts.append(tail)
+            lens.append(U); keys.append((i, g, e, 0, L))
+            continue
+        for s in (range(a, b, C) if split and b - a > C else (a,)):
+            t = min(s + C, b) if split else b
+            if s < h: parts.append(bos)
+            lo, hi = max(s - h, 0), min(t - h, L)
+            if hi > lo: parts.append(t_[lo:hi])
+            if t > h + L: parts.append(tail[max(s - h - L, 0):t - h - L])
+            lens.append(t - s); keys.append((i, g, e, s, L))
+    return np.concatenate(parts), lens, keys
+
+@patch
+def next_rows(self:FastTokenStream, B:int) -> PackedBatch:
+    "The next `B` rows of `seq_len + 1` tokens, as `TokenStream.next_rows` makes them."
+    packed = self.packer.next_batch(B, self.pull)
+    self.step += 1
+    return packed
+
+@patch
+def _packer_snap(self:FastTokenStream): return self.packer.snap() if self.pack == 'bestfit' else self.packer.buffer_keys()
+
+@patch
+def _packer_entries(self:FastTokenStream, ps) -> list:
+    if self.pack != 'bestfit': return [[*k[:4], o] for k, o in zip(*ps)]
+    return [[*k[:4], 0] for k in self.packer.entries(ps)]
+
+
 # %% ../nbs/13_streaming.ipynb #ebf13e75
 FORMAT = 'nanochat_dl.streaming/1'
 _CONFIG = ('datasets', 'weights', 'seq_len', 'pack', 'max_chunk', 'bos_token', 'eos_token', 'sep_token', 'pad_token',
@@ -886,7 +1377,7 @@ class StreamingLoader:
             shuffle_window=shuffle_window, seed=seed, bos_token=bos_token, eos_token=eos_token, sep_token=sep_token,
             pad_token=pad_token, pack=pack, max_chunk=max_chunk, pack_buffer=pack_buffer, tokenizer=tokenizer, max_open=max_open)
         self.device, c = resolve_device(device), self.config
-        self.stream = TokenStream(self.root, c)
+        self.stream = FastTokenStream(self.root, c)
         if self.stream.empty:
             raise ValueError(f"rank {c['rank']} of {c['world_size']} owns no document of datasets {c['datasets']} with a positive weight: "
                              f"{c['n_logical_shards']} logical shards of " + ', '.join(f"{d}: {v['docs']} documents" for d, v in self.fingerprint['data'].items()))
@@ -910,7 +1401,7 @@ class StreamingLoader:
         check_resume(state, self.stream.cfg, self.fingerprint)
         check_state(state)
         if 'batch_size' in state['config']: _int("state['config']['batch_size']", state['config']['batch_size'], 1)   # may differ from ours
-        fresh = TokenStream(self.root, self.config).load_state(state)   # a bad state leaves this loader as it was
+        fresh = FastTokenStream(self.root, self.config).load_state(state)   # a bad state leaves this loader as it was
         self.stream, self._snap, self._state = fresh, fresh.snapshot(), None
         return self
 
@@ -1017,7 +1508,7 @@ class StreamingDataset(torch.utils.data.IterableDataset):
             root = TokenRoot(self.root_path, self.config['datasets'], max_open=self.max_open or 1 << 30)
             if data_fingerprint(root, self.config['datasets']) != self.fingerprint['data']:
                 raise RuntimeError(f"the token files under {self.root_path} changed since this dataset was made")
-            s = TokenStream(root, self.config, w, nw)
+            s = FastTokenStream(root, self.config, w, nw)
             if self._pending is not None:
                 check_resume(self._pending, s.cfg, self.fingerprint)
                 s.load_state(self._pending)
