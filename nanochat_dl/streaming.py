@@ -12,7 +12,7 @@ __all__ = ['PACKS', 'FORMAT', 'shard_starts', 'owned_shards', 'Permutation', 'sh
 
 # %% ../nbs/13_streaming.ipynb #5eb651c8
 import bisect, hashlib, math, queue, threading, time, weakref, zlib
-from collections import deque
+from collections import Counter, defaultdict, deque
 from itertools import repeat
 from typing import NamedTuple
 import numpy as np
@@ -622,11 +622,17 @@ def _parse_dataset(self:TokenStream, i, d, where) -> dict:
         drawn, doc = _int(w + "['drawn']", s.get('drawn')), _field(s, 'doc', list, w)
         if len(doc) > win: raise ValueError(f"{w}['doc'] holds {len(doc)} pieces, more than the window's {win}")
         ep, at = _unrle(s.get('epoch'), w + "['epoch']", len(doc), 1), _unrle(s.get('start'), w + "['start']", len(doc))
-        for j, (g, e, a) in enumerate(zip(doc, ep, at)):
-            wj = f"{w} piece {j} (doc, epoch, start)=({_int(f'{w}[{chr(39)}doc{chr(39)}][{j}]', g)}, {e}, {a})"
-            self._check_start(g, self._check_doc(i, g, e, cur, wj), a, wj)
+        for j, g in enumerate(doc): _int(f"{w}['doc'][{j}]", g)
+        self._check_window(i, doc, ep, at, cur, w)
         out['shuffle'] = (drawn, list(zip(doc, ep, at)))
     return out
+
+@patch
+def _check_window(self:TokenStream, i, doc, ep, at, cur, w, first=0):
+    "Refuse a shuffle window holding a piece no window can hold (`_check_doc`, `_check_start`), naming the piece (numbered from `first`)."
+    for j, (g, e, a) in enumerate(zip(doc, ep, at), first):
+        wj = f"{w} piece {j} (doc, epoch, start)=({g}, {e}, {a})"
+        self._check_start(g, self._check_doc(i, g, e, cur, wj), a, wj)
 
 
 # %% ../nbs/13_streaming.ipynb #185edc8a
@@ -667,12 +673,17 @@ def _parse_metrics(self:TokenStream, pk, items) -> dict:
 @patch
 def _check_once(self:TokenStream, ds, items):
     "Refuse a state that buffers a piece twice (shuffle window, packer), or a piece of a document being cut beyond the cut."
-    seen = {}   # (dataset, doc, epoch) -> [(max_chunk piece, start, 0 for the shuffle window or 1 for the packer, where)]
-    for i, d in enumerate(ds):
-        for g, e, a in (d['shuffle'] or (0, []))[1]: seen.setdefault((i, g, e), []).append((a, a, 0, f"the shuffle window of {self.names[i]!r}"))
-    for j, (i, g, e, a, *_) in enumerate(items):
-        c = a - a % self.mc if self.mc else 0
-        seen.setdefault((i, g, e), []).append((c, a, 1, f"state['packer']['entries'][{j}]"))
+    pieces = [(i, g, e, a, 0, None) for i, d in enumerate(ds) for g, e, a in (d['shuffle'] or (0, []))[1]]
+    pieces += [(i, g, e, a, 1, j) for j, (i, g, e, a, *_) in enumerate(items)]
+    docs = Counter(p[:3] for p in pieces)
+    cuts = {(i, *d['cut'][:2]) for i, d in enumerate(ds) if d['cut'] is not None}
+    many = {k for k, n in docs.items() if n > 1} | (cuts & docs.keys())      # only these documents can break a rule
+    if not many: return
+    seen = defaultdict(list)   # (dataset, doc, epoch) -> [(max_chunk piece, start, 0 for the shuffle window or 1 for the packer, where)]
+    for i, g, e, a, k, j in pieces:
+        if (i, g, e) in many:
+            c = a - a % self.mc if self.mc else 0
+            seen[(i, g, e)].append((c, a, k, f"the shuffle window of {self.names[i]!r}" if k == 0 else f"state['packer']['entries'][{j}]"))
     for (i, g, e), ps in seen.items():
         ps.sort()
         for (c0, a0, k0, w0), (c1, a1, k1, w1) in zip(ps, ps[1:]):
@@ -741,15 +752,31 @@ class Permutations:
         L ^= (((R ^ k2) * K) >> sl1) >> one
         R ^= (((L ^ k3) * K) >> sr1) >> one
         return (L << hr) | R
-    def __call__(self, which, i) -> np.ndarray:
-        "uint64 images of positions `i` in ranges `which` (arrays of the same length)."
+    def _unpass(self, x, w):
+        "One pass of the network backwards."
+        hr, mask, sl1, sr1 = self.hr[w], self.mask[w], self.sl1[w], self.sr1[w]
+        k0, k1, k2, k3 = (k[w] for k in self.keys)
+        K, one = _U(_K), _U(1)
+        L, R = x >> hr, x & mask
+        R ^= (((L ^ k3) * K) >> sr1) >> one
+        L ^= (((R ^ k2) * K) >> sl1) >> one
+        R ^= (((L ^ k1) * K) >> sr1) >> one
+        L ^= (((R ^ k0) * K) >> sl1) >> one
+        return (L << hr) | R
+    def _walk(self, step, which, i) -> np.ndarray:
         w = np.asarray(which)
-        x = self._pass(np.asarray(i, dtype=np.uint64), w)
+        x = step(np.asarray(i, dtype=np.uint64), w)
         out = np.flatnonzero(x >= self.n[w])
         while len(out):                        # cycle walking, for those outside their range
-            x[out] = self._pass(x[out], w[out])
+            x[out] = step(x[out], w[out])
             out = out[x[out] >= self.n[w[out]]]
         return x
+    def __call__(self, which, i) -> np.ndarray:
+        "uint64 images of positions `i` in ranges `which` (arrays of the same length)."
+        return self._walk(self._pass, which, i)
+    def index(self, which, x) -> np.ndarray:
+        "uint64 positions whose images in ranges `which` are `x`: `Permutation.index`, many at once."
+        return self._walk(self._unpass, which, x)
 
 def shard_keys(seed:int, dataset:str, shards, epochs) -> np.ndarray:
     "`shard_key` of many shards, each in its epoch, at once (uint64)."
@@ -847,15 +874,23 @@ def open_file(self:BlockSource, f:int):
     return tf
 
 @patch
+def lengths(self:BlockSource, docs) -> np.ndarray:
+    "The lengths of the dataset's documents `docs` (an array)."
+    G = np.asarray(docs, dtype=np.int64)
+    if len(G) and not (0 <= G.min() and G.max() < self.n_docs):
+        g = int(G[(G < 0) | (G >= self.n_docs)][0])
+        raise ValueError(f"dataset {self.dataset!r} has no document {g} (it has {self.n_docs})")
+    self._read_lengths(np.searchsorted(self._fstarts, G, 'right') - 1)
+    return self._L[G]
+
+@patch
 def fetch(self:BlockSource, addresses) -> list:
     "The pieces at `addresses` (`(doc, epoch, start)`), as tuples."
-    out = []
-    for g, e, a in addresses:
-        if not 0 <= g < self.n_docs: raise ValueError(f"dataset {self.dataset!r} has no document {g} (it has {self.n_docs})")
-        f, i = self.locate(g)
-        self._read_lengths(np.array([f]))
-        out.append((g, e, a, int(self._L[g]), f, i))
-    return out
+    if not len(addresses): return []
+    g, e, a = (list(x) for x in zip(*addresses))
+    L, G = self.lengths(g), np.asarray(g, dtype=np.int64)
+    F = np.searchsorted(self._fstarts, G, 'right') - 1
+    return list(zip(g, e, a, L.tolist(), F.tolist(), (G - self._fstarts[F]).tolist()))
 
 # %% ../nbs/13_streaming.ipynb #f791887f
 class Feed(Stage):
@@ -1124,9 +1159,10 @@ def next_batch(self:BestFitRows, B:int, pull, out=None) -> PackedBatch:
 # %% ../nbs/13_streaming.ipynb #4402cc22
 class FastTokenStream(TokenStream):
     "`TokenStream`'s rows, segments, metrics and states, bit for bit, with less Python per document: `Feed`s of `BlockSource`s, the mixer's rule in `pull`, rows made by `ConcatRows`, `PadRows` or `BestFitRows`."
+    block = 256                              # draws made at once (`BlockSource`)
     def _stages(self, ds, shards, unit) -> tuple:
         c = self.cfg
-        src = BlockSource(self.root, ds, shards, c['n_logical_shards'], c['seed'], stream=unit)
+        src = BlockSource(self.root, ds, shards, c['n_logical_shards'], c['seed'], stream=unit, block=self.block)
         feed = Feed(src, self.framing, self.mc, min(c['shuffle_window'], src.total), c['seed'], mix64(zlib.crc32(ds.encode()) ^ (unit << 32)))
         return src, feed if self.mc else None, feed.shuffle, feed
     def _make_packer(self):
@@ -1203,6 +1239,32 @@ def _packer_entries(self:FastTokenStream, ps) -> list:
     if self.pack != 'bestfit': return [[*k[:4], o] for k, o in zip(*ps)]
     return [[*k[:4], 0] for k in self.packer.entries(ps)]
 
+
+@patch
+def _check_window(self:FastTokenStream, i, doc, ep, at, cur, w, first=0):
+    "`TokenStream._check_window`, in numpy: the first piece that fails is checked again one by one, for the message."
+    src, mc = self.sources[i], self.mc
+    G, E, A = (np.asarray(x, dtype=np.int64) for x in (doc, ep, at))
+    if not len(G): return
+    bad = G >= src.n_docs
+    Gc = np.where(bad, 0, G)
+    S = np.searchsorted(np.asarray(cur.bounds), Gc, 'right') - 1          # each piece's logical shard ...
+    own = np.full(src.n_shards, -1); own[src.shards] = np.arange(len(src.shards))
+    J = own[S]; bad |= J < 0                                              # ... one of this unit's
+    Jc = np.where(J < 0, 0, J)
+    Ecur = np.asarray(cur.epoch)[Jc]; bad |= E > Ecur                      # from an epoch its shard has reached
+    L = src.lengths(Gc).astype(np.int64); bad |= L == 0                    # not empty
+    now = np.flatnonzero(~bad & (E == Ecur))                               # drawn, if from the shard's current epoch
+    if len(now):
+        P = Permutations(src.n).rekey(shard_keys(src.seed, src.dataset, src.shards, cur.epoch))
+        k = P.index(Jc[now], (Gc[now] - np.asarray(src.lo)[Jc[now]]).astype(np.uint64)).astype(np.int64)
+        bad[now[k >= np.asarray(cur.pos)[Jc[now]]]] = True
+    U = L + self.framing.head + len(self.framing.tail)                     # and a piece starts where it says
+    bad |= (A >= U) | ((A % mc != 0) if mc else (A != 0))
+    if bad.any():
+        j = int(np.argmax(bad))
+        TokenStream._check_window(self, i, doc[j:j + 1], ep[j:j + 1], at[j:j + 1], cur, w, j)
+        raise AssertionError(f"{w} piece {j}: refused in bulk but not alone")    # (cannot happen: the two checks agree)
 
 # %% ../nbs/13_streaming.ipynb #ebf13e75
 FORMAT = 'nanochat_dl.streaming/1'
@@ -1351,6 +1413,7 @@ def _stop(thread, stop):
 # %% ../nbs/13_streaming.ipynb #72217c6a
 class StreamingLoader:
     "Endless, exactly resumable batches of pre-tokenized documents for this rank: logical shards walked in per-epoch orders, shuffled, mixed by token share, packed, copied to `device`."
+    stream_class = FastTokenStream     # what makes the rows (`TokenStream` makes the same ones, slower)
     def __init__(self, root,                # the token root (ROOT/<dataset>/**/*.arrow), or a `TokenRoot`
                  seq_len:int,               # tokens per input row (rows hold seq_len + 1)
                  batch_size:int,            # rows per batch
@@ -1377,7 +1440,7 @@ class StreamingLoader:
             shuffle_window=shuffle_window, seed=seed, bos_token=bos_token, eos_token=eos_token, sep_token=sep_token,
             pad_token=pad_token, pack=pack, max_chunk=max_chunk, pack_buffer=pack_buffer, tokenizer=tokenizer, max_open=max_open)
         self.device, c = resolve_device(device), self.config
-        self.stream = FastTokenStream(self.root, c)
+        self.stream = self.stream_class(self.root, c)
         if self.stream.empty:
             raise ValueError(f"rank {c['rank']} of {c['world_size']} owns no document of datasets {c['datasets']} with a positive weight: "
                              f"{c['n_logical_shards']} logical shards of " + ', '.join(f"{d}: {v['docs']} documents" for d, v in self.fingerprint['data'].items()))
@@ -1401,7 +1464,7 @@ class StreamingLoader:
         check_resume(state, self.stream.cfg, self.fingerprint)
         check_state(state)
         if 'batch_size' in state['config']: _int("state['config']['batch_size']", state['config']['batch_size'], 1)   # may differ from ours
-        fresh = FastTokenStream(self.root, self.config).load_state(state)   # a bad state leaves this loader as it was
+        fresh = self.stream_class(self.root, self.config).load_state(state)   # a bad state leaves this loader as it was
         self.stream, self._snap, self._state = fresh, fresh.snapshot(), None
         return self
 
