@@ -903,6 +903,7 @@ class Feed(Stage):
         self.src, self.upstream, self.max_chunk, self.extra = src, src, max_chunk, framing.head + len(framing.tail)
         self.cur = None                      # [piece tuple, start of its next piece] while a document is being cut
         self.shuffle = ShuffleBuffer(_Pieces(self), window, seed, stream) if window else None   # its state; its draws are made here
+        self._next = src.__next__ if max_chunk is None else self._piece      # uncut: straight from the source
     def _piece(self) -> tuple:
         "The next piece, before the shuffle (what the `Chunker` would give)."
         cur, mc = self.cur, self.max_chunk
@@ -926,10 +927,10 @@ class _Pieces(Stage):
 def __next__(self:Feed) -> tuple:
     "The next piece out of the shuffle window: `ShuffleBuffer.__next__`, over `_piece`."
     sh = self.shuffle
-    if sh is None: return self._piece()
+    if sh is None: return self._next()
     buf, log, window = sh.buf, sh._log, sh.window
     while len(buf) < window and not sh.done:
-        try: x = self._piece()
+        try: x = self._next()
         except StopIteration: sh.done = True; break
         buf.append(x); log.append(x)
     if not buf: raise StopIteration
@@ -978,7 +979,7 @@ class _Counted:
     def __len__(self): return self._n
 
 class ConcatRows(_PackerBase):
-    "`Packer(strategy='concat')` for pulls of `(flat tokens, lengths, keys)`: rows sliced from the stream of units; the same rows, segments, buffer and counters."
+    "`Packer(strategy='concat')` for pulls of `(pieces, lengths, keys)`, a piece a list of token arrays: rows sliced from the stream of units; the same rows, segments, buffer and counters."
     strategy = 'concat'
     def __init__(self, T:int):    # tokens per input row (rows hold T + 1)
         super().__init__(T, 1, None)
@@ -987,7 +988,8 @@ class ConcatRows(_PackerBase):
         if not self._chunks: return 0
         return sum(len(c[2]) for c in self._chunks) - bisect.bisect_right(self._chunks[0][1], self._p)
     def _intake(self, pull):
-        flat, lens, keys = pull()
+        pieces, lens, keys = pull()
+        flat = np.concatenate([x for p in pieces for x in p])
         ends, e, C = [], 0, self.C
         for L in lens: e += L; ends.append(e)
         self._chunks.append((flat, ends, keys))
@@ -1048,61 +1050,61 @@ def _concat_segs(runs, B, C) -> list:
     return out
 
 class PadRows(_PackerBase):
-    "`Packer(strategy='greedy', max_docs_per_row=1)` for pulls of pieces of at most `T + 1` tokens: each piece starts a row, the rest is `pad_id`."
+    "`Packer(strategy='greedy', max_docs_per_row=1)` for pulls of `(pieces, lengths, keys)`, pieces of at most `T + 1` tokens: each piece starts a row, the rest is `pad_id`."
     strategy = 'greedy'
     def __init__(self, T:int, pad_id:int):
         super().__init__(T, 1, None)
-        self.pad_id, self._q = pad_id, deque()             # pieces not yet delivered: (tokens, length, key)
+        self._padrow, self._q = np.full(self.C, pad_id, dtype=np.int64), deque()    # pieces not yet delivered: (token arrays, length, key)
     def __len__(self): return len(self._q)
     def _intake(self, pull):
-        flat, lens, keys = pull()
-        s, q = 0, self._q
-        for L, k in zip(lens, keys): q.append((flat[s:s + L], L, k)); s += L
-        t = self._tot
+        pieces, lens, keys = pull()
+        self._q.extend(zip(pieces, lens, keys))
+        s, t = sum(lens), self._tot
         t['docs_in'] += len(keys); t['doc_tokens'] += s; t['tokens_in'] += s
         self.buffered_tokens += s
     def next_batch(self, B:int, pull, out=None) -> PackedBatch:
         "`B` rows, each the next piece and padding."
         B, C, tot = self._check_B(B), self.C, self._tot
-        before, rows, q, got = dict(tot), self._rows(B, out), self._q, []
-        rows.fill(self.pad_id)
+        before, rows, q, got, parts = dict(tot), self._rows(B, out), self._q, [], []
         for r in range(B):
             if not q: self._intake(pull)
-            t, L, k = q.popleft()
-            rows[r, :L] = t
+            p, L, k = q.popleft()
+            parts += p; parts.append(self._padrow[L:])
             got.append((L, k))
+        np.concatenate(parts, out=rows.reshape(-1), casting='unsafe')
         n = sum(L for L, _ in got)
         self.buffered_tokens -= n
         tot['placed'] += B; tot['padded'] += B * C - n; tot['emitted'] += B * C; tot['rows'] += B
         return LazyBatch(rows, lambda: [[(0, L, k, 0, 0)] for L, k in got], self, before, B)
     def buffer_keys(self) -> tuple: return [k for _, _, k in self._q], [0] * len(self._q)
     def restore(self, items):
-        self._q = deque((np.asarray(t), len(t), k) for t, k, _ in items)
+        self._q = deque(([np.asarray(t)], len(t), k) for t, k, _ in items)
         self.buffered_tokens = sum(len(t) for t, _, _ in items)
 
 # %% ../nbs/13_streaming.ipynb #bf000001
 class BestFitRows(_PackerBase):
-    "`Packer(strategy='bestfit-pad')` for pulls of pieces of at most `T + 1` tokens, `(flat tokens, lengths, keys)`: each row takes the longest piece that fits (the earliest of that length) until none does, then padding. The buffer's order is kept as a journal (`snap`, `entries`): a snapshot copies nothing."
+    "`Packer(strategy='bestfit-pad')` for pulls of `(pieces, lengths, keys)`, pieces of at most `T + 1` tokens: each row takes the longest piece that fits (the earliest of that length) until none does, then padding. The buffer's order is kept as a journal (`snap`, `entries`): a snapshot copies nothing."
     strategy = 'bestfit-pad'
     def __init__(self, T:int, buffer_size:int, pad_id:int):
         super().__init__(T, buffer_size, None)
         self._padrow = np.full(self.C, pad_id, dtype=np.int64)
-        self._q, self._lens, self._n = {}, [], 0          # length -> deque of (tokens, start, key); lengths present, sorted; pieces
+        self._q, self._lens, self._n = {}, [], 0          # length -> deque of (token arrays, key); lengths present, sorted; pieces
         self._base, self._log, self._added = [], [], []   # the journal: keys once, then per batch (keys in, keys placed)
     def __len__(self): return self._n
-    def _put(self, flat, s, L, k):
+    def _put(self, p, L, k):
         q = self._q.get(L)
         if q is None: q = self._q[L] = deque()
         if not q: bisect.insort(self._lens, L)
-        q.append((flat, s, k))
+        q.append((p, k))
     def _intake(self, pull):
-        flat, lens, keys = pull()
-        s, qs = 0, self._q
-        for L, k in zip(lens, keys):           # `_put`, inline
+        pieces, lens, keys = pull()
+        qs = self._q
+        for p, L, k in zip(pieces, lens, keys):     # `_put`, inline
             q = qs.get(L)
             if q is None: q = qs[L] = deque()
             if not q: bisect.insort(self._lens, L)
-            q.append((flat, s, k)); s += L
+            q.append((p, k))
+        s = sum(lens)
         self._n += len(keys); self._added += keys; self.buffered_tokens += s
         t = self._tot
         t['docs_in'] += len(keys); t['doc_tokens'] += s; t['tokens_in'] += s
@@ -1122,8 +1124,7 @@ class BestFitRows(_PackerBase):
         "Rebuild the buffer from `(tokens, key, 0)` triples in order."
         self._q, self._lens, self._n, self.buffered_tokens = {}, [], 0, 0
         for t, k, _ in items:
-            t = np.asarray(t)
-            self._put(t, 0, len(t), k); self._n += 1; self.buffered_tokens += len(t)
+            self._put([np.asarray(t)], len(t), k); self._n += 1; self.buffered_tokens += len(t)
         self._base, self._log = [k for _, k, _ in items], []
 
 @patch
@@ -1140,10 +1141,10 @@ def next_batch(self:BestFitRows, B:int, pull, out=None) -> PackedBatch:
             if i < 0: break
             L = lens[i]
             q = qs[L]
-            flat, s, k = q.popleft()
+            p, k = q.popleft()
             if not q: del lens[i]
             self._n -= 1
-            pieces.append(flat[s:s + L]); segs.append((pos, L, k, 0, 0)); placed.append(k)
+            pieces += p; segs.append((pos, L, k, 0, 0)); placed.append(k)
             pos += L
             if pos == C: break
         if pos < C: pieces.append(self._padrow[pos:])
@@ -1181,12 +1182,12 @@ class FastTokenStream(TokenStream):
 # %% ../nbs/13_streaming.ipynb #dcace0d1
 @patch
 def pull(self:FastTokenStream) -> tuple:
-    "`(tokens, lengths, keys)`: `TokenStream.pull`'s pieces, framed into one array, the mixer's choice made here."
+    "`(pieces, lengths, keys)`: `TokenStream.pull`'s pieces, each a list of token arrays (delimiters, document tokens), the mixer's choice made here."
     mx, C, mc, split = self.mixer, self.C, self.mc, self.pack != 'concat'
     tok, w, active, feeds, srcs = mx.tokens, mx.w, mx.active, mx.ups, self.sources
     h, nt, bos, tail = self.framing.head, len(self._tail), self._bos, self._tail
     plain, both, ex = not (h or nt), h and nt, h + nt
-    parts, lens, keys, n, total = [], [], [], 0, sum(tok)
+    pieces, lens, keys, n, total = [], [], [], 0, sum(tok)
     while n < _GROUP:
         if len(active) == 1: i = active[0]
         elif not active: raise StopIteration
@@ -1207,22 +1208,17 @@ def pull(self:FastTokenStream) -> tuple:
         src = srcs[i]
         t_ = (src._tf[f] or src.open_file(f)).doc(fi)
         if a == 0 and b == U and (U <= C or not split):     # a whole unit in one piece (most of them)
-            if both: parts += (bos, t_, tail)
-            elif plain: parts.append(t_)
-            else:
-                if h: parts.append(bos)
-                parts.append(t_)
-                if nt: parts.append(tail)
+            pieces.append([bos, t_, tail] if both else [t_] if plain else [bos, t_] if h else [t_, tail])
             lens.append(U); keys.append((i, g, e, 0, L))
             continue
         for s in (range(a, b, C) if split and b - a > C else (a,)):
-            t = min(s + C, b) if split else b
+            t, parts = (min(s + C, b) if split else b), []
             if s < h: parts.append(bos)
             lo, hi = max(s - h, 0), min(t - h, L)
             if hi > lo: parts.append(t_[lo:hi])
             if t > h + L: parts.append(tail[max(s - h - L, 0):t - h - L])
-            lens.append(t - s); keys.append((i, g, e, s, L))
-    return np.concatenate(parts), lens, keys
+            pieces.append(parts); lens.append(t - s); keys.append((i, g, e, s, L))
+    return pieces, lens, keys
 
 @patch
 def next_rows(self:FastTokenStream, B:int) -> PackedBatch:
