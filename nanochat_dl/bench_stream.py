@@ -172,7 +172,8 @@ def stage_costs(root=None,           # a token root (default: `bench_root()`)
                 pack:str='concat',    # the packing mode
                 n:int=300,            # batches timed (and pieces: 40 times as many)
                 seed:int=0,           # of the synthetic data and the loader
-                simple:bool=False) -> dict:   # time `SimpleLoader` (the stages one document at a time) instead
+                simple:bool=False,    # time `SimpleLoader` (the stages one document at a time) instead
+                repeats:int=5) -> dict:   # runs of each measurement (the best counts)
     "CPU microseconds per piece of the biggest dataset's source, of it with its cut and shuffle window (`feed`), of `pull` (mixer and framing, all datasets); per batch of the packer alone and of `next(loader)`."
     weights = {'web': 2, 'code': 1, 'books': 1} if root is None else None
     root = bench_root(seed=seed, out=None) if root is None else Path(root)
@@ -180,11 +181,11 @@ def stage_costs(root=None,           # a token root (default: `bench_root()`)
         next(ld)
         s = ld.stream
         big = max(range(len(s.names)), key=lambda i: s.sources[i].total)
-        out = dict(source=_cpu_us(lambda: next(s.sources[big]), 40 * n), feed=_cpu_us(lambda: next(s.mixer.ups[big]), 40 * n))
-        out['pull'] = _cpu_us(s.pull, 2 * n) / 16
-        pulls = iter([s.pull() for _ in range(4 * n)])
-        out['pack'] = _cpu_us(lambda: s.packer.next_batch(B, lambda: next(pulls)), n // 2, 2)
+        out = dict(source=_cpu_us(lambda: next(s.sources[big]), 40 * n, repeats), feed=_cpu_us(lambda: next(s.mixer.ups[big]), 40 * n, repeats))
+        out['pull'] = _cpu_us(s.pull, 2 * n, repeats) / 16
+        pulls = iter([s.pull() for _ in range(repeats * n * 3 // 4 + 10)])   # enough for the packer's batches below
+        out['pack'] = _cpu_us(lambda: s.packer.next_batch(B, lambda: next(pulls)), n // 2, repeats)
         d0, b0 = s.packer.metrics_state()['docs_in'], s.step
-        out['batch'] = _cpu_us(lambda: next(ld), n)
+        out['batch'] = _cpu_us(lambda: next(ld), n, repeats)
         out['pieces_per_batch'] = (s.packer.metrics_state()['docs_in'] - d0) / (s.step - b0)
     return out

@@ -1132,26 +1132,27 @@ def next_batch(self:BestFitRows, B:int, pull, out=None) -> PackedBatch:
     "`B` rows, each filled best-fit from the buffer (refilled to `buffer_size` pieces before every choice, as `Packer` does)."
     B, C, tot, size = self._check_B(B), self.C, self._tot, self.buffer_size
     before, rows, pieces, segments, placed, qs, lens = dict(tot), self._rows(B, out), [], [], [], self._q, self._lens
-    self._added = []
+    right, padrow, padded, self._added = bisect.bisect_right, self._padrow, 0, []
     for r in range(B):
         pos, segs = 0, []
         while True:
-            while self._n < size: self._intake(pull)
-            i = bisect.bisect_right(lens, C - pos) - 1       # the longest length that fits
+            if self._n < size:
+                while self._n < size: self._intake(pull)
+            i = right(lens, C - pos) - 1                   # the longest length that fits
             if i < 0: break
             L = lens[i]
             q = qs[L]
             p, k = q.popleft()
             if not q: del lens[i]
-            self._n -= 1
             pieces += p; segs.append((pos, L, k, 0, 0)); placed.append(k)
-            pos += L
+            self._n -= 1; pos += L
             if pos == C: break
-        if pos < C: pieces.append(self._padrow[pos:])
+        if pos < C: pieces.append(padrow[pos:])
         segments.append(segs)
-        tot['padded'] += C - pos
+        padded += C - pos
+    tot['padded'] += padded
     np.concatenate(pieces, out=rows.reshape(-1), casting='unsafe')
-    self.buffered_tokens -= B * C - (tot['padded'] - before['padded'])
+    self.buffered_tokens -= B * C - padded
     tot['placed'] += len(placed); tot['emitted'] += B * C; tot['rows'] += B
     self._log.append((self._added, placed))
     if len(self._log) > 256: self._base, self._log = self.entries(self.snap()), []     # a new list: snapshots keep the old one
