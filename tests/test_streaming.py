@@ -435,6 +435,7 @@ print(json.dumps(out))
 LARGE_COUNTERS = {('step',), ('config', 'batch_size'), ('datasets', '*', 'tokens'), ('datasets', '*', 'shuffle', 'drawn')}
 
 
+@pytest.mark.skipif(not Path('/proc/self/status').exists(), reason='the address-space cap reads /proc (Linux)')
 @pytest.mark.parametrize('kw,steps', [(GARBAGE_KW, 7),
                                       (dict(bos_token=1, eos_token=2, sep_token=3, n_logical_shards=5, shuffle_window=7, prefetch=0, weights=[2, 1, 1]), 9),
                                       (dict(eos_token=2, n_logical_shards=4, shuffle_window=0, prefetch=0, pack='pad'), 5)])
