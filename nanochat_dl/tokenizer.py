@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['BOS_TOKEN', 'SPECIAL_TOKENS', 'SPLIT_PATTERN', 'META_FILE', 'RANKS_FILE', 'FORMAT', 'RustBPETokenizer', 'Tokenizer',
            'compression_ratio', 'dump_tiktoken_bpe', 'parse_tiktoken_bpe', 'iter_texts', 'train_tokenizer',
-           'train_tokenizer_cli', 'get_tokenizer']
+           'train_tokenizer_cli', 'get_tokenizer', 'tokenizer_fingerprint']
 
 # %% ../nbs/03_tokenizer.ipynb #168df688
 import base64, binascii, hashlib, json, operator, sys, time
@@ -350,3 +350,17 @@ def get_tokenizer(tokenizer_dir=None) -> Tokenizer:
         raise FileNotFoundError(f"no trained tokenizer in {d}: train one with `nanochat-dl train-tokenizer --vocab-size 8192` "
                                 f"(it reads the local shards; {_NO_SHARDS}), or pass tokenizer_dir=")
     return Tokenizer.load(d)
+
+# %% ../nbs/03_tokenizer.ipynb #c0f2c235
+_PROBE = "Tokenizer probe: Hello, world! 12345 \u00fcber na\u00efve \u65e5\u672c\u8a9e \U0001f600 <|bos|>\n\tdef f(x): return x ** 2  # done."
+
+def tokenizer_fingerprint(tokenizer) -> dict:
+    "Vocabulary size, BOS id and a hash of the merges (of a probe text's ids for tokenizers without a tiktoken core)."
+    h = hashlib.sha256()
+    ranks = getattr(getattr(tokenizer, 'enc', None), '_mergeable_ranks', None)
+    if isinstance(ranks, dict):
+        for tok_bytes, r in sorted(ranks.items(), key=lambda kv: kv[1]): h.update(len(tok_bytes).to_bytes(2, 'little') + tok_bytes)
+        specials = getattr(tokenizer.enc, '_special_tokens', {})
+        h.update(json.dumps(sorted(specials.items())).encode())
+    else: h.update(json.dumps([int(i) for i in tokenizer.encode(_PROBE)]).encode())
+    return dict(vocab_size=int(tokenizer.get_vocab_size()), bos_id=int(tokenizer.get_bos_token_id()), sha=h.hexdigest()[:16])
