@@ -256,6 +256,10 @@ class ReferencePacker(_PackerBase):
         if offset != 0: raise ValueError(f"offset={offset!r}: strategy 'bestfit-crop' buffers whole documents only (offset 0)")
         return np.asarray(doc, dtype=np.int64)
 
+    def buffer_lengths(self) -> np.ndarray:
+        "Tokens of each buffer entry, in buffer order (int64)."
+        return np.array([len(d) for d, _ in self.buffer], dtype=np.int64)
+
     def buffer_state(self) -> list:
         "The buffer as `[key, offset]` entries in order (offset is always 0 here: whole documents only)."
         return [[key, 0] for _, key in self.buffer]
@@ -505,6 +509,10 @@ class Packer(_PackerBase):
             elif offset == 0: return L
         raise ValueError(f"offset={offset!r} is not where a buffer entry can start under strategy {self.strategy!r} "
                          f"(document of {L} tokens)")
+
+    def buffer_lengths(self) -> np.ndarray:
+        "Tokens of each buffer entry, in buffer order (int64): for a loader that wants to know what waits there."
+        return np.fromiter((e[4] for e in self._ent.values()), np.int64, len(self._ent))
 
     def buffer_state(self) -> list:
         "The buffer as `[key, offset]` entries in order: enough, with the documents re-read, to rebuild it exactly."
