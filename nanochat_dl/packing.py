@@ -39,7 +39,9 @@ class Segment(NamedTuple):
 
 class PackedBatch:
     "B rows of T+1 tokens, what was written where, and what it cost."
-    def __init__(self, rows, segments, metrics):
+    def __init__(self, rows,    # int64 [B, T+1]: the token ids
+                 segments,      # per row, its segments from left to right
+                 metrics):      # what the batch cost: see `_PackerBase.metrics_doc`
         self.rows = rows          # int64 [B, T+1]
         self._segs, self._plain = segments, True   # per row, its segments from left to right: `Segment`s or plain 5-tuples
         self.metrics = metrics    # per-batch and cumulative counts, see `_PackerBase.metrics_doc`
@@ -59,9 +61,11 @@ class PackedBatch:
         return (f"PackedBatch({B}x{C}, {sum(map(len, self.segments))} segments, "
                 f"crop {self.metrics['crop_pct']:.1f}%, pad {self.metrics['pad_pct']:.1f}%)")
 
+# %% ../nbs/06_packing.ipynb #6c5b8ec2
 class FlatDocs(Sequence):
     "Documents stored end to end in one 1-D array, `lens[i]` tokens each, as a tokenizer worker returns them; indexing gives views."
-    def __init__(self, lens, flat):
+    def __init__(self, lens,  # tokens in each document, in order
+                 flat):       # all their tokens end to end, a 1-D array (a list is converted)
         self.lens, self.flat = np.asarray(lens, dtype=np.int64).reshape(-1), np.asarray(flat)   # (an array stays as it is)
         ends = np.cumsum(self.lens)
         total = int(ends[-1]) if len(ends) else 0
@@ -80,7 +84,7 @@ class FlatDocs(Sequence):
     @property
     def ntokens(self) -> int: return len(self.flat)
     @classmethod
-    def concat(cls, parts):
+    def concat(cls, parts):  # `FlatDocs` to join, in order
         "One `FlatDocs` holding the documents of `parts` in order."
         parts = list(parts)
         if len(parts) == 1: return parts[0]
@@ -185,7 +189,8 @@ class _PackerBase:
         return dict(strategy=self.strategy, T=self.T, buffer_size=self.buffer_size,
                     buffer=self.buffer_state(), metrics=self.metrics_state())
 
-    def load_state_dict(self, state, fetch):
+    def load_state_dict(self, state,  # what `state_dict()` returned (after a trip through JSON, say)
+                        fetch):       # `fetch(keys)` -> the documents at `keys`, whole, as they were pulled
         "Restore from `state_dict()`; `fetch(keys)` returns the tokens of the documents at `keys` (re-read, re-tokenized)."
         # strategy and T must match; a different buffer_size is allowed (the batches then differ from an uninterrupted run)
         for k in ('strategy', 'T'):
@@ -212,7 +217,9 @@ class ReferencePacker(_PackerBase):
     "nanochat's BOS-aligned best fit with crop, written plainly: a list as buffer, a full scan per placement."
     pad_id, max_docs_per_row = None, None   # it never pads and never caps a row
 
-    def __init__(self, T, buffer_size=1000, bos_id=None):
+    def __init__(self, T,              # a row holds T+1 tokens
+                 buffer_size=1000,     # documents kept to choose from (nanochat's 1,000)
+                 bos_id=None):         # when given, every document must start with it (checked)
         super().__init__(T, buffer_size, bos_id)
         self.buffer = []   # (tokens, key) in arrival order
 
@@ -225,7 +232,10 @@ class ReferencePacker(_PackerBase):
                 self.buffer.append((doc, key))
                 self.buffered_tokens += len(doc); self._tot['tokens_in'] += len(doc)
 
-    def next_batch(self, B, pull, out=None) -> PackedBatch:
+    def next_batch(self, B,    # rows in the batch
+                   pull,       # `pull() -> (docs, keys)`: the next documents, when the buffer needs more
+                   out=None,   # an int64 array [B, T+1] to write the rows into (default: a new one)
+                  ) -> PackedBatch:
         "Pack `B` rows of `T+1` tokens from documents supplied by `pull` (into `out` if given)."
         B, C, tot = self._check_B(B), self.C, self._tot
         before = dict(tot)
@@ -278,7 +288,9 @@ class ReferencePacker(_PackerBase):
 # %% ../nbs/06_packing.ipynb #e90477e7
 class ListPull:
     "A pull over a list of documents: `batch_size` at a time, keys are indices (or `(epoch, index)` with `cycle=True`)."
-    def __init__(self, docs, batch_size=128, cycle=False):
+    def __init__(self, docs,         # the documents (sequences of token ids)
+                 batch_size=128,     # documents per call
+                 cycle=False):       # start over at the end instead of raising
         self.docs, self.batch_size, self.cycle = list(docs), check_int('batch_size', batch_size, 1), cycle
         self.pos, self.epoch = 0, 0
     def __call__(self):
@@ -294,7 +306,13 @@ class ListPull:
         return batch, keys
 
 # %% ../nbs/06_packing.ipynb #1e1d88ad
-def show_batch(batch, ax=None, bos_id=None, labels=None, title=None, max_tail=0.2):
+def show_batch(batch,          # a `PackedBatch`
+               ax=None,        # matplotlib axes to draw on (default: a new figure)
+               bos_id=None,    # ticks go where this id is (default: where a segment starts at offset 0)
+               labels=None,    # `labels(id) -> str` writes each token in its cell (short rows only)
+               title=None,     # the axes' title
+               max_tail=0.2,   # widest cropped tail drawn, as a share of the row
+              ):
     "Draw a `PackedBatch`: rows as bars, one colour per document, BOS ticks, grey padding, cropped tails right of the row."
     import matplotlib.pyplot as plt
     from matplotlib.patches import Rectangle
@@ -333,7 +351,12 @@ def show_batch(batch, ax=None, bos_id=None, labels=None, title=None, max_tail=0.
 # %% ../nbs/06_packing.ipynb #fbd0f3d0
 class Packer(_PackerBase):
     "Best-fit packing with an index by length: the reference's rows (with 'bestfit-crop'), at O(log n) per choice."
-    def __init__(self, T, buffer_size=1000, strategy='bestfit-crop', bos_id=None, pad_id=None, max_docs_per_row=None):
+    def __init__(self, T,                    # a row holds T+1 tokens
+                 buffer_size=1000,           # documents kept to choose from (nanochat's 1,000)
+                 strategy='bestfit-crop',    # one of `STRATEGIES`
+                 bos_id=None,                # when given, every document must start with it; needed by 'bestfit-split'
+                 pad_id=None,                # what padding is written with (default: `bos_id`, else 0)
+                 max_docs_per_row=None):     # at most this many segments per row (None: no cap)
         super().__init__(T, buffer_size, bos_id)
         if strategy not in STRATEGIES:
             raise ValueError(f"unknown strategy {strategy!r}: expected one of {list(STRATEGIES)}")
@@ -471,7 +494,10 @@ class Packer(_PackerBase):
         if pos < C: pieces.append(self._padrow[pos:])
         return segs, cropped, C - pos
 
-    def next_batch(self, B, pull, out=None) -> PackedBatch:
+    def next_batch(self, B,    # rows in the batch
+                   pull,       # `pull() -> (docs, keys)`: the next documents, when the buffer needs more
+                   out=None,   # an int64 array [B, T+1] to write the rows into (default: a new one)
+                  ) -> PackedBatch:
         "Pack `B` rows of `T+1` tokens from documents supplied by `pull` (into `out` if given)."
         B, C, tot = self._check_B(B), self.C, self._tot
         before = dict(tot)
@@ -492,7 +518,9 @@ class Packer(_PackerBase):
         tot['emitted'] += B * C; tot['rows'] += B
         return PackedBatch(rows, segments, self._metrics(before, B))
 
-    def piece(self, doc, offset=0) -> np.ndarray:
+    def piece(self, doc,   # a whole document, as it was pulled
+              offset=0,    # where the buffer entry starts in it
+             ) -> np.ndarray:
         "The tokens of the buffer entry that starts at `offset` of `doc`, under this packer's strategy."
         L = self._piece_len(doc, offset)
         if self._split and offset > 0: return np.concatenate([[self.bos_id], np.asarray(doc[offset:offset + L - 1])]).astype(np.int64)
@@ -523,7 +551,7 @@ class Packer(_PackerBase):
         entries = list(self._ent.values())
         return [e[2] for e in entries], [e[3] for e in entries]
 
-    def restore(self, items):
+    def restore(self, items):  # `(tokens, key, offset)` triples in buffer order; tokens: the whole document
         "Rebuild the buffer from `(tokens, key, offset)` triples in buffer order (tokens: the whole original document)."
         entries = []
         for doc, key, offset in items:
@@ -536,12 +564,18 @@ class Packer(_PackerBase):
 # %% ../nbs/06_packing.ipynb #e86efd69
 def _Phi(x): return 0.5 * (1 + math.erf(x / math.sqrt(2)))
 
-def lognormal_tail_share(sigma, mean, c) -> float:
+def lognormal_tail_share(sigma,  # the lognormal's shape parameter
+                         mean,   # its mean
+                         c,      # the cut: a row of T+1 tokens
+                        ) -> float:
     "Share of a lognormal(mean, sigma)'s mass beyond `c`: E[(X-c)+] / E[X]."
     mu = math.log(mean) - sigma ** 2 / 2
     return _Phi((mu + sigma ** 2 - math.log(c)) / sigma) - c / mean * _Phi((mu - math.log(c)) / sigma)
 
-def calibrate_lognormal(mean=1000.0, floor=0.23, T=2048):
+def calibrate_lognormal(mean=1000.0,  # mean document length in tokens
+                        floor=0.23,   # share of all tokens beyond T+1 in their document
+                        T=2048,       # rows of T+1 tokens
+                       ):
     "`(mu, sigma)` of the lognormal with mean `mean` whose tokens beyond `T+1` are a share `floor` of all tokens."
     if not 0 < floor < 1: raise ValueError(f"floor={floor!r} is invalid: expected a share strictly between 0 and 1")
     lo, hi = 1e-3, 10.0
@@ -552,13 +586,20 @@ def calibrate_lognormal(mean=1000.0, floor=0.23, T=2048):
     sigma = (lo + hi) / 2
     return math.log(mean) - sigma ** 2 / 2, sigma
 
-def fineweb_like_lengths(n, rng, mean=1000.0, floor=0.23, T=2048, max_len=1 << 20) -> np.ndarray:
+def fineweb_like_lengths(n,              # how many lengths
+                         rng,            # a `numpy.random.Generator`
+                         mean=1000.0,    # mean document length in tokens
+                         floor=0.23,     # share of all tokens beyond T+1 in their document
+                         T=2048,         # rows of T+1 tokens
+                         max_len=1 << 20, # the longest length allowed
+                        ) -> np.ndarray:
     "`n` document lengths (tokens, BOS included) from the calibrated lognormal, rounded, between 1 and `max_len`."
     mu, sigma = calibrate_lognormal(mean, floor, T)
     return np.clip(np.rint(rng.lognormal(mu, sigma, n)), 1, max_len).astype(np.int64)
 
 # %% ../nbs/06_packing.ipynb #552fdbeb
-def segment_starts(batch) -> np.ndarray:
+def segment_starts(batch,  # a `PackedBatch`
+                  ) -> np.ndarray:
     "bool [B, T+1]: True where a segment starts and where a row's padding starts."
     B, C = batch.rows.shape
     m = np.zeros((B, C), dtype=bool)
@@ -568,13 +609,16 @@ def segment_starts(batch) -> np.ndarray:
         if end < C: m[r, end] = True
     return m
 
-def pad_mask(batch) -> np.ndarray:
+def pad_mask(batch,  # a `PackedBatch`
+            ) -> np.ndarray:
     "bool [B, T+1]: True at padding positions (their targets must not be trained on)."
     B, C = batch.rows.shape
     ends = np.array([segs[-1].start + segs[-1].length if segs else 0 for segs in batch.segments])
     return np.arange(C)[None, :] >= ends[:, None]
 
-def position_ids(batch, full=False) -> np.ndarray:
+def position_ids(batch,       # a `PackedBatch`
+                 full=False,  # over the whole rows (T+1 columns) instead of the inputs (T)
+                ) -> np.ndarray:
     "int64 [B, T] (or [B, T+1] with `full`): position of each token within its segment."
     starts = segment_starts(batch)
     cols = np.arange(starts.shape[1])
@@ -586,7 +630,10 @@ class CuSeqlens(NamedTuple):
     n_seqs: int             # how many segments are real
     max_seqlen: int         # the longest real segment
 
-def cu_seqlens(batch, max_seqs, full=False) -> CuSeqlens:
+def cu_seqlens(batch,       # a `PackedBatch`
+               max_seqs,    # the fixed number of sequences the result has room for
+               full=False,  # over the whole rows (B*(T+1)) instead of the inputs (B*T)
+              ) -> CuSeqlens:
     "Segment boundaries over the flattened inputs (`B*T`; `B*(T+1)` with `full`), padded to a fixed `max_seqs + 1` entries."
     max_seqs = check_int('max_seqs', max_seqs, 1)
     starts = segment_starts(batch)
