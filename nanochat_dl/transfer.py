@@ -13,7 +13,8 @@ import torch
 from .core import check_int
 
 # %% ../nbs/07_transfer.ipynb #a37e616c
-def resolve_device(device='auto') -> torch.device:
+def resolve_device(device='auto',  # 'auto', 'cpu', 'cuda', 'cuda:N' or a `torch.device`
+                  ) -> torch.device:
     "`'auto'` -> the current CUDA device if CUDA is available, else the CPU; `'cpu'`, `'cuda'`, `'cuda:N'` or a `torch.device` as asked, refused clearly when unusable."
     if isinstance(device, str) and device.strip().lower() == 'auto':
         return torch.device('cuda', torch.cuda.current_device()) if torch.cuda.is_available() else torch.device('cpu')
@@ -60,7 +61,9 @@ def _stage(dst, src):
 # %% ../nbs/07_transfer.ipynb #6fadb48b
 class SingleBufferTransfer:
     "nanochat's layout: one staging buffer `[inputs | targets]` rewritten every batch, one copy into a persistent device buffer. Reference only: it can corrupt batches when the GPU lags (see `DeviceTransfer`)."
-    def __init__(self, B:int, T:int, device='cuda'):
+    def __init__(self, B:int,         # rows per batch
+                 T:int,               # tokens per row of inputs (a row of the batch has T+1)
+                 device='cuda'):      # where the batches go (see `resolve_device`)
         self.B, self.T = _check_BT(B, T)
         self.device = resolve_device(device)
         self._cuda = self.device.type == 'cuda'
@@ -70,7 +73,7 @@ class SingleBufferTransfer:
         self._hin, self._htg = self.host[:n].view(self.B, self.T), self.host[n:].view(self.B, self.T)
         self.inputs, self.targets = self.dev[:n].view(self.B, self.T), self.dev[n:].view(self.B, self.T)
 
-    def put(self, rows):
+    def put(self, rows):  # `[B, T+1]` token ids on the host (torch or numpy integers)
         "Stage `rows[:, :-1]` and `rows[:, 1:]`, copy once to the device; the same two views every call."
         rows = _as_rows(rows, self.B, self.T)
         _stage(self._hin, rows[:, :-1]); _stage(self._htg, rows[:, 1:])
@@ -83,7 +86,12 @@ class SingleBufferTransfer:
 # %% ../nbs/07_transfer.ipynb #1a7cd3ac
 class DeviceTransfer:
     "Turn `[B, T+1]` host rows into contiguous `(inputs, targets)` `[B, T]` on `device`, through `slots` pinned staging buffers, one non-blocking copy per batch, and an event per slot so a staging buffer is never rewritten while its copy may be in flight. Returned tensors stay valid until `slots` more batches are put, unless `copy=True`."
-    def __init__(self, B:int, T:int, device='cuda', slots:int=2, copy:bool=False, dtype=torch.long):
+    def __init__(self, B:int,             # rows per batch
+                 T:int,                   # tokens per row of inputs (a row of the batch has T+1)
+                 device='cuda',           # where the batches go (see `resolve_device`)
+                 slots:int=2,             # staging buffers used in turn; a batch stays valid until `slots` more are put
+                 copy:bool=False,         # return fresh tensors (a device copy each) that stay valid forever
+                 dtype=torch.long):       # of the ids on the device: torch.int64 or torch.int32
         self.B, self.T = _check_BT(B, T)
         check_int('slots', slots)
         if dtype not in (torch.int64, torch.int32):
@@ -115,7 +123,7 @@ class DeviceTransfer:
         self._wait_s += time.perf_counter() - t0
         self._stalls += 1
 
-    def put(self, rows):
+    def put(self, rows):  # `[B, T+1]` token ids on the host (torch or numpy integers)
         "Stage one batch of rows `[B, T+1]` (torch or numpy integers) and return `(inputs, targets)`, each `[B, T]` on the device."
         rows = _as_rows(rows, self.B, self.T)
         s = self._batches % self.slots
