@@ -60,14 +60,17 @@ def _save_picture(batch, path, bos_id, T, strategy) -> Path:
     fig.savefig(path, dpi=90, bbox_inches='tight')
     return path
 
+# %% ../nbs/10_demo.ipynb #ae6beb10
 DEMO_STRATEGIES = ('bestfit-crop', 'bestfit-pad', 'bestfit-split')
 
 def compare_strategies(tokenizer,                 # the tokenizer all strategies share
-                       B:int, T:int,              # batch shape
+                       B:int,                     # rows per batch
+                       T:int,                     # tokens per row of inputs (nanochat's 2048)
                        strategies=DEMO_STRATEGIES,  # packing strategies to run, each on the same documents
                        warmup:int=10,             # batches before the counting starts (the buffer fills up)
                        batches:int=30,            # batches counted
-                       **loader_kw) -> list:      # more `PackedLoader` arguments (data_dir, buffer_size, ...)
+                       **loader_kw,               # more `PackedLoader` arguments (data_dir, buffer_size, ...)
+                      ) -> list:
     "Each strategy on the same document stream: over `batches` batches after `warmup`, its crop, pad and waste and documents per row; at the end, the documents longer than a row still waiting in its buffer."
     warmup, batches = check_int('warmup', warmup), check_int('batches', batches)
     out = []
@@ -84,7 +87,9 @@ def compare_strategies(tokenizer,                 # the tokenizer all strategies
                         docs_per_row=float(np.mean([m['docs_per_row'] for m in ms[warmup:]]))))
     return out
 
-def format_strategies(rows, T) -> str:
+def format_strategies(rows,  # what `compare_strategies` returned
+                      T,     # the T it was run with
+                     ) -> str:
     "The result of `compare_strategies` as a table."
     lines = [f"{'strategy':<15}{'crop %':>8}{'pad %':>7}{'waste %':>9}{'docs/row':>10}   documents longer than T+1 waiting in the buffer"]
     lines += [f"{r['strategy']:<15}{r['crop_pct']:>8.1f}{r['pad_pct']:>7.1f}{r['waste_pct']:>9.1f}{r['docs_per_row']:>10.2f}   "
@@ -93,6 +98,7 @@ def format_strategies(rows, T) -> str:
                  "buffer was tokenized but is not trained on, nor counted as waste, until it is placed)")
     return '\n'.join(lines)
 
+# %% ../nbs/10_demo.ipynb #b44b4dcc
 def _stream(tok, B, T, steps, kw, out):
     "`steps` batches: their metrics, checksums and states, the last packed batch, the wall time and the loader's device."
     with PackedLoader(tok, B, T, **kw) as ld:
@@ -106,7 +112,8 @@ def _stream(tok, B, T, steps, kw, out):
 def run_demo(data_dir=None,        # shard folder; the sample shards are written there if it has none
              tokenizer_dir=None,   # tokenizer folder; one is trained there if it has none
              vocab_size=8192,      # vocabulary of a tokenizer the demo trains
-             B=16, T=2048,         # batch shape (nanochat's T)
+             B=16,                 # rows per batch
+             T=2048,               # tokens per row of inputs (nanochat's)
              steps=24,             # batches streamed (and resumed from the middle)
              strategy='bestfit-crop',  # the packing strategy streamed
              buffer_size=1000,     # documents in the packing buffer (nanochat's)
@@ -116,7 +123,8 @@ def run_demo(data_dir=None,        # shard folder; the sample shards are written
              every=4,              # print every n-th batch's metrics
              compare=DEMO_STRATEGIES,  # strategies compared side by side on the same documents afterwards (empty: none)
              compare_batches=30,   # batches each compared strategy is counted over (after 10 of warm-up)
-             out=print) -> dict:
+             out=print,            # where its messages go
+            ) -> dict:
     "The demo: shards and tokenizer if missing, `steps` batches with a table, a resume check, a picture, the strategies compared. Returns its results."
     B, T, every = check_int('B', B), check_int('T', T), check_int('every', every)
     steps = check_int('steps', steps, 2)                 # it resumes from the middle: at least one batch on each side
@@ -152,6 +160,7 @@ def run_demo(data_dir=None,        # shard folder; the sample shards are written
         out(format_strategies(res['compare'], T))
     return res
 
+# %% ../nbs/10_demo.ipynb #008758b2
 @call_parse
 def demo_cli(data_dir: str = None,          # shard folder (default: $NANOCHAT_DL_DATA_DIR or the cache); sample shards are written there if it has none
              tokenizer_dir: str = None,     # tokenizer folder (default: the cache's tokenizer/); one is trained there if it has none
@@ -173,4 +182,3 @@ def demo_cli(data_dir: str = None,          # shard folder (default: $NANOCHAT_D
     except (FileNotFoundError, ValueError, RuntimeError) as e:
         print(f"nanochat-dl demo: error: {e}", file=sys.stderr); return 2
     return 0 if res['resume_ok'] else 1
-
