@@ -27,14 +27,18 @@ def _usage():
     lines += ['', "run 'nanochat-dl <command> --help' for the options of one command"]
     return '\n'.join(lines)
 
-def run_command(func, argv, prog):
+def run_command(func,  # a function decorated with fastcore's `call_parse`
+                argv,  # its command-line arguments
+                prog,  # the command's name, for its help and its errors
+               ):
     "Parse `argv` against `func`'s annotated signature (fastcore style) and call it; returns an exit code."
     args = vars(anno_parser(func, prog=prog).parse_args(argv))
     args.pop('pdb', None); args.pop('xtra', None)
     res = func(**args)
     return res if isinstance(res, int) else 0
 
-def main(argv=None):
+def main(argv=None,  # the arguments after `nanochat-dl` (default: `sys.argv[1:]`)
+        ):
     "Entry point of the `nanochat-dl` console script."
     argv = sys.argv[1:] if argv is None else list(argv)
     if not argv or argv[0] in ('-h', '--help', 'help'):
