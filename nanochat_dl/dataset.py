@@ -38,7 +38,8 @@ class Preset:
     max_shard: int                                   # index of the last shard (the val shard)
     filename_fmt: str = "shard_{index:05d}.parquet"  # file name of shard `index`
     text_column: str = "text"                        # the column that holds the documents
-    def filename(self, index: int) -> str: return self.filename_fmt.format(index=index)
+    def filename(self, index: int,  # a shard index
+                ) -> str: return self.filename_fmt.format(index=index)
     def url(self, index: int,                  # a shard index
             base_url: str | None = None,       # a mirror to use instead of the preset's host
            ) -> str:
@@ -632,7 +633,8 @@ CHARS_PER_TOKEN = 4.3       # of this text under an 8,192-id tokenizer trained o
 def fineweb_like_documents(texts,                 # the texts to join (each used in turn, every pass in a new order)
                            chars:int,             # stop once the documents hold this many characters
                            seed=0,                # decides the lengths and the orders
-                           chars_per_token:float=CHARS_PER_TOKEN) -> list[str]:
+                           chars_per_token:float=CHARS_PER_TOKEN,  # turns the model's token lengths into characters
+                          ) -> list[str]:
     "Documents whose lengths follow `fineweb_like_lengths` (tokens, times `chars_per_token`), made by joining `texts` and cutting at each target."
     texts = [t for t in texts if t]
     if not texts: raise ValueError("fineweb_like_documents needs at least one non-empty text")

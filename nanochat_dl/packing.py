@@ -261,7 +261,9 @@ class ReferencePacker(_PackerBase):
         tot['emitted'] += B * C; tot['rows'] += B
         return PackedBatch(rows, segments, self._metrics(before, B))
 
-    def piece(self, doc, offset=0) -> np.ndarray:
+    def piece(self, doc,   # a whole document, as it was pulled
+              offset=0,    # where the buffer entry starts in it (always 0 here)
+             ) -> np.ndarray:
         "The tokens of the buffer entry for `doc`: the whole document (this rule never splits one)."
         if offset != 0: raise ValueError(f"offset={offset!r}: strategy 'bestfit-crop' buffers whole documents only (offset 0)")
         return np.asarray(doc, dtype=np.int64)
@@ -274,7 +276,7 @@ class ReferencePacker(_PackerBase):
         "The buffer as `[key, offset]` entries in order (offset is always 0 here: whole documents only)."
         return [[key, 0] for _, key in self.buffer]
 
-    def restore(self, items):
+    def restore(self, items):  # `(tokens, key, offset)` triples in buffer order (offset always 0)
         "Rebuild the buffer from `(tokens, key, offset)` triples in buffer order."
         buf = []
         for doc, key, offset in items:

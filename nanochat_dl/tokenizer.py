@@ -50,9 +50,12 @@ class Tokenizer:
     def get_vocab_size(self) -> int: return self.enc.n_vocab
     def get_bos_token_id(self) -> int: return self.bos_token_id
     def get_special_tokens(self) -> set[str]: return set(self._special)
-    def id_to_token(self, id: int) -> str: return self.enc.decode([id])
-    def decode_single_token_bytes(self, id: int) -> bytes: return self.enc.decode_single_token_bytes(id)
-    def decode(self, ids) -> str: return self.enc.decode(ids.tolist() if hasattr(ids, 'tolist') else list(ids))
+    def id_to_token(self, id: int,  # a token id
+                   ) -> str: return self.enc.decode([id])
+    def decode_single_token_bytes(self, id: int,  # a token id
+                                 ) -> bytes: return self.enc.decode_single_token_bytes(id)
+    def decode(self, ids,  # token ids: a list, an array or a tensor
+              ) -> str: return self.enc.decode(ids.tolist() if hasattr(ids, 'tolist') else list(ids))
 
     def encode_special(self, text: str,  # the special token's name, e.g. `'<|bos|>'`
                       ) -> int:
