@@ -12,7 +12,7 @@ import zlib, itertools, json, sys, time
 from pathlib import Path
 import numpy as np
 from fastcore.script import call_parse
-from .core import get_data_dir, get_base_dir, get_tokenizer_dir, check_int
+from .core import usable_folder, get_data_dir, get_base_dir, get_tokenizer_dir, check_int
 from .dataset import list_parquet_files, make_sample_shards
 from .tokenizer import get_tokenizer, train_tokenizer
 from .packing import STRATEGIES, PackedBatch, show_batch, _pct
@@ -45,7 +45,7 @@ def _sample_target(d) -> bool:
     return not have
 
 def _ensure_shards(data_dir, out=print):
-    d = get_data_dir(data_dir)
+    d = usable_folder(get_data_dir(data_dir), 'a folder to hold the shards')   # a file in the way: refused before anything is said
     if _sample_target(d):
         out(f"no shards in {d}: writing the offline sample shards (Python's own documentation, no download)")
         make_sample_shards(d)
