@@ -279,7 +279,7 @@ MANIFEST_FORMAT = 'nanochat_dl.tokens/1'
 def tokenizer_record(tokenizer,   # a `Tokenizer`, or anything with `get_vocab_size`, `get_bos_token_id` and `encode`
                      ) -> dict:
     "What the manifest keeps of a tokenizer: its fingerprint (`tokenizer_fingerprint`), BOS id, EOS id (None without one) and special tokens."
-    from nanochat_dl.dataloader import tokenizer_fingerprint   # imports torch: only when a tokenizer is recorded
+    from nanochat_dl.tokenizer import tokenizer_fingerprint
     fp = tokenizer_fingerprint(tokenizer)
     eos = getattr(tokenizer, 'get_eos_token_id', None)
     special = {s: int(tokenizer.encode_special(s)) for s in tokenizer.get_special_tokens()} if hasattr(tokenizer, 'encode_special') else {}
@@ -380,7 +380,7 @@ def _describe_tok(fp) -> str:
 
 def _as_fingerprint(tokenizer) -> dict:
     if isinstance(tokenizer, dict): return tokenizer.get('fingerprint', tokenizer)   # a fingerprint or a tokenizer record
-    from nanochat_dl.dataloader import tokenizer_fingerprint
+    from nanochat_dl.tokenizer import tokenizer_fingerprint
     return tokenizer_fingerprint(tokenizer)
 
 def _check_tokenizers(root, manifest, datasets, tokenizer) -> dict:

@@ -25,7 +25,8 @@ def _env_int(env, name):
     try: return int(raw)
     except ValueError: raise ValueError(f"environment variable {name}={raw!r} is not an integer") from None
 
-def get_dist_info(env=None) -> DistInfo:
+def get_dist_info(env=None,  # environment variables to read (default: `os.environ`)
+                 ) -> DistInfo:
     "Rank and world size from an initialised `torch.distributed` group, else torchrun's env vars, else a single process."
     try:
         import torch.distributed as dist
@@ -48,28 +49,35 @@ def get_dist_info(env=None) -> DistInfo:
     return DistInfo(True, rank, local, world)
 
 # %% ../nbs/00_core.ipynb #4ffb2bcf
-def get_base_dir(env=None) -> Path:
+def get_base_dir(env=None,  # environment variables to read (default: `os.environ`)
+                ) -> Path:
     "The cache folder for shards and tokenizers: `$NANOCHAT_DL_BASE_DIR`, else `~/.cache/nanochat_dl`."
     env = os.environ if env is None else env
     if env.get('NANOCHAT_DL_BASE_DIR'): return Path(env['NANOCHAT_DL_BASE_DIR']).expanduser()
     xdg = env.get('XDG_CACHE_HOME')
     return (Path(xdg).expanduser() if xdg else Path.home()/'.cache')/'nanochat_dl'
 
-def get_data_dir(data_dir=None, env=None) -> Path:
+def get_data_dir(data_dir=None,  # an explicit shard folder: wins over the environment
+                 env=None,       # environment variables to read (default: `os.environ`)
+                ) -> Path:
     "The shard folder: `data_dir` if given, else `$NANOCHAT_DL_DATA_DIR`, else `base_data/` under the base dir."
     env = os.environ if env is None else env
     if data_dir is not None: return Path(data_dir).expanduser()
     if env.get('NANOCHAT_DL_DATA_DIR'): return Path(env['NANOCHAT_DL_DATA_DIR']).expanduser()
     return get_base_dir(env)/'base_data'
 
-def get_tokenizer_dir(env=None) -> Path:
+def get_tokenizer_dir(env=None,  # environment variables to read (default: `os.environ`)
+                     ) -> Path:
     "Where a trained tokenizer is kept: `tokenizer/` under the base dir."
     return get_base_dir(env)/'tokenizer'
 
 # %% ../nbs/00_core.ipynb #0fe362ce
 import tempfile, json
 
-def atomic_write(path, data, mode='wb'):
+def atomic_write(path,       # the file to (over)write; its folder is created if missing
+                 data,       # what to write: bytes, or str with `mode='w'`
+                 mode='wb',  # the mode the temporary file is opened in
+                ):
     "Write `data` (bytes or str) to `path` through a temporary file and an atomic rename."
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -86,19 +94,25 @@ def atomic_write(path, data, mode='wb'):
         raise
     return path
 
-def check_int(name, v, lo=1) -> int:
+# %% ../nbs/00_core.ipynb #0495dde0
+def check_int(name,  # how the error names the value (an argument, an option)
+              v,     # the value to check
+              lo=1,  # the smallest value allowed
+             ) -> int:
     "`v` as an int if it is an integer (not a bool) >= `lo`; else a `ValueError` naming `name`, the value and the bound."
     if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < lo:
         raise ValueError(f"{name}={v!r} is invalid: expected an int >= {lo}")
     return int(v)
 
-def file_in_the_way(path):
+def file_in_the_way(path,  # a folder that should exist, or could be created
+                   ):
     "The file that keeps folder `path` from being used or created: `path` itself, or the nearest existing parent, if that is not a folder (else None)."
     p = Path(path)
     there = next((q for q in (p, *p.parents) if q.exists()), None)
     return there if there is not None and not there.is_dir() else None
 
-def human_bytes(n: float) -> str:
+def human_bytes(n: float,  # a number of bytes
+               ) -> str:
     "`1536` -> `'1.5 KiB'`"
     for unit in ('B', 'KiB', 'MiB', 'GiB', 'TiB'):
         if abs(n) < 1024 or unit == 'TiB': return f"{n:.0f} {unit}" if unit == 'B' else f"{n:.1f} {unit}"

@@ -33,13 +33,16 @@ from .packing import fineweb_like_lengths
 @dataclass(frozen=True)
 class Preset:
     "A hosted set of parquet shards: where they are, what they are called, how many."
-    name: str
-    base_url: str
-    max_shard: int                       # index of the last shard (the val shard)
-    filename_fmt: str = "shard_{index:05d}.parquet"
-    text_column: str = "text"
-    def filename(self, index: int) -> str: return self.filename_fmt.format(index=index)
-    def url(self, index: int, base_url: str | None = None) -> str:
+    name: str                                        # what `--preset` calls it
+    base_url: str                                    # the folder on the host that holds the shards
+    max_shard: int                                   # index of the last shard (the val shard)
+    filename_fmt: str = "shard_{index:05d}.parquet"  # file name of shard `index`
+    text_column: str = "text"                        # the column that holds the documents
+    def filename(self, index: int,  # a shard index
+                ) -> str: return self.filename_fmt.format(index=index)
+    def url(self, index: int,                  # a shard index
+            base_url: str | None = None,       # a mirror to use instead of the preset's host
+           ) -> str:
         return f"{(base_url or self.base_url).rstrip('/')}/{self.filename(index)}"
 
 PRESETS = {
@@ -51,7 +54,8 @@ PRESETS = {
 DEFAULT_PRESET = 'fineweb-edu-100b'
 
 # %% ../nbs/01_dataset.ipynb #ed369646
-def list_parquet_files(data_dir=None) -> list[Path]:
+def list_parquet_files(data_dir=None,  # the shard folder (default: `get_data_dir()`)
+                      ) -> list[Path]:
     "Sorted paths of the complete `.parquet` files in `data_dir` (default: `get_data_dir()`)."
     d = get_data_dir(data_dir)
     if not d.is_dir(): return []
@@ -69,12 +73,15 @@ def _temp_beside(path) -> tuple[int, Path]:
         try: return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), tmp
         except FileExistsError: continue
 
-def data_dir_source(data_dir=None) -> str | None:
+def data_dir_source(data_dir=None,  # the shard folder (default: `get_data_dir()`)
+                   ) -> str | None:
     "What `data_dir` was filled with (`'sample'` or a preset name), read from its marker file; None if unmarked."
     f = get_data_dir(data_dir)/SOURCE_FILE
     return f.read_text().strip() if f.is_file() else None
 
-def claim_data_dir(data_dir, source: str) -> Path:
+def claim_data_dir(data_dir,     # the folder (None: `get_data_dir()`)
+                   source: str,  # what is to be written: 'sample' or a preset name
+                  ) -> Path:
     "Folder `data_dir` (created if missing) once it is known to be free for `source`'s shards; `ValueError` says why not."
     d = usable_folder(get_data_dir(data_dir), 'a folder to hold the shards')
     try: have = data_dir_source(d)
@@ -84,7 +91,9 @@ def claim_data_dir(data_dir, source: str) -> Path:
                          "use another folder (--data-dir) or empty this one first")
     return d
 
-def mark_data_dir(data_dir, source: str) -> Path:
+def mark_data_dir(data_dir,     # the folder (None: `get_data_dir()`)
+                  source: str,  # what it holds: 'sample' or a preset name
+                 ) -> Path:
     "Record that `data_dir` holds `source`'s shards; writers call it just before their first shard lands."
     d = get_data_dir(data_dir)
     if data_dir_source(d) is None:
@@ -114,13 +123,17 @@ def writing_data_dir(data_dir,                    # the folder (None: `get_data_
 # %% ../nbs/01_dataset.ipynb #512740ae
 BASE_URL_ENV = 'NANOCHAT_DL_BASE_URL'
 
-def get_preset(preset=DEFAULT_PRESET) -> Preset:
+def get_preset(preset=DEFAULT_PRESET,  # a preset's name, or a `Preset`
+              ) -> Preset:
     "The `Preset` named `preset` (or `preset` itself if it already is one)."
     if isinstance(preset, Preset): return preset
     try: return PRESETS[preset]
     except KeyError: raise ValueError(f"unknown preset {preset!r}: expected one of {sorted(PRESETS)}") from None
 
-def resolve_base_url(preset=DEFAULT_PRESET, base_url=None, env=None) -> str:
+def resolve_base_url(preset=DEFAULT_PRESET,  # whose host is the default
+                     base_url=None,          # an explicit mirror: wins over the environment
+                     env=None,               # environment variables to read (default: `os.environ`)
+                    ) -> str:
     "Where shards are fetched from: `base_url` if given, else `$NANOCHAT_DL_BASE_URL`, else the preset's host."
     env = os.environ if env is None else env
     url = base_url or env.get(BASE_URL_ENV) or get_preset(preset).base_url
@@ -142,7 +155,10 @@ def _check_layout(md, size, name):
     if (rows := sum(md.row_group(g).num_rows for g in range(md.num_row_groups))) != md.num_rows:
         raise ValueError(f"{name}: its row groups hold {rows} rows, its footer says {md.num_rows}")
 
-def check_shard(path, text_column='text', name=None) -> int:
+def check_shard(path,                # a parquet file
+                text_column='text',  # the column of documents
+                name=None,           # how errors name the file (default: its file name)
+               ) -> int:
     "Number of rows in parquet file `path` after checking its footer: it opens, has a string column `text_column`, its row groups lie inside the file; `ValueError` says why not."
     path = Path(path); name = name or path.name
     try:
@@ -159,7 +175,9 @@ def check_shard(path, text_column='text', name=None) -> int:
     _check_layout(md, path.stat().st_size, name)
     return md.num_rows
 
-def is_valid_shard(path, text_column='text') -> bool:
+def is_valid_shard(path,                # a parquet file (missing: False)
+                   text_column='text',  # the column of documents
+                  ) -> bool:
     "`check_shard` as a yes/no."
     try: check_shard(path, text_column); return True
     except (ValueError, OSError): return False
@@ -171,7 +189,7 @@ def _sha256_of(path, block=1 << 20) -> str:
         while (b := f.read(block)): h.update(b)
     return h.hexdigest()
 
-def verify_shard(path,
+def verify_shard(path,              # the file just downloaded
                  text_column='text', # the column of documents
                  name=None,          # how errors name the file (default: its file name)
                  sha256=None,        # the hex digest the host published, if any
@@ -192,7 +210,9 @@ def verify_shard(path,
 # %% ../nbs/01_dataset.ipynb #cfc4983d
 RETRY_STATUS = (429, 500, 502, 503, 504)
 
-def make_session(max_retries=5, backoff=1.0) -> requests.Session:
+def make_session(max_retries=5,  # retries of a refused connection, a timeout or a 429/5xx answer
+                 backoff=1.0,    # the backoff factor `b`: sleeps of 0, 2b, 4b, ... seconds
+                ) -> requests.Session:
     "A `requests.Session` that retries connection errors and 429/5xx answers `max_retries` times with exponential backoff."
     retry = Retry(total=max_retries, connect=max_retries, read=max_retries, status=max_retries,
                   backoff_factor=backoff, status_forcelist=RETRY_STATUS,
@@ -206,19 +226,22 @@ def make_session(max_retries=5, backoff=1.0) -> requests.Session:
 @dataclass
 class DownloadResult:
     "What happened to one shard."
-    index: int
-    path: Path
-    ok: bool
+    index: int                  # the shard's index in its preset
+    path: Path                  # where it is (or would be) on disk
+    ok: bool                    # True when the shard is there, whole and valid
     status: str                 # 'downloaded' | 'skipped' | 'failed' | 'cancelled'
     bytes: int = 0              # size of the shard on disk (0 when failed)
     attempts: int = 0           # HTTP requests made, retries included
     error: str | None = None    # why it failed: file name, URL, what was expected
-    url: str = ''
+    url: str = ''                # where it was fetched from
 
 class DownloadError(Exception):
     "A shard could not be fetched; `attempts` counts the requests made."
-    def __init__(self, msg, attempts=0): super().__init__(msg); self.attempts = attempts
+    def __init__(self, msg,     # what went wrong, request by request
+                 attempts=0):   # HTTP requests made
+        super().__init__(msg); self.attempts = attempts
 
+# %% ../nbs/01_dataset.ipynb #5bb351ca
 class _Retry(Exception): "A problem with the body that another request may fix."
 class _Cancelled(Exception): "The download was asked to stop."
 
@@ -364,8 +387,19 @@ def _check_timeout(timeout, name='timeout'):
     if not ok: raise ValueError(f"{name} must be a positive number of seconds, got {timeout!r}")
     return timeout
 
-def download_single_file(index, data_dir=None, preset=DEFAULT_PRESET, base_url=None, session=None, timeout=30,
-                         max_retries=5, backoff=1.0, chunk_size=1 << 20, on_bytes=None, on_size=None, stop=None) -> DownloadResult:
+def download_single_file(index,                  # the shard's index in the preset
+                         data_dir=None,          # the shard folder (default: `get_data_dir()`)
+                         preset=DEFAULT_PRESET,  # which hosted set (a name or a `Preset`)
+                         base_url=None,          # a mirror (else `$NANOCHAT_DL_BASE_URL`, else the preset's host)
+                         session=None,           # a `requests.Session` to reuse (default: a new `make_session`)
+                         timeout=30,             # seconds a connection may stay silent, and over which a body must average `MIN_SPEED`
+                         max_retries=5,          # retries per request and per failed body
+                         backoff=1.0,            # backoff factor between retries (seconds)
+                         chunk_size=1 << 20,     # bytes read at a time
+                         on_bytes=None,          # called with the number of bytes received (negative when bytes are thrown away)
+                         on_size=None,           # called with the change in the announced total size
+                         stop=None,              # a `threading.Event`: set, it ends the download early
+                        ) -> DownloadResult:
     "Fetch shard `index` into `data_dir` through a temp file: retry, resume, verify, rename; skip it if a valid copy is there. Setting `stop` (an Event) ends it early."
     p = get_preset(preset)
     _check_timeout(timeout); check_int('max_retries', max_retries, 0)
@@ -398,7 +432,10 @@ def download_single_file(index, data_dir=None, preset=DEFAULT_PRESET, base_url=N
             if own_session: session.close()
 
 # %% ../nbs/01_dataset.ipynb #dfbc0e4b
-def shard_indices(n, preset=DEFAULT_PRESET, val=False) -> list[int]:
+def shard_indices(n,                      # how many shards, from index 0 (-1: all of them)
+                  preset=DEFAULT_PRESET,  # which hosted set (a name or a `Preset`)
+                  val=False,              # also the preset's last shard, its validation shard
+                 ) -> list[int]:
     "Shard indices for a download of `n` shards (`-1`: all), clamped to the preset, plus its last shard if `val`."
     p = get_preset(preset)
     if not isinstance(n, int) or isinstance(n, bool) or (n < 1 and n != -1):
@@ -440,8 +477,19 @@ def _in_threads(fn, items, workers, stop, grace_s=1.0) -> list:
     if errors: raise errors[0]
     return results
 
-def download(n=8, workers=4, data_dir=None, preset=DEFAULT_PRESET, base_url=None, progress=True, val=False,
-             timeout=30, max_retries=5, backoff=1.0, verbose=True) -> list[DownloadResult]:
+# %% ../nbs/01_dataset.ipynb #7efc1b7a
+def download(n=8,                  # shards 0..n-1 (-1: all of them)
+             workers=4,            # downloads in parallel (threads)
+             data_dir=None,        # the shard folder (default: `get_data_dir()`)
+             preset=DEFAULT_PRESET,  # which hosted set (a name or a `Preset`)
+             base_url=None,        # a mirror (else `$NANOCHAT_DL_BASE_URL`, else the preset's host)
+             progress=True,        # a progress bar in bytes
+             val=False,            # also the preset's last shard, its validation shard
+             timeout=30,           # seconds a connection may stay silent, and over which a body must average `MIN_SPEED`
+             max_retries=5,        # retries per request and per failed body
+             backoff=1.0,          # backoff factor between retries (seconds)
+             verbose=True,         # print what is fetched, and a summary at the end
+            ) -> list[DownloadResult]:
     "Download shards `0..n-1` (`-1`: all; `val`: also the last) in parallel; results in index order, failures summarised."
     p = get_preset(preset)
     idx, url = shard_indices(n, p, val), resolve_base_url(p, base_url)
@@ -467,6 +515,7 @@ def download(n=8, workers=4, data_dir=None, preset=DEFAULT_PRESET, base_url=None
     if verbose: print('\n'.join(_summary_lines(results, time.time() - t0, d)))
     return results
 
+# %% ../nbs/01_dataset.ipynb #72999e3b
 @call_parse
 def download_cli(Num_files:int=8,          # shards to download: indices 0..n-1; -1 for all of them
                  Workers:int=4,            # parallel downloads
@@ -516,7 +565,10 @@ wsgiref.simple_server wsgiref.util wsgiref.validate xml.dom xml.dom.minidom xml.
 xml.sax xml.sax.handler xml.sax.saxutils xml.sax.xmlreader xmlrpc.client xmlrpc.server zipapp zipfile zipimport zlib
 zoneinfo""".split())
 
-def stdlib_documents(modules=None, min_chars=10) -> list[str]:
+# %% ../nbs/01_dataset.ipynb #7136be50
+def stdlib_documents(modules=None,  # module names (default: `SAMPLE_MODULES`)
+                     min_chars=10,  # shorter texts are left out
+                    ) -> list[str]:
     "Docstrings of `modules` (default `SAMPLE_MODULES`; each alone, per class, per module) and pydoc topics, in a fixed order, without duplicates."
     import importlib, inspect, warnings     # self-contained: `sample_documents` runs its source in a fresh interpreter
     if modules is None: modules = SAMPLE_MODULES
@@ -553,7 +605,11 @@ def stdlib_documents(modules=None, min_chars=10) -> list[str]:
     for k in sorted(topics): add(topics[k].strip())
     return docs
 
-def sample_documents(seed=0, modules=SAMPLE_MODULES, min_chars=10, fresh=True) -> list[str]:
+def sample_documents(seed=0,                   # the order of the shuffle
+                     modules=SAMPLE_MODULES,   # module names whose docstrings are collected
+                     min_chars=10,             # shorter texts are left out
+                     fresh=True,               # collect in a fresh `python -I -S` (False: in this process)
+                    ) -> list[str]:
     "The offline corpus, shuffled by `seed`; collected in a fresh `python -I -S` (unless `fresh=False`) so that nothing this process patched changes it."
     docs = None
     if fresh and sys.executable:
@@ -577,7 +633,8 @@ CHARS_PER_TOKEN = 4.3       # of this text under an 8,192-id tokenizer trained o
 def fineweb_like_documents(texts,                 # the texts to join (each used in turn, every pass in a new order)
                            chars:int,             # stop once the documents hold this many characters
                            seed=0,                # decides the lengths and the orders
-                           chars_per_token:float=CHARS_PER_TOKEN) -> list[str]:
+                           chars_per_token:float=CHARS_PER_TOKEN,  # turns the model's token lengths into characters
+                          ) -> list[str]:
     "Documents whose lengths follow `fineweb_like_lengths` (tokens, times `chars_per_token`), made by joining `texts` and cutting at each target."
     texts = [t for t in texts if t]
     if not texts: raise ValueError("fineweb_like_documents needs at least one non-empty text")
@@ -592,7 +649,10 @@ def fineweb_like_documents(texts,                 # the texts to join (each used
         docs.append('\n\n'.join(cur)[:want]); total += len(docs[-1])
     return docs
 
-def sample_shard_documents(n_shards=5, seed=0, chars=SAMPLE_CHARS) -> list[list[str]]:
+def sample_shard_documents(n_shards=5,         # shards; the last one is the val shard
+                           seed=0,             # decides the shuffle, the lengths and the orders
+                           chars=SAMPLE_CHARS, # characters in all the shards together
+                          ) -> list[list[str]]:
     "The documents of each shard of an `n_shards` sample: shard `i` is made from the `i`-th slice of the shuffled texts alone."
     raw = sample_documents(seed)
     b = [round(i * len(raw) / n_shards) for i in range(n_shards + 1)]
@@ -616,7 +676,13 @@ def _mixed_split(d, why, n_shards):
     return ValueError(f"{d}: {why}; keeping them would mix two splits of the documents (val documents in train): "
                       f"pass overwrite=True (--overwrite) to rewrite the folder as {n_shards} shards, or use another folder")
 
-def make_sample_shards(data_dir=None, n_shards=5, row_group_size=64, overwrite=False, seed=0, docs=None) -> list[Path]:
+def make_sample_shards(data_dir=None,       # the folder (default: `get_data_dir()`)
+                       n_shards=5,          # shards; the last one is the val shard
+                       row_group_size=64,   # documents per row group
+                       overwrite=False,     # rewrite shards that are already there and valid
+                       seed=0,              # passed to `sample_shard_documents`
+                       docs=None,           # texts to write instead of the sample corpus, cut in `n_shards` pieces
+                      ) -> list[Path]:
     "Write the offline corpus (`sample_shard_documents`, or `docs` cut in `n_shards` pieces) as `n_shards` parquet shards in `data_dir`; the last one is the val shard."
     if n_shards < 2: raise ValueError(f"n_shards must be >= 2 (at least one train shard and the val shard), got {n_shards}")
     if row_group_size < 1: raise ValueError(f"row_group_size must be >= 1, got {row_group_size}")
@@ -646,11 +712,11 @@ def make_sample_shards(data_dir=None, n_shards=5, row_group_size=64, overwrite=F
 # %% ../nbs/01_dataset.ipynb #6db7770d
 class ShardStats(NamedTuple):
     "One shard file, counted."
-    name: str
-    row_groups: int
-    docs: int
-    chars: int
-    bytes: int
+    name: str             # the file name
+    row_groups: int       # how many
+    docs: int             # documents in the file
+    chars: int            # characters in them
+    bytes: int            # size of the file
     group_docs: tuple     # documents in each row group
     group_chars: tuple    # characters in each row group
 
@@ -667,7 +733,9 @@ class ShardSummary(list):
         return '\n'.join([head, *rows, tot])
     __str__ = __repr__
 
-def shard_summary(data_dir=None, text_column='text') -> ShardSummary:
+def shard_summary(data_dir=None,       # the shard folder (default: `get_data_dir()`)
+                  text_column='text',  # the column of documents
+                 ) -> ShardSummary:
     "Per-file counts (row groups, documents, characters, bytes) of the shards in `data_dir`."
     out = ShardSummary()
     for f in list_parquet_files(data_dir):
@@ -680,7 +748,10 @@ def shard_summary(data_dir=None, text_column='text') -> ShardSummary:
     return out
 
 # %% ../nbs/01_dataset.ipynb #d45ee195
-def plot_shard_layout(summary, ax=None, figsize=(8, 3)):
+def plot_shard_layout(summary,        # a `ShardSummary` (what `shard_summary` returns)
+                      ax=None,        # the matplotlib axes to draw on (default: a new figure)
+                      figsize=(8, 3), # size of that new figure
+                     ):
     "Draw shards x row groups: block width = documents, colour = mean characters per document."
     import matplotlib.pyplot as plt
     from matplotlib import colors, cm

@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['BOS_TOKEN', 'SPECIAL_TOKENS', 'SPLIT_PATTERN', 'META_FILE', 'RANKS_FILE', 'FORMAT', 'RustBPETokenizer', 'Tokenizer',
            'compression_ratio', 'dump_tiktoken_bpe', 'parse_tiktoken_bpe', 'iter_texts', 'train_tokenizer',
-           'train_tokenizer_cli', 'get_tokenizer']
+           'train_tokenizer_cli', 'get_tokenizer', 'tokenizer_fingerprint']
 
 # %% ../nbs/03_tokenizer.ipynb #168df688
 import base64, binascii, hashlib, json, operator, sys, time
@@ -33,7 +33,8 @@ def _is_int(x): return isinstance(x, int) and not isinstance(x, bool)
 
 class Tokenizer:
     "A byte-level BPE tokenizer: a `tiktoken.Encoding` plus the special token that starts every document."
-    def __init__(self, enc: tiktoken.Encoding, bos_token: str = BOS_TOKEN):
+    def __init__(self, enc: tiktoken.Encoding,     # the encoding: split pattern, mergeable ranks, special tokens
+                 bos_token: str = BOS_TOKEN):      # the special token that starts every document
         self.enc = enc
         self._special = {s: enc.encode_single_token(s) for s in enc.special_tokens_set}
         if bos_token not in self._special:
@@ -49,11 +50,15 @@ class Tokenizer:
     def get_vocab_size(self) -> int: return self.enc.n_vocab
     def get_bos_token_id(self) -> int: return self.bos_token_id
     def get_special_tokens(self) -> set[str]: return set(self._special)
-    def id_to_token(self, id: int) -> str: return self.enc.decode([id])
-    def decode_single_token_bytes(self, id: int) -> bytes: return self.enc.decode_single_token_bytes(id)
-    def decode(self, ids) -> str: return self.enc.decode(ids.tolist() if hasattr(ids, 'tolist') else list(ids))
+    def id_to_token(self, id: int,  # a token id
+                   ) -> str: return self.enc.decode([id])
+    def decode_single_token_bytes(self, id: int,  # a token id
+                                 ) -> bytes: return self.enc.decode_single_token_bytes(id)
+    def decode(self, ids,  # token ids: a list, an array or a tensor
+              ) -> str: return self.enc.decode(ids.tolist() if hasattr(ids, 'tolist') else list(ids))
 
-    def encode_special(self, text: str) -> int:
+    def encode_special(self, text: str,  # the special token's name, e.g. `'<|bos|>'`
+                      ) -> int:
         "The id of special token `text`; anything else is an error (ordinary text goes through `encode`)."
         try: return self._special[text]
         except (KeyError, TypeError):
@@ -69,7 +74,10 @@ class Tokenizer:
         if not 0 <= i < self.enc.n_vocab: raise ValueError(f"{what}={i} is outside the vocabulary [0, {self.enc.n_vocab})")
         return i
 
-    def encode(self, text, prepend=None, append=None, num_threads: int = 8):
+    def encode(self, text,              # a document (str) or a list of them
+               prepend=None,           # an id or a special token put before each document (e.g. the BOS)
+               append=None,            # an id or a special token put after each document
+               num_threads: int = 8):  # threads for a list (1: a plain loop)
         "`str` -> ids, or `list[str]` -> list of ids (in `num_threads` threads); `prepend`/`append`: an id or a special token."
         pre = None if prepend is None else [self._token_id(prepend, 'prepend')]
         post = None if append is None else self._token_id(append, 'append')
@@ -103,8 +111,13 @@ def _train_ranks(texts, n_mergeable, pattern):
     return {bytes(tok): rank for tok, rank in bpe.get_mergeable_ranks()}, bpe.get_pattern()
 
 @patch(cls_method=True)
-def train_from_iterator(cls: Tokenizer, texts, vocab_size: int, pattern: str = SPLIT_PATTERN,
-                         special_tokens=SPECIAL_TOKENS, bos_token: str = BOS_TOKEN, name: str = "rustbpe"):
+def train_from_iterator(cls: Tokenizer,
+                        texts,                          # an iterable of documents (str)
+                        vocab_size: int,                # ids in all: 256 bytes, the merges, then the special tokens
+                        pattern: str = SPLIT_PATTERN,   # the regex that cuts text into pieces before merging
+                        special_tokens=SPECIAL_TOKENS,  # their names, in id order after the mergeable tokens
+                        bos_token: str = BOS_TOKEN,     # the special token that starts every document
+                        name: str = "rustbpe"):         # the encoding's name
     "Train a BPE of exactly `vocab_size` ids (mergeable tokens, then `special_tokens`) on an iterable of strings."
     special_tokens = list(special_tokens)
     if len(set(special_tokens)) != len(special_tokens): raise ValueError(f"special_tokens has duplicates: {special_tokens}")
@@ -125,7 +138,10 @@ def train_from_iterator(cls: Tokenizer, texts, vocab_size: int, pattern: str = S
     return cls(enc, bos_token)
 
 # %% ../nbs/03_tokenizer.ipynb #a1f87d0f
-def compression_ratio(tok: Tokenizer, texts, num_threads: int = 8) -> float:
+def compression_ratio(tok: Tokenizer,        # the tokenizer to measure
+                      texts,                 # documents (str)
+                      num_threads: int = 8,  # threads for `encode`
+                     ) -> float:
     "UTF-8 bytes per token of `texts` (higher is better)."
     texts = list(texts)
     n_tokens = sum(map(len, tok.encode(texts, num_threads=num_threads)))
@@ -134,11 +150,14 @@ def compression_ratio(tok: Tokenizer, texts, num_threads: int = 8) -> float:
 # %% ../nbs/03_tokenizer.ipynb #dafedf7c
 META_FILE, RANKS_FILE, FORMAT = "tokenizer_meta.json", "tokenizer.tiktoken", "nanochat_dl.tokenizer/1"
 
-def dump_tiktoken_bpe(ranks: dict[bytes, int]) -> bytes:
+def dump_tiktoken_bpe(ranks: dict[bytes, int],  # token bytes -> rank (the id, and the merge priority)
+                     ) -> bytes:
     "Mergeable ranks in tiktoken's text format: `base64(token) rank` per line, in rank order."
     return b''.join(base64.b64encode(t) + b' %d\n' % r for t, r in sorted(ranks.items(), key=lambda kv: kv[1]))
 
-def parse_tiktoken_bpe(data: bytes, source='<bytes>') -> dict[bytes, int]:
+def parse_tiktoken_bpe(data: bytes,         # the content of a `.tiktoken` file
+                       source='<bytes>',    # how errors name it (a path)
+                      ) -> dict[bytes, int]:
     "Parse and check tiktoken's text format: ranks must be exactly 0..n-1 and include every single byte."
     ranks = {}
     for lineno, line in enumerate(data.splitlines(), 1):
@@ -190,7 +209,9 @@ def _read_meta(path: Path) -> dict:
     return meta
 
 @patch
-def save(self: Tokenizer, path) -> Path:
+def save(self: Tokenizer,
+         path,  # the folder to write into (created if missing)
+        ) -> Path:
     "Write the tokenizer to directory `path` as text (ranks + JSON), each file atomically."
     path, enc = Path(path), self.enc
     ranks = dump_tiktoken_bpe(enc._mergeable_ranks)
@@ -202,7 +223,8 @@ def save(self: Tokenizer, path) -> Path:
     return path
 
 @patch(cls_method=True)
-def load(cls: Tokenizer, path):
+def load(cls: Tokenizer,
+         path):  # a folder written by `save`
     "Load a tokenizer written by `save`; only parses text (no pickle, no code)."
     path = Path(path)
     if not path.is_dir(): raise FileNotFoundError(f"no tokenizer directory at {path}")
@@ -223,7 +245,8 @@ def load(cls: Tokenizer, path):
     return tok
 
 @patch(cls_method=True)
-def from_directory(cls: Tokenizer, path):
+def from_directory(cls: Tokenizer,
+                   path):  # a folder written by `save`
     "nanochat's name for `load`."
     return cls.load(path)
 
@@ -234,7 +257,9 @@ def _tiktoken_cache_dir():
         os.path.join(tempfile.gettempdir(), "data-gym-cache")
 
 @patch(cls_method=True)
-def from_pretrained(cls: Tokenizer, name: str, bos_token: str = "<|endoftext|>"):
+def from_pretrained(cls: Tokenizer,
+                    name: str,                         # one of `tiktoken.list_encoding_names()`
+                    bos_token: str = "<|endoftext|>"):  # the special token that starts every document
     "One of tiktoken's named encodings (`gpt2`, `cl100k_base`, ...), with `bos_token` starting each document."
     known = tiktoken.list_encoding_names()
     if name not in known: raise ValueError(f"unknown tiktoken encoding {name!r}; known: {known}")
@@ -252,8 +277,13 @@ def from_pretrained(cls: Tokenizer, name: str, bos_token: str = "<|endoftext|>")
 RustBPETokenizer = Tokenizer  # nanochat's name, for drop-in imports
 
 # %% ../nbs/03_tokenizer.ipynb #e39cdfff
-def iter_texts(files, max_chars: int | None = None, doc_cap: int | None = None, text_column: str = "text",
-               stats: dict | None = None, progress: bool = False, utf8_errors: str = 'strict'):
+def iter_texts(files,                          # parquet shards, read in this order
+               max_chars: int | None = None,   # stop after this many characters in all (None: no limit)
+               doc_cap: int | None = None,     # crop each document to this many characters (None: no cap)
+               text_column: str = "text",      # the column of documents
+               stats: dict | None = None,      # filled in with the characters, documents and row groups read
+               progress: bool = False,         # a progress bar in row groups
+               utf8_errors: str = 'strict'):   # 'strict': text that is not UTF-8 is an error; 'replace': U+FFFD
     "Documents of parquet `files`, row group by row group, each cropped to `doc_cap` (None: no cap), `max_chars` in total; text that is not UTF-8 is an error naming its row, or replaced (`utf8_errors='replace'`)."
     import pyarrow as pa
     from tqdm.auto import tqdm
@@ -297,8 +327,14 @@ def _check_out_dir(out: Path):
     where = "is a file" if p == out else f"cannot be created: {p} is a file"
     raise ValueError(f"out_dir {out} {where}; expected a folder to save the tokenizer in (created if missing)")
 
-def train_tokenizer(data_dir=None, vocab_size: int = 8192, max_chars: int | None = 2_000_000_000,
-                    doc_cap: int | None = 10_000, out_dir=None, progress: bool = True, utf8_errors: str = 'strict') -> Tokenizer:
+def train_tokenizer(data_dir=None,                           # the shard folder (default: `get_data_dir()`)
+                    vocab_size: int = 8192,                  # ids in all, special tokens included
+                    max_chars: int | None = 2_000_000_000,   # stop after this many characters of training text
+                    doc_cap: int | None = 10_000,            # crop each document to this many characters
+                    out_dir=None,                            # where to save (default: `get_tokenizer_dir()`)
+                    progress: bool = True,                   # a progress bar in row groups
+                    utf8_errors: str = 'strict',             # 'strict': text that is not UTF-8 is an error; 'replace': U+FFFD
+                   ) -> Tokenizer:
     "Train on the text of the local train shards (all but the last) and save to `out_dir` (default: `get_tokenizer_dir()`)."
     from nanochat_dl.shards import shard_layout, check_utf8_errors
     if max_chars is not None: check_int('max_chars', max_chars, 1)
@@ -319,6 +355,7 @@ def train_tokenizer(data_dir=None, vocab_size: int = 8192, max_chars: int | None
     tok.save(out)
     return tok
 
+# %% ../nbs/03_tokenizer.ipynb #1fc2d865
 @call_parse
 def train_tokenizer_cli(vocab_size: int = 8192,  # number of token ids, special tokens included
                         max_chars: int = 2_000_000_000,  # stop after this many characters of training text
@@ -343,10 +380,26 @@ def train_tokenizer_cli(vocab_size: int = 8192,  # number of token ids, special 
     return 0
 
 # %% ../nbs/03_tokenizer.ipynb #5329f66d
-def get_tokenizer(tokenizer_dir=None) -> Tokenizer:
+def get_tokenizer(tokenizer_dir=None,  # a folder written by `Tokenizer.save` (default: `get_tokenizer_dir()`)
+                 ) -> Tokenizer:
     "The saved tokenizer in `tokenizer_dir` (default: `get_tokenizer_dir()`)."
     d = get_tokenizer_dir() if tokenizer_dir is None else Path(tokenizer_dir)
     if not (d/META_FILE).exists():
         raise FileNotFoundError(f"no trained tokenizer in {d}: train one with `nanochat-dl train-tokenizer --vocab-size 8192` "
                                 f"(it reads the local shards; {_NO_SHARDS}), or pass tokenizer_dir=")
     return Tokenizer.load(d)
+
+# %% ../nbs/03_tokenizer.ipynb #c0f2c235
+_PROBE = "Tokenizer probe: Hello, world! 12345 \u00fcber na\u00efve \u65e5\u672c\u8a9e \U0001f600 <|bos|>\n\tdef f(x): return x ** 2  # done."
+
+def tokenizer_fingerprint(tokenizer,  # a `Tokenizer`, or anything with `encode`, `get_vocab_size` and `get_bos_token_id`
+                         ) -> dict:
+    "Vocabulary size, BOS id and a hash of the merges (of a probe text's ids for tokenizers without a tiktoken core)."
+    h = hashlib.sha256()
+    ranks = getattr(getattr(tokenizer, 'enc', None), '_mergeable_ranks', None)
+    if isinstance(ranks, dict):
+        for tok_bytes, r in sorted(ranks.items(), key=lambda kv: kv[1]): h.update(len(tok_bytes).to_bytes(2, 'little') + tok_bytes)
+        specials = getattr(tokenizer.enc, '_special_tokens', {})
+        h.update(json.dumps(sorted(specials.items())).encode())
+    else: h.update(json.dumps([int(i) for i in tokenizer.encode(_PROBE)]).encode())
+    return dict(vocab_size=int(tokenizer.get_vocab_size()), bos_id=int(tokenizer.get_bos_token_id()), sha=h.hexdigest()[:16])

@@ -13,7 +13,8 @@ from nanochat_dl.tokenizer import train_tokenizer
 WORKER = """
 import json, os, sys, itertools, torch
 import torch.distributed as dist
-from nanochat_dl.dataloader import PackedLoader, tokenizing_distributed_data_loader_with_state_bos_bestfit
+from nanochat_dl.loader import PackedLoader
+from nanochat_dl.dataloader import tokenizing_distributed_data_loader_with_state_bos_bestfit
 from nanochat_dl.tokenizer import Tokenizer
 
 dist.init_process_group('gloo')

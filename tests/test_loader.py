@@ -1,4 +1,4 @@
-"""Tests for nanochat_dl.dataloader that read better as pytest: a property test of exact resume over random
+"""Tests for the loader (nanochat_dl.encode, .loader, .dataloader) that read better as pytest: a property test of exact resume over random
 settings, the drop-in against the reference at several shapes, worker failures (a lost, hung or interrupted
 worker, a constructor that fails after starting workers, a close with unread answers), and interpreter exit."""
 import itertools, json, os, re, subprocess, sys, textwrap, time
@@ -8,7 +8,8 @@ import pytest
 import torch
 from hypothesis import HealthCheck, event, given, settings, strategies as st
 
-from nanochat_dl.dataloader import PackedLoader, reference_loader, tokenizing_distributed_data_loader_with_state_bos_bestfit
+from nanochat_dl.loader import PackedLoader, reference_loader
+from nanochat_dl.dataloader import tokenizing_distributed_data_loader_with_state_bos_bestfit
 from nanochat_dl.dataset import make_sample_shards
 from nanochat_dl.packing import STRATEGIES
 from nanochat_dl.shards import split_files, write_toy_shards
@@ -96,7 +97,7 @@ def test_bad_text_column_names_the_file(env):
 
 SCRIPT = """
 import os, sys, json
-from nanochat_dl.dataloader import PackedLoader
+from nanochat_dl.loader import PackedLoader
 from nanochat_dl.tokenizer import Tokenizer
 tok = Tokenizer.load(sys.argv[2])
 ld = PackedLoader(tok, 8, 512, data_dir=sys.argv[1], device='cpu', tokenizer_threads=2, tokenize_in=sys.argv[3], prefetch=3)
@@ -129,7 +130,7 @@ def test_interpreter_exit_with_a_live_loader(env, tmp_path, mode):
 def test_process_encoder_never_deadlocks_on_full_pipes(env):
     """Several slices whose texts and answers are each far larger than a pipe's buffer, all submitted before any
     result is read: the parent must keep reading answers while it writes, or both sides would wait forever."""
-    from nanochat_dl.dataloader import DocEncoder, ProcessEncoder
+    from nanochat_dl.encode import DocEncoder, ProcessEncoder
     big = [' '.join(f"word{i}x{j}" for j in range(20_000)) for i in range(48)]   # ~200 KB of text, ~60k+ ids each
     enc, ref = ProcessEncoder(env['tok'], 2), DocEncoder(env['tok'], 1)
     try:
@@ -143,7 +144,7 @@ def test_process_encoder_never_deadlocks_on_full_pipes(env):
 
 def test_run_bench_table_at_a_toy_size(env):
     "The whole benchmark, one round at a toy size: every contender runs in its own process, the table has every line."
-    from nanochat_dl.dataloader import run_bench, format_bench_table
+    from nanochat_dl.bench import run_bench, format_bench_table
     r = run_bench(env['data'], env['tok_dir'], B=4, T=256, warmup=1, batches=40, threads=2, buffer_size=2, repeats=1, progress=None)   # slices of 128 long documents enter inside the window
     assert r['identical'] is True and r['b_over_a'] > 0 and r['c_over_a'] > 0
     res = r['results']
@@ -190,7 +191,7 @@ linux_only = pytest.mark.skipif(not Path('/proc/self/stat').exists(), reason='re
 def test_encoder_close_is_prompt_with_answers_nobody_read(env):
     """Answers larger than a pipe, never read: each worker is blocked writing. Closing hangs up on both pipes, so the
     workers exit at once (they used to be waited for 10 s each, then killed)."""
-    from nanochat_dl.dataloader import ProcessEncoder
+    from nanochat_dl.encode import ProcessEncoder
     enc = ProcessEncoder(env['tok'], 2)
     procs = list(enc._procs)
     enc.submit([' '.join(f"w{i}x{j}" for j in range(30_000)) for i in range(16)])   # ~8 MB of ids for 2 MiB of pipes
@@ -204,7 +205,7 @@ def test_encoder_close_is_prompt_with_answers_nobody_read(env):
 def test_encoder_refuses_to_go_on_after_losing_a_worker(env):
     """A worker gone in the middle of a call leaves the other workers' answers in their pipes: the encoder must not
     hand them to the next call as if they were its own."""
-    from nanochat_dl.dataloader import ProcessEncoder
+    from nanochat_dl.encode import ProcessEncoder
     enc = ProcessEncoder(env['tok'], 2)
     try:
         enc._procs[0].kill(); enc._procs[0].wait()
@@ -231,8 +232,8 @@ def test_close_frees_a_consumer_stuck_on_a_hung_worker(env, monkeypatch):
     """A worker that stops answering (SIGSTOP here) blocks the next batch. `close()` from another thread kills the
     workers once the background thread does not stop in time, and the waiting consumer gets a clear error."""
     import signal, threading
-    from nanochat_dl import dataloader
-    monkeypatch.setattr(dataloader, '_JOIN_TIMEOUT', 1.0)
+    from nanochat_dl import loader
+    monkeypatch.setattr(loader, '_JOIN_TIMEOUT', 1.0)
     ld = PackedLoader(env['tok'], 4, 256, files=split_files('train', env['data']), device='cpu', tokenizer_threads=2,
                       tokenize_in='processes', buffer_size=20)
     next(ld)
@@ -257,7 +258,7 @@ def test_close_frees_a_consumer_stuck_on_a_hung_worker(env, monkeypatch):
 def test_worker_survives_ctrl_c(env):
     "Ctrl-C reaches every process of the terminal's group: the workers ignore it, the training script decides."
     import signal
-    from nanochat_dl.dataloader import ProcessEncoder
+    from nanochat_dl.encode import ProcessEncoder
     enc = ProcessEncoder(env['tok'], 1)
     try:
         want = enc(['hello world'])[0].tolist()
@@ -282,7 +283,7 @@ def _poison(folder, marker):
 def test_workers_ignore_modules_in_the_current_directory(env, tmp_path, monkeypatch):
     """A training run started in a folder that holds a `tiktoken.py` or `numpy.py`: the workers must not run them
     (`python -c` puts the current directory first on `sys.path`), they import what this process imported."""
-    from nanochat_dl.dataloader import DocEncoder, ProcessEncoder
+    from nanochat_dl.encode import DocEncoder, ProcessEncoder
     marker = tmp_path / 'imported.txt'
     run_dir = tmp_path / 'run'; run_dir.mkdir()
     _poison(run_dir, marker)
@@ -304,7 +305,7 @@ def test_workers_ignore_modules_in_the_current_directory(env, tmp_path, monkeypa
 SOURCE_RUN = """
 import json, sys
 import nanochat_dl
-from nanochat_dl.dataloader import ProcessEncoder
+from nanochat_dl.encode import ProcessEncoder
 from nanochat_dl.tokenizer import Tokenizer
 assert nanochat_dl.__file__.startswith(sys.argv[1]), nanochat_dl.__file__
 enc = ProcessEncoder(Tokenizer.load(sys.argv[2]), 1)
@@ -319,7 +320,7 @@ def test_workers_of_a_source_checkout_on_pythonpath(env, tmp_path):
     """The loader's process imports nanochat_dl from a source checkout named by PYTHONPATH (here a copy of the package)
     and runs in a folder with a poisoned `tiktoken.py`: the workers run the checkout's code and the installed tiktoken."""
     import shutil, nanochat_dl
-    from nanochat_dl.dataloader import DocEncoder
+    from nanochat_dl.encode import DocEncoder
     src = tmp_path / 'checkout'
     shutil.copytree(Path(nanochat_dl.__file__).parent, src / 'nanochat_dl', ignore=shutil.ignore_patterns('__pycache__'))
     scripts, run_dir, marker = tmp_path / 'scripts', tmp_path / 'run', tmp_path / 'imported.txt'
@@ -336,7 +337,7 @@ def test_workers_of_a_source_checkout_on_pythonpath(env, tmp_path):
 def test_a_worker_with_other_modules_is_refused():
     "A worker whose tiktoken is not this process's (a path mix-up this test fakes) is refused, naming both files."
     from types import SimpleNamespace
-    from nanochat_dl.dataloader import _check_ready
+    from nanochat_dl.encode import _check_ready
     from nanochat_dl._tokworker import _module_files
     w = SimpleNamespace(i=1, proc=SimpleNamespace(pid=4321))
     _check_ready(w, ('ready', _module_files()))
@@ -355,7 +356,7 @@ def test_a_hung_worker_is_reported_by_next(env, monkeypatch):
     `worker_timeout` the loader raises, naming the worker, its pid, what it was sent and for how long; closing then
     kills it rather than waiting for it (a close that waited would wait for an hour here)."""
     import signal
-    from nanochat_dl.dataloader import ProcessEncoder
+    from nanochat_dl.encode import ProcessEncoder
     monkeypatch.setattr(ProcessEncoder.close, '__defaults__', (3600.0,))
     ld = PackedLoader(env['tok'], 4, 256, files=split_files('train', env['data']), device='cpu', tokenizer_threads=2,
                       tokenize_in='processes', buffer_size=20, worker_timeout=(3.0, 0.0))
@@ -381,7 +382,7 @@ def test_a_hung_worker_is_reported_while_sending(env):
     """The worker stops while the encoder writes it more than a pipe holds: the write can never finish. The encoder
     raises after the allowed time instead of waiting forever, refuses further calls, and closes without waiting."""
     import signal
-    from nanochat_dl.dataloader import ProcessEncoder
+    from nanochat_dl.encode import ProcessEncoder
     enc = ProcessEncoder(env['tok'], 1, timeout=(2.0, 0.0))
     pid = enc._procs[0].pid
     try:
@@ -510,13 +511,13 @@ def runs(env):
 class Reads:
     "Counts documents read or encoded while it is active (a refused state must cost neither)."
     def __init__(self, monkeypatch):
-        from nanochat_dl import dataloader, shards
+        from nanochat_dl import encode, loader, shards
         self.n = 0
-        for mod, name in ((dataloader, 'read_documents'), (shards, '_read_group')):
+        for mod, name in ((loader, 'read_documents'), (shards, '_read_group')):
             orig = getattr(mod, name)
             def spy(*a, _orig=orig, **k): self.n += 1; return _orig(*a, **k)
             monkeypatch.setattr(mod, name, spy)
-        for cls in (dataloader.DocEncoder, dataloader.ProcessEncoder):
+        for cls in (encode.DocEncoder, encode.ProcessEncoder):
             orig = cls.submit
             def spy_submit(me, texts, _orig=orig): self.n += 1; return _orig(me, texts)
             monkeypatch.setattr(cls, 'submit', spy_submit)
