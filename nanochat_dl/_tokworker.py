@@ -61,9 +61,8 @@ def serve():
                 if reader is None or (reader.text_column, reader.utf8_errors) != (column, errors):
                     if reader is not None: reader.close()
                     reader = RowGroupTexts(column, errors)
-                texts = read_texts(reader, requests)
-            else: texts = msg[1]
-            t1 = time.thread_time()
+                texts, t1 = read_texts(reader, requests), time.thread_time()
+            else: texts, t1 = msg[1], t0
             lens, flat = encode_flat(enc, texts, bos)
             send((True, lens, flat, (t1 - t0, time.thread_time() - t1, time.process_time())))   # for the loader's CPU accounting
         except Exception as e: send((False, (type(e).__name__, str(e), traceback.format_exc()), None, None))

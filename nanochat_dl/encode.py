@@ -67,7 +67,8 @@ class DocEncoder:
         with self._lock: self.read_cpu_s += time.thread_time() - t0
         return texts
 
-    def submit(self, texts) -> list:
+    def submit(self, texts,          # the documents
+               spread=True) -> list: # (for `ProcessEncoder`'s interface: threads always share the work)
         "Start encoding `texts`: futures whose results, in order, are `FlatDocs`."
         texts = list(texts)
         if self._enc is None:
@@ -305,19 +306,27 @@ class ProcessEncoder:
         except BaseException as e: self._broken = e; raise
         return handle
 
+    def _least_busy(self) -> int:
+        "The worker with the least text in unanswered messages (the next in turn among equals)."
+        busy = [sum(p[1] for p in w.pending) for w in self._w] if self._w else [0]
+        i = min(range(len(busy)), key=lambda j: (busy[j], (j - self._next) % len(busy)))
+        self._next = (i + 1) % self.workers
+        return i
+
     def _round_robin(self, n) -> list:
         order = [(self._next + j) % self.workers for j in range(n)]
         self._next = (self._next + n) % self.workers
         return order
 
-    def submit(self, texts) -> list:
-        "Send `texts` to the workers in contiguous chunks, one per worker; returns the handle for `result`."
-        texts, n = list(texts), self.workers
+    def submit(self, texts,          # the documents
+               spread=True) -> list: # True: in contiguous chunks, one per worker; False: all to the least busy worker
+        "Send `texts` to the workers; returns the handle for `result`."
+        texts, n = list(texts), self.workers if spread else 1
         k = -(-len(texts) // n) if texts else 0
         # every chunk pickled before any is sent: one that cannot be pickled must not leave the others' answers unread
         chunks = [texts[j:j + k] for j in range(0, len(texts), k or 1)]
         msgs = [(pickle.dumps(('texts', c), protocol=pickle.HIGHEST_PROTOCOL), (len(c), _chars(c), 'characters')) for c in chunks]
-        return self._send(msgs, self._round_robin(len(msgs)))
+        return self._send(msgs, self._round_robin(len(msgs)) if spread else [self._least_busy()])
 
     def submit_read(self, requests,            # `Request`s (or `(path, row group, rows, bytes)` tuples)
                     text_column='text',        # the string column
@@ -331,11 +340,7 @@ class ProcessEncoder:
                 parts[min(len(parts) - 1, acc * len(parts) // total)].append(r); acc += r[3]
             parts = [p for p in parts if p]
             order = self._round_robin(len(parts))
-        else:
-            parts = [reqs]
-            busy = [sum(p[1] for p in w.pending) for w in self._w] if self._w else [0]
-            i = min(range(len(busy)), key=lambda j: (busy[j], (j - self._next) % len(busy)))
-            order, self._next = [i], (i + 1) % self.workers
+        else: parts, order = [reqs], [self._least_busy()]
         msgs = [(pickle.dumps(('read', p, text_column, utf8_errors), protocol=pickle.HIGHEST_PROTOCOL),
                  (sum(len(r[2]) for r in p), sum(r[3] for r in p), 'bytes of text')) for p in parts]
         return self._send(msgs, order)
