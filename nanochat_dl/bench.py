@@ -28,7 +28,14 @@ from .packing import calibrate_lognormal
 class SyntheticStream:
     "An endless reproducible pull of random documents with `fineweb_like_lengths`; `doc(key)` rebuilds any of them."
     block = 1 << 14
-    def __init__(self, seed=0, batch_size=128, bos_id=0, vocab_size=65536, mean=1000.0, floor=0.23, T=2048, max_len=1 << 20):
+    def __init__(self, seed=0,           # the stream's seed: the same seed, the same documents
+                 batch_size=128,         # documents per pull
+                 bos_id=0,               # the first token of every document
+                 vocab_size=65536,       # token ids are drawn from [0, vocab_size)
+                 mean=1000.0,            # mean document length (tokens) ...
+                 floor=0.23,             # ... and the share of tokens beyond T+1 (`fineweb_like_lengths`)
+                 T=2048,                 # the row length that share refers to
+                 max_len=1 << 20):       # the longest document
         self.seed, self.batch_size, self.bos_id = seed, check_int('batch_size', batch_size, 1), bos_id
         self.kw = dict(mean=mean, floor=floor, T=T, max_len=max_len)
         self.pool = np.random.default_rng([seed, 1 << 32]).integers(0, vocab_size, 2 * max_len)
@@ -43,8 +50,13 @@ class SyntheticStream:
             self._blocks[b] = L, rng.integers(0, len(self.pool) - L + 1)
         return self._blocks[b]
 
-    def length(self, key) -> int: return int(self._block(key // self.block)[0][key % self.block])
-    def doc(self, key) -> np.ndarray:
+    def length(self, key:int # a document's key (its index in the stream)
+              ) -> int:
+        "The length of document `key`."
+        return int(self._block(key // self.block)[0][key % self.block])
+    def doc(self, key:int # a document's key
+           ) -> np.ndarray:
+        "Document `key`, rebuilt from its key alone."
         L, O = self._block(key // self.block)
         i = key % self.block
         d = self.pool[O[i]:O[i] + L[i]].copy()
@@ -57,7 +69,8 @@ class SyntheticStream:
         return [self.doc(k) for k in keys], keys
 
 # %% ../nbs/11_bench.ipynb #acf6259d
-def measure_tokenize_rate(min_time=0.5) -> dict:
+def measure_tokenize_rate(min_time=0.5 # seconds to encode for, at least, per measurement
+                         ) -> dict:
     "Tokens/s of `nanochat_dl.tokenizer.Tokenizer` (1,024 ids, trained on the stdlib's pydoc text) encoding that text."
     import pydoc_data.topics
     from nanochat_dl.tokenizer import Tokenizer
@@ -77,7 +90,15 @@ def _bench_pack_args(B, T, buffer_size, batches, seed) -> tuple:
     return tuple(check_int(name, v, lo) for name, v, lo in
                  [('B', B, 1), ('T', T, 1), ('buffer_size', buffer_size, 1), ('batches', batches, 1), ('seed', seed, 0)])
 
-def bench_pack(B=32, T=2048, buffer_size=1000, batches=20, seed=0, repeats=3, warmup_docs=None, tokens_per_s=None) -> dict:
+def bench_pack(B=32,               # rows per batch
+               T=2048,             # tokens per row
+               buffer_size=1000,   # documents in the buffer
+               batches=20,         # timed batches per packer
+               seed=0,             # the synthetic stream's seed
+               repeats=3,          # timings per packer; the best is kept
+               warmup_docs=None,   # documents packed first, to reach the steady state (default 20 * buffer_size)
+               tokens_per_s=None   # the tokenizer's rate to compare with (default: `measure_tokenize_rate()`)
+              ) -> dict:
     "Time `ReferencePacker` and `Packer` on identical steady-state work; `tokens_per_s` defaults to `measure_tokenize_rate()`."
     B, T, size, batches, seed = _bench_pack_args(B, T, buffer_size, batches, seed)
     stream = SyntheticStream(seed, T=T)
@@ -121,7 +142,8 @@ def bench_pack(B=32, T=2048, buffer_size=1000, batches=20, seed=0, repeats=3, wa
                 crop_pct=_pct(sum(b.metrics['tokens_cropped'] for b in out_fast), sum(b.metrics['tokens_emitted'] + b.metrics['tokens_cropped'] for b in out_fast)),
                 buffered_docs=len(p_fast), identical=identical)
 
-def format_bench(r) -> str:
+def format_bench(r # `bench_pack`'s result
+                ) -> str:
     "The result of `bench_pack` as a small table."
     lines = [f"B={r['B']} T={r['T']} buffer_size={r['buffer_size']}: {r['batches']} batches = {r['rows']:,} rows, "
              f"{r['tokens_in']:,} tokens in, FineWeb-like lengths (seed {r['seed']}), {r['buffered_docs']:,} documents buffered",
@@ -154,7 +176,16 @@ def bench_pack_cli(B: int = 32,             # rows per batch
     return 0 if r['identical'] else 1
 
 # %% ../nbs/11_bench.ipynb #86e7f42b
-def measure_waste(strategy, buffer_size, T=2048, B=32, seed=0, window_batches=400, warmup_docs=None, pull=None, bos_id=0) -> dict:
+def measure_waste(strategy,           # a packing strategy (`STRATEGIES`)
+                  buffer_size,        # documents in the buffer
+                  T=2048,             # tokens per row
+                  B=32,               # rows per batch
+                  seed=0,             # the synthetic stream's seed
+                  window_batches=400, # batches counted
+                  warmup_docs=None,   # documents packed first (default 30 * buffer_size + 5,000)
+                  pull=None,          # the documents (default: a `SyntheticStream`)
+                  bos_id=0            # the BOS id of the documents
+                 ) -> dict:
     "Steady-state waste of `strategy`: warm up on `warmup_docs` documents, then count over `window_batches` batches."
     if pull is None: pull = SyntheticStream(seed, T=T, bos_id=bos_id)
     p = Packer(T, buffer_size, strategy, bos_id=bos_id)
@@ -290,7 +321,8 @@ def _encode_only(kind, tok, files, threads, docs, skip, gc_mode) -> dict:
 def bench_one(kind,                  # 'reference', 'dropin', 'best', 'tokenize' or 'read'
               data_dir=None,         # the shard folder
               tokenizer_dir=None,    # the tokenizer folder
-              B=32, T=2048,          # batch shape
+              B=32,                  # rows per batch
+              T=2048,                # tokens per row
               warmup=3,              # untimed batches first
               batches=20,            # timed batches
               threads=4,             # tokenizer workers
@@ -366,9 +398,14 @@ def _check_bench(B, T, warmup, batches, threads, buffer_size, best, repeats, gc_
 _RUNS = [('reference', {}), ('dropin', {}), ('best', {}), ('tokenize', {}), ('read', {}), ('dropin', dict(threads=1)), ('tokenize', dict(threads=1))]
 _VS = {'dropin': 'tokenize', 'best': 'tokenize', 'dropin1': 'tokenize1', 'read': 'tokenize'}   # tokenized tokens/s against tokenizing alone, same workers
 
-def run_bench(data_dir=None, tokenizer_dir=None,   # shards and tokenizer
-              B=32, T=2048, warmup=3, batches=30,  # batch shape, untimed and timed batches
-              threads=4, buffer_size=1000,         # tokenizer workers, packing buffer
+def run_bench(data_dir=None,                        # the shard folder
+              tokenizer_dir=None,                  # the tokenizer folder
+              B=32,                                # rows per batch
+              T=2048,                              # tokens per row
+              warmup=3,                            # untimed batches
+              batches=30,                          # timed batches
+              threads=4,                           # tokenizer workers
+              buffer_size=1000,                    # documents in the packing buffer
               best='bestfit-split',                # the strategy of contender (c)
               repeats=3,                           # rounds; each contender's best round is kept
               gc_mode='freeze',                    # the garbage collector after warm-up: 'freeze' or 'on'

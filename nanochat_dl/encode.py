@@ -67,8 +67,9 @@ class DocEncoder:
         with self._lock: self.read_cpu_s += time.thread_time() - t0
         return texts
 
-    def submit(self, texts,          # the documents
-               spread=True) -> list: # (for `ProcessEncoder`'s interface: threads always share the work)
+    def submit(self, texts,     # the documents
+               spread=True      # (for `ProcessEncoder`'s interface: threads always share the work)
+              ) -> list:
         "Start encoding `texts`: futures whose results, in order, are `FlatDocs`."
         texts = list(texts)
         if self._enc is None:
@@ -83,7 +84,8 @@ class DocEncoder:
     def submit_read(self, requests,             # `Request`s (or `(path, row group, rows, bytes)` tuples)
                     text_column='text',         # the string column
                     utf8_errors='strict',       # 'strict' or 'replace'
-                    spread=True) -> list:       # (for `ProcessEncoder`'s interface: threads always share the work)
+                    spread=True                 # (for `ProcessEncoder`'s interface: threads always share the work)
+                   ) -> list:
         "Start reading the rows of `requests` and encoding them, each request in one of the threads: futures of `FlatDocs`."
         requests = list(requests)
         if self._enc is None: return self.submit(self._read(requests, text_column, utf8_errors))   # read here, the tokenizer's own threads
@@ -92,7 +94,8 @@ class DocEncoder:
         if self._pool is None: self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix='nanochat_dl-tokenize')
         return [self._pool.submit(work, [rq]) for rq in requests]
 
-    def result(self, handle) -> FlatDocs:
+    def result(self, handle # what `submit` or `submit_read` returned
+              ) -> FlatDocs:
         "The documents of a `submit` or `submit_read`, in order (waits for them)."
         return FlatDocs.concat([f.result() for f in handle])
 
@@ -318,8 +321,9 @@ class ProcessEncoder:
         self._next = (self._next + n) % self.workers
         return order
 
-    def submit(self, texts,          # the documents
-               spread=True) -> list: # True: in contiguous chunks, one per worker; False: all to the least busy worker
+    def submit(self, texts,     # the documents
+               spread=True      # True: in contiguous chunks, one per worker; False: all to the least busy worker
+              ) -> list:
         "Send `texts` to the workers; returns the handle for `result`."
         texts, n = list(texts), self.workers if spread else 1
         k = -(-len(texts) // n) if texts else 0
@@ -331,7 +335,8 @@ class ProcessEncoder:
     def submit_read(self, requests,            # `Request`s (or `(path, row group, rows, bytes)` tuples)
                     text_column='text',        # the string column
                     utf8_errors='strict',      # 'strict' or 'replace'
-                    spread=False) -> list:     # False: all to the least busy worker; True: in contiguous parts, one per worker
+                    spread=False               # False: all to the least busy worker; True: in contiguous parts, one per worker
+                   ) -> list:
         "Send the addresses of rows to the workers, which read and encode them; returns the handle for `result`."
         reqs, utf8_errors = [tuple(r) for r in requests], check_utf8_errors(utf8_errors)
         if spread and len(reqs) > 1:
@@ -357,7 +362,8 @@ class ProcessEncoder:
                                "close it and start a new one")
         if not self._w: raise RuntimeError("this ProcessEncoder is closed")
 
-    def result(self, handle) -> FlatDocs:
+    def result(self, handle # what `submit` or `submit_read` returned
+              ) -> FlatDocs:
         "The documents of a `submit` or `submit_read`, in order (waits for the workers' answers)."
         self._check()
         parts, failed = [], None
@@ -376,7 +382,7 @@ class ProcessEncoder:
 
     def __call__(self, texts) -> FlatDocs: return self.result(self.submit(texts))
 
-    def close(self, timeout=10.0):
+    def close(self, timeout=10.0): # seconds to wait for the workers to exit before killing them
         "Hang up on the workers; wait for them to exit (kill those left after `timeout`). Idempotent."
         _close_workers(self._w, timeout)
 

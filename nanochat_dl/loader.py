@@ -33,8 +33,19 @@ def _dist(rank, world_size):
         world_size = info.world_size if world_size is None else world_size
     return rank, world_size
 
-def reference_loader(tokenizer, B, T, split='train', tokenizer_threads=4, tokenizer_batch_size=128, device='cpu',
-                     buffer_size=1000, data_dir=None, files=None, rank=None, world_size=None, packer=None):
+def reference_loader(tokenizer,                  # with `encode(texts, prepend, num_threads)` and `get_bos_token_id()`
+                     B,                          # rows per batch
+                     T,                          # tokens per row
+                     split='train',              # 'train' or 'val'
+                     tokenizer_threads=4,        # threads of `tokenizer.encode`
+                     tokenizer_batch_size=128,   # documents per slice
+                     device='cpu',               # where the batches go
+                     buffer_size=1000,           # documents in the packing buffer
+                     data_dir=None,              # the shard folder
+                     files=None,                 # the shards, instead of a split of `data_dir`
+                     rank=None,                  # this rank (default: from torch.distributed or the environment) ...
+                     world_size=None,            # ... of this many
+                     packer=None):               # another packer (to watch its counters); default a `ReferencePacker`
     "nanochat's loader written plainly (a full buffer scan per document, one staging buffer): the oracle and the benchmark's baseline. Yields `(inputs, targets, {pq_idx, rg_idx, epoch})`."
     rank, world_size = _dist(rank, world_size)
     files = split_files(split, data_dir) if files is None else files
@@ -78,7 +89,7 @@ class Chain(Stage):
     def __init__(self, last): self.upstream = self.last = last   # the last stage
     def __next__(self): return next(self.last)
     def state_dict(self) -> dict: return pipeline_state(self.last)
-    def load_state_dict(self, state):
+    def load_state_dict(self, state): # `{name: state}` from `state_dict()`
         load_pipeline_state(self.last, state)
         return self
 
@@ -93,19 +104,25 @@ class RowGroupSource(Stage):
     def state_dict(self) -> dict:
         s = self.last
         return dict(cursor=self.reader.state_dict(), last=None if s is None else dict(pq_idx=s.file, rg_idx=s.rg, epoch=s.epoch))
-    def load_state_dict(self, state):
+    def load_state_dict(self, state): # `{'cursor': the reader's state, 'last': nanochat's three fields or None}`
         self.reader.load_state_dict(state['cursor'])
         last = state['last']
         self.last = None if last is None else Slice(last['epoch'], last['pq_idx'], last['rg_idx'], 0, 0)
         return self
-    def rows(self, f:int, g:int) -> int:
+    def rows(self, f:int, # file index
+             g:int        # row group
+            ) -> int:
         "Rows of row group `g` of file `f` (from its footer)."
         return self.reader._rows(f)[g]
-    def request(self, f:int, g:int, rows) -> Request:
+    def request(self, f:int, # file index
+                g:int,       # row group
+                rows         # the rows: a `range` or a list
+               ) -> Request:
         "The `Request` that reads `rows` of row group `g` of file `f`, with its share of the row group's bytes of text."
         n = self.rows(f, g)
         return Request(str(self.reader.files[f]), g, rows, -(-self.reader.text_bytes(f, g) * len(rows) // n) if n else 0)
-    def fetch(self, addresses) -> list:
+    def fetch(self, addresses # `(epoch, file, row group, row)` each
+             ) -> list:
         "The documents at `addresses` (`(epoch, file, row group, row)`), as `Doc`s of text read in this process."
         rd = self.reader
         texts = read_documents(rd.files, [tuple(a)[1:] for a in addresses], rd.text_column, rd.utf8_errors)
@@ -202,11 +219,12 @@ class EncodeStage(Stage):
         "The states above this stage as they were right after the slice it last handed out (not the slices it sent ahead)."
         return self._above if self._above is not None else pipeline_state(self.upstream)
 
-    def load_state_dict(self, state):
+    def load_state_dict(self, state): # `{}`: the stage holds nothing a state must name
         self.ahead.clear(); self.units, self._above = 0, None   # (loaded before the first item: nothing was sent ahead)
         return self
 
-    def fetch(self, addresses) -> list:
+    def fetch(self, addresses # `(epoch, file, row group, row)` each
+             ) -> list:
         "The documents at `addresses` (`(epoch, file, row group, row)`), encoded: read by the encoder (spread over its workers), or here."
         addrs = [tuple(a) for a in addresses]
         uniq = list(dict.fromkeys(a[1:] for a in addrs))
@@ -260,7 +278,9 @@ class PackStage(Stage):
         "The packer's pull: the next item's documents and addresses."
         item = next(self.upstream)
         return (item.tokens, item.addresses) if type(item) is Docs else ([item.tokens], [item.address])
-    def next_rows(self, n:int, out=None) -> PackedBatch:
+    def next_rows(self, n:int, # rows
+                  out=None     # an int64 array `[n, T+1]` to write them into (default: a new one)
+                 ) -> PackedBatch:
         "`n` rows (into `out` if given): a `PackedBatch`."
         up, c0 = self.upstream, time.thread_time()
         u0 = getattr(up, 'cpu_s', 0.0)
@@ -270,7 +290,7 @@ class PackStage(Stage):
     def __next__(self) -> PackedBatch: return self.next_rows(1)
     def state_dict(self) -> dict:
         return dict(buffer=address_columns(*self.packer.buffer_keys(), self.fields), metrics=self.packer.metrics_state())
-    def load_state_dict(self, state):
+    def load_state_dict(self, state): # `{'buffer': columns, 'metrics': counters}` from `state_dict()`
         "Rebuild the buffer: its documents fetched from the stage above by address, each entry at its offset; the counters as saved."
         entries = address_entries(state['buffer'], self.fields)
         docs = self.upstream.fetch(list(dict.fromkeys(a for a, _ in entries))) if entries else []
@@ -290,7 +310,7 @@ class BatchStage(Stage):
         self.step += 1
         return b
     def state_dict(self) -> dict: return {'step': self.step}
-    def load_state_dict(self, state):
+    def load_state_dict(self, state): # `{'step': batches made}`
         self.step = check_int("batch state['step']", state['step'], 0)
         return self
 
@@ -300,7 +320,8 @@ class TransferStage(Stage):
     def __init__(self, upstream,             # the batch stage (or whatever hands out `PackedBatch`es)
                  transfer:DeviceTransfer):   # the staging slots and the copy
         self.upstream, self.transfer = upstream, transfer
-    def put(self, packed:PackedBatch) -> tuple:
+    def put(self, packed:PackedBatch # the batch
+           ) -> tuple:
         "`(inputs, targets)` of `packed` on the device."
         return self.transfer.put(packed.rows)
     def __next__(self) -> tuple:
@@ -595,7 +616,7 @@ class LoaderBatch:
     def position_ids(self) -> torch.Tensor:
         "int64 `[B, T]` on the device: each token's position within its document."
         return torch.from_numpy(position_ids(self.packed)).to(self.inputs.device)
-    def cu_seqlens(self, max_seqs):
+    def cu_seqlens(self, max_seqs): # entries of `cu_seqlens` less one: at least the segments of the batch
         "`(cu_seqlens int32 [max_seqs+1], max_seqlen)` over the flattened inputs, on the device."
         c = cu_seqlens(self.packed, max_seqs)
         return torch.from_numpy(c.cu_seqlens).to(self.inputs.device), c.max_seqlen
@@ -697,7 +718,7 @@ class PackedLoader(Stage):
         "The state after the last batch handed out (before the first one: the starting state)."
         return self._state
 
-    def load_state_dict(self, state):
+    def load_state_dict(self, state): # a batch's `state`, or nanochat's `{pq_idx, rg_idx, epoch}`
         "Continue exactly from `state` (as `resume_state_dict` does); only before the first batch is handed out."
         if self._threads or self._yielded: raise RuntimeError("load_state_dict works before the first batch: build a new loader with resume_state_dict=...")
         self._resume(state)
@@ -789,7 +810,9 @@ class PackedLoader(Stage):
     def __exit__(self, *exc): self.close()
 
 # %% ../nbs/08_loader.ipynb #7c8581a4
-def metrics_table(batches, every=1) -> str:
+def metrics_table(batches,   # the batches' `metrics` dicts
+                  every=1    # show every n-th
+                 ) -> str:
     "A small table of per-batch metrics."
     head = f"{'step':>5}{'epoch':>6}{'docs/row':>9}{'crop %':>8}{'pad %':>7}{'tok/s':>10}{'read ms':>9}{'tok ms':>8}{'pack ms':>8}{'wait ms':>8}"
     lines = [head]

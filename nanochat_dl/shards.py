@@ -269,7 +269,9 @@ class RowGroupReader:
         if self._layout[f] is None: self._open(f)
         return self._layout[f]
 
-    def text_bytes(self, f, g) -> int:
+    def text_bytes(self, f:int, # file index
+                   g:int        # row group
+                  ) -> int:
         "Uncompressed bytes of the text of row group `g` of file `f`, from its footer."
         self._rows(f)
         return self._bytes[f][g]
@@ -375,7 +377,8 @@ class RowGroupReader:
         k = idx.get((f, g))
         return None if k is None else (epoch, k)
 
-    def check_state(self, sd) -> tuple:
+    def check_state(self, sd # a state from `state_dict()` (possibly through JSON)
+                   ) -> tuple:
         "Check that `sd` is a state of this reader pointing at a document it reads; its cursor `(epoch, file, rg, row)`."
         if not isinstance(sd, dict): raise TypeError(f"reader state must be a dict from RowGroupReader.state_dict(), got {type(sd).__name__}")
         missing = [k for k in _CURSOR + _CONFIG if k not in sd]
@@ -403,7 +406,7 @@ class RowGroupReader:
             raise ValueError(f"reader state has row={r}, but row group {g} of {self.files[f]} has {rows[g]} rows")
         return int(e), int(f), int(g), int(r)
 
-    def load_state_dict(self, sd):
+    def load_state_dict(self, sd): # a state from `state_dict()` (possibly through JSON)
         "Resume exactly at the document `sd` points to (`sd` from `state_dict()`, possibly through JSON)."
         self.epoch, self.file, self.rg, self.row = self.check_state(sd)
         self._k = self._place(self.epoch, self.file, self.rg)[1] if self._planned else 0
