@@ -300,14 +300,14 @@ def _encode_only(kind, tok, files, threads, docs, skip, gc_mode) -> dict:
     units, src = loader_units(files, skip, docs)
     enc = make_encoder(tok, threads)
     rt = RowGroupTexts()
-    if kind == 'tokenize':
-        work = [[t for f, g, rows in _runs(u) for t in rt(files[f], g, rows)] for u in units]
-        submit = lambda texts: enc.submit(texts, spread=False)
-    else:
-        work = [[src.request(f, g, rows) for f, g, rows in _runs(u)] for u in units]
+    par = getattr(enc, 'workers', None) or getattr(enc, 'threads', 1)
+    if kind == 'tokenize':   # text: each message cut in one part per worker, one message ahead (a pipe then never holds more than it takes)
+        work, ahead = [[t for f, g, rows in _runs(u) for t in rt(files[f], g, rows)] for u in units], par
+        submit = lambda texts: enc.submit(texts, spread=True)
+    else:                    # addresses, as the encode stage sends them: each message to one worker, two per worker ahead
+        work, ahead = [[src.request(f, g, rows) for f, g, rows in _runs(u)] for u in units], 2 * par
         submit = lambda reqs: enc.submit_read(reqs)
     rt.close()
-    ahead = 2 * (getattr(enc, 'workers', None) or getattr(enc, 'threads', 1))   # the encode stage's read_ahead=2 per worker
     enc.result(submit(work[0]))                                                    # start the workers outside the timing
     _settle_gc(gc_mode)
     cpu = _CpuMeter(enc)
@@ -416,7 +416,7 @@ def run_bench(data_dir=None,                        # the shard folder
     spec = dict(data_dir=None if data_dir is None else str(data_dir), tokenizer_dir=None if tokenizer_dir is None else str(tokenizer_dir),
                 B=B, T=T, warmup=warmup, batches=batches, threads=threads, buffer_size=buffer_size, best=best, repeats=repeats,
                 gc_mode=gc_mode)
-    res, identical, ratios = {}, True, {k: [] for k in _VS}
+    res, identical, ratios, cpu_ratios = {}, True, {k: [] for k in _VS}, {k: [] for k in _VS}
     for rep in range(repeats):                        # rounds interleave the contenders, so a slow spell hits all of them
         got = {}
         for kind, extra in _RUNS:
@@ -428,14 +428,18 @@ def run_bench(data_dir=None,                        # the shard folder
             one = {k: v for k, v in spec.items() if k != 'repeats'}
             got[name] = r = _bench_subprocess(dict(one, kind=kind, **extra))
             r['tokenized_per_s'] = r['tokenized'] / r['wall_s']
+            r['cpu_per_token'] = (r['main_cpu_s'] + (r['worker_cpu_s'] or 0.0)) / max(r['tokenized'], 1)   # all its CPU, workers included
             r['delivered_per_s'] = r['delivered'] / r['wall_s'] if r['delivered'] is not None else None
             key = 'tokenized_per_s' if r['delivered'] is None else 'delivered_per_s'
             if name not in res or r[key] > res[name][key]: res[name] = r
         identical &= got['reference']['digests'] == got['dropin']['digests']
-        for k, v in _VS.items(): ratios[k].append(100.0 * got[k]['tokenized_per_s'] / got[v]['tokenized_per_s'])
+        for k, v in _VS.items():
+            ratios[k].append(100.0 * got[k]['tokenized_per_s'] / got[v]['tokenized_per_s'])
+            cpu_ratios[k].append(100.0 * got[v]['cpu_per_token'] / got[k]['cpu_per_token'])
     a, b, c = res['reference'], res['dropin'], res['best']
     return dict(config=spec, results=res, b_over_a=b['delivered_per_s'] / a['delivered_per_s'],
                 of_tokenize_pct={k: float(np.median(v)) for k, v in ratios.items()},
+                of_tokenize_cpu_pct={k: float(np.median(v)) for k, v in cpu_ratios.items()},
                 c_over_a=c['delivered_per_s'] / a['delivered_per_s'], identical=identical, cpus=os.cpu_count())
 
 def _ms(x, k): return 1e3 * x[k] / x['batches'] if x.get(k) is not None and x.get('batches') else None
@@ -459,9 +463,11 @@ def format_bench_table(r # `run_bench`'s result
         out.append(f"{n:<24}{dl}{x['tokenized_per_s'] / 1e6:>11.3f}{w}{ms}{o}{human_bytes(x['peak_rss']):>10}")
     out.append(f"b/a = {r['b_over_a']:.2f} (target >= 1.5), identical batches: {r['identical']}")
     out.append(f"c/a = {r['c_over_a']:.2f} (target >= 2.5, delivered tokens/s)")
-    pc = r['of_tokenize_pct']
+    pc, cc = r['of_tokenize_pct'], r['of_tokenize_cpu_pct']
     out.append(f"tokenized tokens/s as a share of tokenizing alone with the same workers, (d) (median of the rounds' ratios): "
                f"(b) {pc['dropin']:.1f}% (goal >= 90%), (c) {pc['best']:.1f}%, (e) {pc['read']:.1f}%; (b') of (d') {pc['dropin1']:.1f}%")
+    out.append(f"the same from CPU, which other work on the machine does not move ((d)'s CPU per tokenized token, workers included, over "
+               f"the contender's): (b) {cc['dropin']:.1f}%, (c) {cc['best']:.1f}%, (e) {cc['read']:.1f}%; (b') of (d') {cc['dropin1']:.1f}%")
     b = res['dropin']
     parts = [(k, _ms(b, k)) for k in ('stage_cpu_s', 'pack_cpu_s', 'state_cpu_s', 'consumer_cpu_s')]
     if all(v is not None for _, v in parts):

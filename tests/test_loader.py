@@ -154,11 +154,12 @@ def test_run_bench_table_at_a_toy_size(env):
     if os.name == 'posix':   # worker processes: their encoding CPU is read with all their CPU, the share never falls below 0
         for k in ('dropin', 'best', 'tokenize', 'read', 'dropin1', 'tokenize1'): assert 0 <= res[k]['outside_pct'] <= 100, (k, res[k])
     assert res['tokenize']['tokenized'] == res['read']['tokenized'] == 3 * res['dropin']['tokenized']   # the same documents, three times
-    assert set(r['of_tokenize_pct']) == {'dropin', 'best', 'dropin1', 'read'}
+    assert set(r['of_tokenize_pct']) == set(r['of_tokenize_cpu_pct']) == {'dropin', 'best', 'dropin1', 'read'}
+    assert all(v > 0 for v in r['of_tokenize_cpu_pct'].values())
     text = format_bench_table(r)
     for line in ('(a) reference loader', '(b) drop-in', '(c) bestfit-split', '(d) tokenize only', '(e) read+tokenize', "(b') drop-in, 1 worker",
                  "(d') tokenize, 1 worker", 'b/a = ', 'identical batches: True', 'c/a = ', 'CPU outside encoding',
-                 'as a share of tokenizing alone', '(b) training process CPU per batch', "(b) tokenizer workers' CPU"):
+                 'as a share of tokenizing alone', 'the same from CPU', '(b) training process CPU per batch', "(b) tokenizer workers' CPU"):
         assert line in text, line
 
 
