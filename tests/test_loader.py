@@ -277,7 +277,7 @@ POISON = "open({marker!r}, 'a').write({name!r} + '\\n')\nraise ImportError('the 
 
 
 def _poison(folder, marker):
-    for name in ('tiktoken', 'numpy', 'regex'):
+    for name in ('tiktoken', 'numpy', 'regex', 'pyarrow'):
         (folder / f'{name}.py').write_text(POISON.format(marker=str(marker), name=name))
 
 
