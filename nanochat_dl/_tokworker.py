@@ -48,7 +48,7 @@ def serve():
         return pickle.loads(inp.read(struct.unpack('<Q', h)[0])) if len(h) == 8 else None
     def send(obj):
         b = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-        out.write(struct.pack('<Q', len(b)) + b); out.flush()
+        out.write(struct.pack('<Q', len(b))); out.write(b); out.flush()   # (not `header + b`: a copy of every answer)
     name, pat, ranks, special, bos = frame()
     enc = tiktoken.Encoding(name, pat_str=pat, mergeable_ranks=ranks, special_tokens=special)
     send(('ready', _module_files()))
