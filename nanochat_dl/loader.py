@@ -529,7 +529,8 @@ def _check_state(sd, cfg, fingerprint, reader, counters):
     for k in _CONFIG_KEYS:
         if not _same(theirs[k], cfg[k]):
             raise ValueError(f"resume_state_dict['config']: saved by a loader with {k}={theirs[k]!r:.60}, but this loader has {k}={cfg[k]!r}: "
-                             f"exact resume needs the same {k} (each rank resumes from its own state)")
+                             f"exact resume needs the same {k} (each rank resumes from its own state)"
+                             + ("; to resume at another world size, pass the list of every rank's state" if k in ('rank', 'world_size') else ''))
     st = _as_dict(sd['stages'], ('stages',), _STAGES)
     for k in ('encode', 'transfer'): _as_dict(st[k], ('stages', k), ())   # they hold nothing
     cursor = _check_source(st['source'], cfg, reader, present, sd)

@@ -169,3 +169,9 @@ def test_torchrun_2_3_2(env, tmp_path, strategy):
             segs += [(tuple(s[:4]), *s[4:]) for s in got['segs']]
         src = str(dst)
     check_tiling(segs, env['lens'], strategy)
+
+
+def test_one_state_at_another_size_says_to_pass_the_list(env):
+    _, states = run_ranks(env, 2, 2)
+    with pytest.raises(ValueError, match=r"world_size=2, but this loader has world_size=3: .*pass the list of every rank's state"):
+        PackedLoader(env['tok'], files=env['files'], **KW, rank=0, world_size=3, resume_state_dict=states[0])
