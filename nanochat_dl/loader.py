@@ -982,6 +982,7 @@ def _resume_many(self:PackedLoader, states):
         rd._layout, rd._bytes = self.reader._layout, self.reader._bytes   # the footers, read once
         try: _check_state(sd, mine, self.fingerprint, rd, counters)
         except (TypeError, ValueError) as err: raise type(err)(f"resume_state_dict[{at[r]}] (rank {r} of {W}): {err}") from None
+        finally: rd.close()
         columns.update(_old_columns(sd, plan, W))
         for x in zip(*(sd['stages']['pack']['buffer'][c] for c in _BUFFER_COLUMNS)):
             if x in entries: raise ValueError(f"resume_state_dict: the buffers of ranks {entries[x]} and {r} both hold document {x[:4]} "
