@@ -6,10 +6,10 @@ token for token, exact resume from a few kilobytes of JSON, reading, tokenizing 
 # %% auto #0
 __all__ = ['STATE_FORMAT', 'reference_loader', 'pipeline_state', 'load_pipeline_state', 'Chain', 'RowGroupSource', 'Docs',
            'EncodeStage', 'address_columns', 'address_entries', 'PackStage', 'BatchStage', 'TransferStage',
-           'data_fingerprint', 'LoaderBatch', 'PackedLoader', 'metrics_table']
+           'data_fingerprint', 'LoaderBatch', 'PackedLoader', 'metrics_table', 'ColumnPlan']
 
 # %% ../nbs/08_loader.ipynb #e4b83b8c
-import atexit, hashlib, zlib, json, math, os, queue, struct, threading, time, warnings, weakref
+import atexit, bisect, hashlib, zlib, json, math, os, queue, struct, threading, time, warnings, weakref
 from collections import deque
 from operator import itemgetter
 from dataclasses import dataclass
@@ -18,7 +18,8 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 from .core import get_dist_info, human_bytes, check_int
-from .shards import RowGroupReader, RowGroupTexts, Slice, split_files, read_documents, nanochat_state
+from fastcore.basics import patch
+from .shards import RowGroupReader, RowGroupTexts, Slice, split_files, read_documents, nanochat_state, row_group_plan
 from .stages import Stage, Doc
 from .packing import Packer, ReferencePacker, PackedBatch, FlatDocs, STRATEGIES, position_ids, cu_seqlens
 from .transfer import DeviceTransfer, SingleBufferTransfer, resolve_device
@@ -95,19 +96,29 @@ class Chain(Stage):
 
 # %% ../nbs/08_loader.ipynb #adb4b634
 class RowGroupSource(Stage):
-    "The row-group source: this rank's next slices as `Slice` addresses (no text read), from a `RowGroupReader`; state: the reader's cursor, and the last slice as nanochat names it."
+    "The row-group source: this rank's next slices as `Slice` addresses (no text read), from a `RowGroupReader`; state: the reader's cursor, and the last slice as nanochat names it (after a resume at another world size, also `elastic`: the columns still being caught up)."
     name = 'source'
-    def __init__(self, reader:RowGroupReader): self.reader, self.last = reader, None   # the reader whose cursor this stage moves
+    def __init__(self, reader:RowGroupReader):   # the reader whose cursor this stage moves
+        self.reader, self.last, self.elastic, self._plan = reader, None, None, None
+    @property
+    def plan(self):
+        "The row groups as logical shards (`ColumnPlan`), built when first needed."
+        if self._plan is None or self._plan.reader is not self.reader: self._plan = ColumnPlan(self.reader)
+        return self._plan
     def __next__(self) -> Slice:
-        self.last = s = self.reader.next_slice()
+        el = self.elastic
+        self.last = s = self.reader.next_slice() if el is None or not el['columns'] else _column_slice(self, el)
         return s
     def state_dict(self) -> dict:
-        s = self.last
-        return dict(cursor=self.reader.state_dict(), last=None if s is None else dict(pq_idx=s.file, rg_idx=s.rg, epoch=s.epoch))
-    def load_state_dict(self, state): # `{'cursor': the reader's state, 'last': nanochat's three fields or None}`
+        s, el = self.last, self.elastic
+        out = dict(cursor=self.reader.state_dict(), last=None if s is None else dict(pq_idx=s.file, rg_idx=s.rg, epoch=s.epoch))
+        if el is not None: out['elastic'] = dict(align=el['align'], columns=[list(v) for _, v in sorted(el['columns'].items())])
+        return out
+    def load_state_dict(self, state): # `{'cursor': the reader's state, 'last': nanochat's three fields or None}` (and `elastic` after a rescale)
         self.reader.load_state_dict(state['cursor'])
-        last = state['last']
+        last, el = state['last'], state.get('elastic')
         self.last = None if last is None else Slice(last['epoch'], last['pq_idx'], last['rg_idx'], 0, 0)
+        self.elastic = None if el is None else dict(align=el['align'], columns={v[2]: list(v) for v in el['columns']})
         return self
     def rows(self, f:int, # file index
              g:int        # row group
@@ -384,8 +395,8 @@ def _checksum(sd) -> str:
     st = sd['stages']
     src, last, pack = st['source'], st['source']['last'], st['pack']
     data = json.dumps([sd['format'], sd.get('pq_idx'), sd.get('rg_idx'), sd.get('epoch'), sorted(src['cursor'].items()),
-                       last and sorted(last.items()), st['batch']['step'], sorted(pack['metrics'].items()), st['encode'], st['transfer']],
-                      separators=(',', ':')).encode()
+                       last and sorted(last.items()), st['batch']['step'], sorted(pack['metrics'].items()), st['encode'], st['transfer']]
+                      + ([src['elastic']] if 'elastic' in src else []), separators=(',', ':')).encode()
     crc, adler = zlib.crc32(data), zlib.adler32(data)
     for c in _BUFFER_COLUMNS:   # the columns as little-endian int64s: the same bytes on every machine and Python
         col = pack['buffer'][c]
@@ -432,15 +443,16 @@ def _check_columns(cols, ranges) -> int:
             for i, v in enumerate(col): _as_int(v, _BUF + (c, i), lo, hi)
     return lens['row']
 
-def _check_buffer(cols, cfg, reader, cursor):
-    "Every buffered entry: an address this rank has read (before `cursor`), in reading order, none twice, at an offset where the strategy starts a piece."
+def _check_buffer(cols, cfg, reader, cursor, elastic=None):
+    "Every buffered entry: an address this rank has read (before `cursor`), in reading order, none twice, at an offset where the strategy starts a piece (after a rescale, `elastic`: entries of epochs before `align` only before their column's cursor)."
     big = 1 << 62
     n = _check_columns(_as_dict(cols, _BUF, _BUFFER_COLUMNS),
                        dict(epoch=(1, cursor[0][0] + 1), file=(0, len(reader.files)), rg=(0, big), row=(0, big), offset=(0, big)))
     strategy, C, T = cfg['strategy'], cfg['T'] + 1, cfg['T']
     split, most = strategy == 'bestfit-split', cfg['buffer_size'] + cfg['tokenizer_batch_size'] - 1
     docs = len(set(zip(*(cols[c] for c in _BUFFER_COLUMNS[:4])))) if split else n
-    if docs > most:
+    align = elastic['align'] if elastic else None   # entries of earlier epochs came from other ranks, or from columns caught up
+    if docs > most and align is None:
         raise ValueError(f"{_name(_BUF)} holds {docs} documents{f' (in {n} pieces)' if split else ''}: a loader with "
                          f"buffer_size={cfg['buffer_size']} and tokenizer_batch_size={cfg['tokenizer_batch_size']} holds at most {most}")
     seen, prev, name = {}, None, lambda f: Path(reader.files[f]).name
@@ -458,6 +470,11 @@ def _check_buffer(cols, cfg, reader, cursor):
             raise ValueError(f"{at} ({key}): rank {reader.rank} of {reader.world_size} reads no row group {g} of {name(f)} in epoch {e}")
         rows = reader._rows(f)[g]
         if r >= rows: raise ValueError(f"{at} has row={r}, but row group {g} of {name(f)} has {rows} rows")
+        if align is not None and e < align:
+            col, plan = elastic['columns'].get(g), elastic['plan']
+            if col is not None and plan.key((e, f, g, r)) >= plan.key(col):
+                raise ValueError(f"{at} ({key}) is not before its column's cursor {col}: a buffered document has been read already")
+            continue
         pos = (place, r)
         if pos >= cursor: raise ValueError(f"{at} ({key}) is not before the reader's cursor: a buffered document has been read already")
         if prev is not None and (pos, o) <= prev:
@@ -467,10 +484,11 @@ def _check_buffer(cols, cfg, reader, cursor):
 def _check_source(src, cfg, reader, present, sd) -> tuple:
     "The source stage's state: the reader's cursor, and the last slice (nanochat's three fields, also at the top); the cursor's place in reading order."
     S = ('stages', 'source')
-    _as_dict(src, S, ('cursor', 'last'))
+    _as_dict(src, S, ('cursor', 'last') + (('elastic',) if 'elastic' in src else ()))
     rd = _as_dict(src['cursor'], S + ('cursor',), _READER_KEYS)
     try: e, f, g, r = reader.check_state(rd)
     except ValueError as err: raise ValueError(f"{_name(S + ('cursor',))}: {err}") from None
+    if 'elastic' in src: _check_elastic(src['elastic'], S + ('elastic',), reader, (e, f, g, r))
     if not _same(rd['batch_size'], cfg['tokenizer_batch_size']):
         raise ValueError(f"{_name(S + ('cursor', 'batch_size'))}={rd['batch_size']!r:.60}: expected {cfg['tokenizer_batch_size']} (tokenizer_batch_size)")
     cursor, last = (reader._place(e, f, g), r), src['last']
@@ -511,14 +529,16 @@ def _check_state(sd, cfg, fingerprint, reader, counters):
     for k in _CONFIG_KEYS:
         if not _same(theirs[k], cfg[k]):
             raise ValueError(f"resume_state_dict['config']: saved by a loader with {k}={theirs[k]!r:.60}, but this loader has {k}={cfg[k]!r}: "
-                             f"exact resume needs the same {k} (each rank resumes from its own state)")
+                             f"exact resume needs the same {k} (each rank resumes from its own state)"
+                             + ("; to resume at another world size, pass the list of every rank's state" if k in ('rank', 'world_size') else ''))
     st = _as_dict(sd['stages'], ('stages',), _STAGES)
     for k in ('encode', 'transfer'): _as_dict(st[k], ('stages', k), ())   # they hold nothing
     cursor = _check_source(st['source'], cfg, reader, present, sd)
     _as_int(_as_dict(st['batch'], ('stages', 'batch'), ('step',))['step'], ('stages', 'batch', 'step'))
     pack = _as_dict(st['pack'], ('stages', 'pack'), ('buffer', 'metrics'))
     for k in _as_dict(pack['metrics'], ('stages', 'pack', 'metrics'), counters): _as_int(pack['metrics'][k], ('stages', 'pack', 'metrics', k))
-    _check_buffer(pack['buffer'], cfg, reader, cursor)
+    el = st['source'].get('elastic')
+    _check_buffer(pack['buffer'], cfg, reader, cursor, el and dict(align=el['align'], columns={v[2]: v for v in el['columns']}, plan=ColumnPlan(reader)))
     if not isinstance(sd['checksum'], str) or sd['checksum'] != _checksum(sd):
         raise ValueError(f"resume_state_dict['checksum'] does not match the state's contents: the state was changed after the loader handed "
                          f"it out, and exact resume needs it as it was; {_APPROX}")
@@ -543,6 +563,9 @@ class _Producer:
         "The loader's state around its stages' states: format, nanochat's three fields, config, fingerprints, checksum."
         src = stages['source']
         stages['source'] = dict(cursor=dict(src['cursor']), last=src['last'] and dict(src['last']))   # its own copies: the next batch's may share them
+        el = src.get('elastic')
+        if el is not None and (el['columns'] or min(stages['pack']['buffer']['epoch'], default=el['align']) < el['align']):
+            stages['source']['elastic'] = el   # a rescale's traces: columns being caught up, or their documents still buffered
         sd = dict(src['last']) if src['last'] else {}
         sd.update(format=STATE_FORMAT, config=dict(self.config), fingerprint={k: dict(v) for k, v in self.fingerprint.items()}, stages=stages)
         sd['checksum'] = _checksum(sd)
@@ -650,7 +673,7 @@ class PackedLoader(Stage):
                  read_ahead:int=2,                  # messages in flight per tokenizer worker (0: one slice at a time, when the packer asks)
                  worker_timeout=(60.0, 1e-5),       # a worker's time per answer: (seconds, seconds per character of text); None: no limit
                  worker_reads:bool=True,            # the tokenizer workers read their own rows (False: this process reads and sends text)
-                 resume_state_dict=None):           # a batch's `state` (exact resume), or nanochat's `{pq_idx, rg_idx, epoch}` (approximate)
+                 resume_state_dict=None):           # a batch's `state` (exact resume), nanochat's `{pq_idx, rg_idx, epoch}` (approximate), or the list of every rank's state (another world size)
         self._closed, self._threads, self._error, self._lock = True, [], None, threading.Lock()
         self.B, self.T = check_int('B', B), check_int('T', T)
         self.prefetch = check_int('prefetch', prefetch, 0)
@@ -718,14 +741,20 @@ class PackedLoader(Stage):
         "The state after the last batch handed out (before the first one: the starting state)."
         return self._state
 
-    def load_state_dict(self, state): # a batch's `state`, or nanochat's `{pq_idx, rg_idx, epoch}`
-        "Continue exactly from `state` (as `resume_state_dict` does); only before the first batch is handed out."
+    def load_state_dict(self, state): # a batch's `state`, nanochat's `{pq_idx, rg_idx, epoch}`, or the list of every rank's state
+        """Continue from `state` (as `resume_state_dict` does); only before the first batch is handed out. A list of the states
+        every rank saved at one step resumes at another world size: each document still once per epoch, but the batches are
+        nanochat's (token for token) only at the same world size, where the list resumes this rank's own state exactly."""
         if self._threads or self._yielded: raise RuntimeError("load_state_dict works before the first batch: build a new loader with resume_state_dict=...")
         self._resume(state)
         self._state = self._producer.state()
         return self
 
     def _resume(self, sd):
+        if isinstance(sd, (list, tuple)):   # every rank's state: see "Resuming at another world size"
+            bad = next((i for i, s in enumerate(sd) if not isinstance(s, dict)), None)
+            if bad is not None: raise TypeError(f"resume_state_dict[{bad}] must be a dict (the state one rank saved), got {type(sd[bad]).__name__}")
+            return self._resume_many(list(sd))
         if not isinstance(sd, dict):
             raise TypeError(f"resume_state_dict must be a dict (a batch's state, or nanochat's {{pq_idx, rg_idx, epoch}}), got {type(sd).__name__}")
         cfg = self.config
@@ -821,3 +850,153 @@ def metrics_table(batches,   # the batches' `metrics` dicts
                      f"{m['tokens_per_s'] / 1e6:>9.2f}M{1e3 * m['read_s']:>9.1f}{1e3 * m['tokenize_s']:>8.1f}"
                      f"{1e3 * m['pack_s']:>8.1f}{1e3 * m['wait_s']:>8.1f}")
     return '\n'.join(lines)
+
+# %% ../nbs/08_loader.ipynb #e1a5c002
+class ColumnPlan:
+    "The split's row groups as logical shards, one per row-group index: column `c` holds row group `c` of every file, in each epoch's reading order (file by file, or the epoch's shuffle). Rank `r` of `W` reads the columns with `c % W == r`, merged in that order: nanochat's striding."
+    def __init__(self, reader:RowGroupReader):   # its files, footers and shuffle settings define the order
+        if reader.balanced: raise ValueError("ColumnPlan needs nanochat's striding (row group g to rank g % world_size), not balanced=True")
+        self.reader, self._cache = reader, {}
+    def _epoch(self, e):
+        got = self._cache.get(e)
+        if got is None:
+            if len(self._cache) >= 4: self._cache.clear()
+            rd = self.reader
+            layout = [rd._rows(f) for f in range(len(rd.files))]
+            order = [(f, g) for f, g in row_group_plan(layout, 0, 1, e, shuffle=rd.shuffle, seed=rd.seed) if layout[f][g]]
+            pos, cols = {fg: i for i, fg in enumerate(order)}, {}
+            for i, (f, g) in enumerate(order): cols.setdefault(g, ([], []))[0].append(i); cols[g][1].append(f)
+            got = self._cache[e] = (pos, cols)
+        return got
+    def columns(self) -> list:
+        "The columns that hold documents (the same in every epoch)."
+        return sorted(self._epoch(1)[1])
+    def pos(self, e, f, g) -> int:
+        "Where row group `g` of file `f` comes in epoch `e`'s reading order of the whole split."
+        return self._epoch(e)[0][f, g]
+    def key(self, v) -> tuple:
+        "`(epoch, position, row)`: sorts documents `[epoch, file, rg, row]` in reading order."
+        return v[0], self.pos(v[0], v[1], v[2]), v[3]
+    def first(self, e, c) -> list:
+        "`[e, file, c, 0]`: column `c`'s first document in epoch `e`."
+        return [e, self._epoch(e)[1][c][1][0], c, 0]
+    def next_at(self, e, c, p, inclusive=False) -> list:
+        "Column `c`'s first document in a row group after position `p` of epoch `e` (at `p` too if `inclusive`), else its first of epoch `e+1`."
+        ps, fs = self._epoch(e)[1][c]
+        i = (bisect.bisect_left if inclusive else bisect.bisect_right)(ps, p)
+        return [e, fs[i], c, 0] if i < len(ps) else self.first(e + 1, c)
+    def is_start(self, v) -> bool:
+        "Whether `[epoch, file, rg, row]` is its column's first document of that epoch."
+        return v == self.first(v[0], v[2])
+
+def _column_slice(src, el) -> Slice:
+    "The next slice of a rank catching up after a rescale: from the column whose next unread document comes first in reading order."
+    cols, plan, rd = el['columns'], src.plan, src.reader
+    e, f, g, row = min(cols.values(), key=plan.key)
+    n = rd._rows(f)[g]
+    hi = min((row // rd.batch_size + 1) * rd.batch_size, n)
+    cols[g] = [e, f, g, hi] if hi < n else plan.next_at(e, g, plan.pos(e, f, g))
+    if all(v[0] == el['align'] and plan.is_start(v) for v in cols.values()): cols.clear()   # the reader's striding takes over
+    return Slice(e, f, g, row, hi)
+
+def _align(cols, plan) -> int:
+    "The epoch at whose start every column of `cols` (`[epoch, file, rg, row]` each) stands once the laggards have caught up."
+    return max(v[0] if plan.is_start(v) else v[0] + 1 for v in cols)
+
+def _old_columns(sd, plan, W) -> dict:
+    "Every column of the rank that saved `sd` (one of `W`), at its next unread document `[epoch, file, rg, row]`."
+    r, src = sd['config']['rank'], sd['stages']['source']
+    mine, el = [c for c in plan.columns() if c % W == r], src.get('elastic')
+    if el is not None and el['columns']:   # still catching up: every column is listed
+        listed = {v[2]: list(v) for v in el['columns']}
+        return {c: listed[c] for c in mine}
+    cur = src['cursor']
+    e, p = cur['epoch'], plan.pos(cur['epoch'], cur['file'], cur['rg'])
+    return {c: [e, cur['file'], c, cur['row']] if c == cur['rg'] else plan.next_at(e, c, p) for c in mine}
+
+def _check_elastic(el, S, reader, cursor):
+    "The source's `elastic` entry: the reader's cursor at the start of epoch `align`, and columns of this rank, each at a document, none twice."
+    el, plan = _as_dict(el, S, ('align', 'columns')), ColumnPlan(reader)
+    align = _as_int(el['align'], S + ('align',), 1)
+    if not isinstance(el['columns'], list): raise TypeError(f"{_name(S + ('columns',))} must be a list, got {type(el['columns']).__name__}")
+    start = next(([align, f, g, 0] for f, g in reader._epoch_plan(align) if reader._rows(f)[g]), None)
+    if el['columns'] and list(cursor) != start:   # the reader waits at the start of epoch `align` while columns catch up
+        raise ValueError(f"{_name(S)}: align={align} with columns still catching up, but the reader's cursor {list(cursor)} is not "
+                         f"this rank's first document of epoch {align} ({start})")
+    if cursor[0] < align: raise ValueError(f"{_name(S)}: align={align}, but the reader's cursor {list(cursor)} is in an earlier epoch")
+    seen = set()
+    for i, v in enumerate(el['columns']):
+        P = S + ('columns', i)
+        if not (isinstance(v, list) and len(v) == 4): raise ValueError(f"{_name(P)}={v!r:.80} is invalid: expected [epoch, file, rg, row]")
+        e, f = _as_int(v[0], P + (0,), 1, align + 1), _as_int(v[1], P + (1,), 0, len(reader.files))
+        g = _as_int(v[2], P + (2,), 0, len(reader._rows(f)))
+        _as_int(v[3], P + (3,), 0, reader._rows(f)[g])
+        if g % reader.world_size != reader.rank or g in seen:
+            raise ValueError(f"{_name(P)}: column {g} is {'listed twice' if g in seen else 'not one'} of rank {reader.rank} of {reader.world_size}")
+        seen.add(g)
+    if el['columns'] and _align(el['columns'], plan) != align:
+        raise ValueError(f"{_name(S)}: align={align}, but its columns catch up at the start of epoch {_align(el['columns'], plan)}")
+
+_MAY_DIFFER = ('B', 'buffer_size')   # settings a rescaled run may change besides rank and world size
+
+@patch
+def _resume_many(self:PackedLoader, states):
+    "Resume from the list of every rank's state (saved at one step): this rank's own, exactly, at the same world size; else the columns and buffered documents re-dealt."
+    cfg = self.config
+    if not states: raise ValueError("resume_state_dict is an empty list: expected the states of every rank of a run, saved at the same step")
+    for i, sd in enumerate(states):
+        if sd.get('format') != STATE_FORMAT or not isinstance(sd.get('config'), dict) or not isinstance(sd.get('stages'), dict):
+            raise ValueError(f"resume_state_dict[{i}] is not a state of this loader (format {sd.get('format')!r:.60}): a list resumes only "
+                             f"from states in format {STATE_FORMAT!r}, one per rank")
+    W = states[0]['config'].get('world_size')
+    for i, sd in enumerate(states):
+        c = sd['config']
+        if not _same(c.get('world_size'), W):
+            raise ValueError(f"resume_state_dict mixes runs of different world sizes: entry 0 has world_size={W!r:.40}, entry {i} "
+                             f"{c.get('world_size')!r:.40}: expected the states of every rank of one run")
+        diff = [k for k in _CONFIG_KEYS if k != 'rank' and not _same(c.get(k), states[0]['config'].get(k))]
+        if diff: raise ValueError(f"resume_state_dict mixes states of different runs: entry {i} has {diff[0]}={c.get(diff[0])!r:.40}, "
+                                  f"entry 0 {states[0]['config'].get(diff[0])!r:.40}")
+    W = _as_int(W, (0, 'config', 'world_size'), 1)
+    at = {}
+    for i, sd in enumerate(states):
+        r = _as_int(sd['config'].get('rank'), (i, 'config', 'rank'), 0, W)
+        if r in at: raise ValueError(f"resume_state_dict holds two states of rank {r} (entries {at[r]} and {i}): expected one state per rank of {W}")
+        at[r] = i
+    missing = [r for r in range(W) if r not in at]
+    if missing: raise ValueError(f"resume_state_dict lacks the state of rank {', '.join(map(str, missing))} of {W} (it holds {len(states)}): "
+                                 "expected one state per rank, all saved at the same step")
+    steps = [(sd['stages'].get('batch') or {}).get('step') for sd in states]
+    odd = next((i for i, s in enumerate(steps) if not _same(s, steps[0])), None)
+    if odd is not None:
+        raise ValueError(f"resume_state_dict mixes states of different steps: entry 0 was saved after batch {steps[0]!r:.20}, entry {odd} "
+                         f"after batch {steps[odd]!r:.20}: expected the states every rank saved at the same step")
+    if W == cfg['world_size']:
+        self._resume(states[at[cfg['rank']]])   # this rank's own state: exact, token for token
+        return
+    plan, counters, entries, columns = self.source.plan, tuple(self.packer.metrics_state()), {}, {}
+    for r in range(W):
+        sd = states[at[r]]
+        mine = {**cfg, 'rank': r, 'world_size': W, **{k: sd['config'][k] for k in _MAY_DIFFER if k in sd['config']}}
+        rd = RowGroupReader(self.files, r, W, cfg['tokenizer_batch_size'], shuffle=cfg['shuffle'], seed=cfg['seed'], text_column=cfg['text_column'])
+        rd._layout, rd._bytes = self.reader._layout, self.reader._bytes   # the footers, read once
+        try: _check_state(sd, mine, self.fingerprint, rd, counters)
+        except (TypeError, ValueError) as err: raise type(err)(f"resume_state_dict[{at[r]}] (rank {r} of {W}): {err}") from None
+        finally: rd.close()
+        columns.update(_old_columns(sd, plan, W))
+        for x in zip(*(sd['stages']['pack']['buffer'][c] for c in _BUFFER_COLUMNS)):
+            if x in entries: raise ValueError(f"resume_state_dict: the buffers of ranks {entries[x]} and {r} both hold document {x[:4]} "
+                                              f"(offset {x[4]}): the states come from different runs")
+            entries[x] = r
+    j, W2 = cfg['rank'], cfg['world_size']
+    mine = {c: v for c, v in columns.items() if c % W2 == j}
+    align = _align(mine.values(), plan) if mine else max(v[0] for v in columns.values())
+    if all(v[0] == align and plan.is_start(v) for v in mine.values()): mine = {}
+    rd = self.reader
+    rd.epoch, rd.file, rd.rg, rd.row, rd._k = align, 0, rd.rank, 0, 0   # where the striding over W2 ranks takes over
+    self.source.elastic, self.source.last = dict(align=align, columns=mine), None
+    ent = sorted((x for x in entries if x[2] % W2 == j), key=lambda x: (*plan.key(x), x[4]))
+    self.pack.load_state_dict(dict(buffer=address_columns([x[:4] for x in ent], [x[4] for x in ent], self.pack.fields),
+                                   metrics=self.packer.metrics_state()))
+    self.batch.step = steps[0]
+    self.resumed = 'rescaled'

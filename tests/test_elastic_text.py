@@ -1,0 +1,177 @@
+"""Resuming the nanochat text path (`PackedLoader`) at another world size, from the list of every rank's state: chains of
+world sizes simulated in one process for every strategy, a property test over random chains and checkpoint steps, and
+real processes (`torchrun --nproc_per_node 2`, gloo on the CPU) saving, restarting with 3, saving, restarting with 2.
+In every case the segments all ranks placed, labelled with their epoch, tile each document of epoch 1 exactly once
+(placed, or cropped where the strategy crops), and cover no token of epoch 2 twice."""
+import json, os, shutil, subprocess, sys, textwrap
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from nanochat_dl.loader import PackedLoader
+from nanochat_dl.dataset import make_sample_shards
+from nanochat_dl.packing import STRATEGIES
+from nanochat_dl.shards import read_documents, write_toy_shards
+from nanochat_dl.tokenizer import train_tokenizer
+
+LAYOUT = [[3, 2, 4, 1, 3, 2, 2, 3], [2, 3, 1, 4, 2, 3, 3], [4, 1, 2, 3, 2, 1, 3, 2, 2]]   # 9 columns: up to 9 ranks
+KW = dict(B=2, T=32, buffer_size=6, tokenizer_batch_size=2, device='cpu', tokenizer_threads=1, tokenize_in='threads', prefetch=0)
+
+
+def words(f, g, r): return ' '.join([f"w{f}{g}{r}x"] * (1 + (7 * f + 3 * g + 5 * r) % 23))
+
+
+@pytest.fixture(scope='module')
+def env(tmp_path_factory):
+    d = tmp_path_factory.mktemp('elastic')
+    make_sample_shards(d / 'base_data')
+    tok = train_tokenizer(d / 'base_data', vocab_size=1024, out_dir=d / 'tok', progress=False)
+    files = write_toy_shards(d / 'toy', LAYOUT, text_fn=words)
+    addrs = [(f, g, r) for f, rows in enumerate(LAYOUT) for g, n in enumerate(rows) for r in range(n)]
+    lens = dict(zip(addrs, map(len, tok.encode(read_documents(files, addrs), prepend=tok.get_bos_token_id()))))
+    return dict(dir=d, tok=tok, tok_dir=d / 'tok', files=files, lens=lens)
+
+
+def epoch_done(sd, e=1):
+    "Whether a rank's state has nothing of epoch `e` left: no column still in it, none of its documents buffered."
+    src = sd['stages']['source']
+    return (src['cursor']['epoch'] > e and all(v[0] > e for v in src.get('elastic', {}).get('columns', []))
+            and all(x > e for x in sd['stages']['pack']['buffer']['epoch']))
+
+
+def run_ranks(env, W, k, states=None, **kw):
+    "Loaders for ranks 0..W-1 (from the list `states`), `k` batches each (None: until epoch 1 is done): segments `(key, offset, length, dropped)`, last states."
+    segs, out = [], []
+    for r in range(W):
+        with PackedLoader(env['tok'], files=env['files'], **{**KW, **kw}, rank=r, world_size=W, resume_state_dict=states) as ld:
+            assert ld.resumed == (None if states is None else 'exact' if len(states) == W else 'rescaled')
+            sd, n = ld.state_dict(), 0
+            while (n < k) if k is not None else not epoch_done(sd):
+                b = next(ld); n += 1; sd = b.state
+                segs += [(tuple(s.key), s.offset, s.length, s.dropped) for row in b.segments for s in row]
+                assert n < 2000, "epoch 1 never finished"
+        out.append(json.loads(json.dumps(sd)))
+    return segs, out
+
+
+def check_tiling(segs, lens, strategy):
+    "Epoch 1: the ranges of every document placed or cropped tile it exactly once; epoch 2: no token twice. Returns the tokens cropped in epoch 1."
+    cover = {1: {}, 2: {}}
+    for key, off, n, dropped in segs:
+        if key[0] in cover:
+            cover[key[0]].setdefault(key[1:], []).append((off, off + n + dropped - (strategy == 'bestfit-split' and off > 0)))
+    assert set(cover[1]) == set(lens), f"documents of epoch 1 never delivered: {sorted(set(lens) - set(cover[1]))[:5]}"
+    for a, rs in cover[1].items():
+        rs.sort()
+        assert rs[0][0] == 0 and rs[-1][1] == lens[a] and all(x[1] == y[0] for x, y in zip(rs, rs[1:])), (a, rs, lens[a])
+    for a, rs in cover[2].items():
+        rs.sort()
+        assert all(x[1] <= y[0] for x, y in zip(rs, rs[1:])), (a, rs)
+    return sum(d for key, _, _, d in segs if key[0] == 1)
+
+
+def chain(env, sizes, ks, **kw):
+    segs, states = [], None
+    for i, W in enumerate(sizes):
+        s, states = run_ranks(env, W, ks[i] if i < len(sizes) - 1 else None, states, **kw)
+        segs += s
+    return segs
+
+
+@pytest.mark.parametrize('strategy', sorted(STRATEGIES))
+@pytest.mark.parametrize('sizes', [(2, 3, 2), (3, 5, 2), (8, 1), (1, 4), (8, 3, 5), (1, 9, 7), (4, 4, 2)])
+def test_chains_tile_epoch_once(env, strategy, sizes):
+    segs = chain(env, sizes, [3] * len(sizes), strategy=strategy)
+    cropped = check_tiling(segs, env['lens'], strategy)
+    if strategy == 'concat': assert cropped == 0                     # lossless: every token of epoch 1 placed exactly once
+    if strategy == 'bestfit-pad':                                       # crops only documents longer than a row
+        assert all(n + d > KW['T'] + 1 for key, _, n, d in segs if d)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(sizes=st.lists(st.integers(1, 9), min_size=2, max_size=4), ks=st.lists(st.integers(0, 12), min_size=4, max_size=4),
+       strategy=st.sampled_from(sorted(STRATEGIES)), shuffle=st.booleans())
+def test_random_chains_tile_epoch_once(env, sizes, ks, strategy, shuffle):
+    segs = chain(env, sizes, ks, strategy=strategy, shuffle=shuffle, seed=3)
+    check_tiling(segs, env['lens'], strategy)
+
+
+def test_same_world_size_list_is_exact(env):
+    "A list at the same world size resumes each rank from its own state: the same batches and states as that state alone."
+    _, states = run_ranks(env, 3, 4)
+    for r in range(3):
+        with PackedLoader(env['tok'], files=env['files'], **KW, rank=r, world_size=3, resume_state_dict=states[::-1]) as a, \
+             PackedLoader(env['tok'], files=env['files'], **KW, rank=r, world_size=3, resume_state_dict=states[r]) as b:
+            assert a.resumed == b.resumed == 'exact'
+            for _ in range(6):
+                x, y = next(a), next(b)
+                assert x.inputs.equal(y.inputs) and x.state == y.state
+
+
+WORKER = """
+import json, sys
+from pathlib import Path
+import torch.distributed as dist
+from nanochat_dl.loader import PackedLoader
+from nanochat_dl.tokenizer import Tokenizer
+
+dist.init_process_group('gloo')
+rank, world = dist.get_rank(), dist.get_world_size()
+tok_dir, files, k, src, dst = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]), sys.argv[4], Path(sys.argv[5])
+kw = json.loads(sys.argv[6])
+states = None if src == '-' else [json.loads(p.read_text()) for p in sorted(Path(src).glob('state_*.json'))]
+
+def epoch_done(sd):
+    s = sd['stages']['source']
+    return (s['cursor']['epoch'] > 1 and all(v[0] > 1 for v in s.get('elastic', {}).get('columns', []))
+            and all(x > 1 for x in sd['stages']['pack']['buffer']['epoch']))
+
+segs = []
+with PackedLoader(Tokenizer.load(tok_dir), files=files, **kw, resume_state_dict=states) as ld:   # rank, world size: the process group
+    assert (ld.config['rank'], ld.config['world_size']) == (rank, world), ld.config
+    sd, n = ld.state_dict(), 0
+    while (n < k) if k >= 0 else not epoch_done(sd):
+        b = next(ld); n += 1; sd = b.state
+        segs += [[*s.key, s.offset, s.length, s.dropped] for row in b.segments for s in row]
+        assert n < 2000
+    resumed = ld.resumed
+dst.mkdir(exist_ok=True)
+tmp = dst / f'.state_{rank}.json'
+tmp.write_text(json.dumps(sd)); tmp.rename(dst / f'state_{rank}.json')   # one JSON per rank, written atomically
+(dst / f'segs_{rank}.json').write_text(json.dumps(dict(resumed=resumed, segs=segs)))
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize('strategy', ['bestfit-crop', 'bestfit-split'])
+def test_torchrun_2_3_2(env, tmp_path, strategy):
+    torchrun = shutil.which('torchrun') or str(Path(sys.executable).parent / 'torchrun')
+    if not Path(torchrun).exists(): pytest.skip('torchrun is not installed')
+    script = tmp_path / 'worker.py'
+    script.write_text(textwrap.dedent(WORKER))
+    kw = {**KW, 'strategy': strategy}
+    menv = dict(os.environ, OMP_NUM_THREADS='1')
+    menv.pop('RANK', None); menv.pop('WORLD_SIZE', None)
+    segs, src = [], '-'
+    for i, (W, k) in enumerate([(2, 4), (3, 3), (2, -1)]):
+        dst = tmp_path / f'phase{i}'
+        r = subprocess.run([torchrun, '--standalone', '--nproc_per_node', str(W), str(script), str(env['tok_dir']),
+                            json.dumps([str(f) for f in env['files']]), str(k), src, str(dst), json.dumps(kw)],
+                           capture_output=True, text=True, env=menv, timeout=280)
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+        assert sorted(p.name for p in dst.glob('state_*.json')) == [f'state_{j}.json' for j in range(W)]
+        for j in range(W):
+            got = json.loads((dst / f'segs_{j}.json').read_text())
+            assert got['resumed'] == [None, 'rescaled', 'rescaled'][i]
+            segs += [(tuple(s[:4]), *s[4:]) for s in got['segs']]
+        src = str(dst)
+    check_tiling(segs, env['lens'], strategy)
+
+
+def test_one_state_at_another_size_says_to_pass_the_list(env):
+    _, states = run_ranks(env, 2, 2)
+    with pytest.raises(ValueError, match=r"world_size=2, but this loader has world_size=3: .*pass the list of every rank's state"):
+        PackedLoader(env['tok'], files=env['files'], **KW, rank=0, world_size=3, resume_state_dict=states[0])
