@@ -12,7 +12,8 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from nanochat_dl.loader import PackedLoader
 from nanochat_dl.dataset import make_sample_shards
 from nanochat_dl.packing import STRATEGIES
-from nanochat_dl.shards import read_documents, write_toy_shards
+from nanochat_dl.shards import read_documents
+from nanochat_dl.testing import write_toy_shards
 from nanochat_dl.tokenizer import train_tokenizer
 
 LAYOUT = [[3, 2, 4, 1, 3, 2, 2, 3], [2, 3, 1, 4, 2, 3, 3], [4, 1, 2, 3, 2, 1, 3, 2, 2]]   # 9 columns: up to 9 ranks
