@@ -6,7 +6,8 @@ measurement is a command that prints a table; nothing here is a timed unit test.
 
 # %% auto #0
 __all__ = ['BENCH_KINDS', 'SyntheticStream', 'measure_tokenize_rate', 'bench_pack', 'format_bench', 'bench_pack_cli',
-           'measure_waste', 'tokenize_rate', 'bench_one', 'run_bench', 'format_bench_table', 'bench_cli']
+           'measure_waste', 'tokenize_rate', 'loader_units', 'bench_one', 'run_bench', 'format_bench_table',
+           'bench_cli']
 
 # %% ../nbs/11_bench.ipynb #3f373211
 import gc, json, math, os, subprocess, sys, time
@@ -14,12 +15,11 @@ from collections import deque
 import numpy as np
 from fastcore.script import call_parse
 from .core import get_data_dir, human_bytes, check_int
-from .shards import RowGroupReader, split_files
+from .shards import RowGroupReader, RowGroupTexts, split_files
 from .tokenizer import get_tokenizer
 from .packing import Packer, ReferencePacker, STRATEGIES, _pct, fineweb_like_lengths
-from .loader import PackedLoader, LoaderBatch, reference_loader
+from .loader import PackedLoader, LoaderBatch, RowGroupSource, reference_loader, _runs, _UNIT_DOCS, _UNIT_MAX
 from .encode import make_encoder
-from .loader import _group_size
 from .dataloader import tokenizing_distributed_data_loader_with_state_bos_bestfit
 from .demo import _digest, _ensure_shards, _ensure_tokenizer
 from .packing import calibrate_lognormal
@@ -28,7 +28,14 @@ from .packing import calibrate_lognormal
 class SyntheticStream:
     "An endless reproducible pull of random documents with `fineweb_like_lengths`; `doc(key)` rebuilds any of them."
     block = 1 << 14
-    def __init__(self, seed=0, batch_size=128, bos_id=0, vocab_size=65536, mean=1000.0, floor=0.23, T=2048, max_len=1 << 20):
+    def __init__(self, seed=0,           # the stream's seed: the same seed, the same documents
+                 batch_size=128,         # documents per pull
+                 bos_id=0,               # the first token of every document
+                 vocab_size=65536,       # token ids are drawn from [0, vocab_size)
+                 mean=1000.0,            # mean document length (tokens) ...
+                 floor=0.23,             # ... and the share of tokens beyond T+1 (`fineweb_like_lengths`)
+                 T=2048,                 # the row length that share refers to
+                 max_len=1 << 20):       # the longest document
         self.seed, self.batch_size, self.bos_id = seed, check_int('batch_size', batch_size, 1), bos_id
         self.kw = dict(mean=mean, floor=floor, T=T, max_len=max_len)
         self.pool = np.random.default_rng([seed, 1 << 32]).integers(0, vocab_size, 2 * max_len)
@@ -43,8 +50,13 @@ class SyntheticStream:
             self._blocks[b] = L, rng.integers(0, len(self.pool) - L + 1)
         return self._blocks[b]
 
-    def length(self, key) -> int: return int(self._block(key // self.block)[0][key % self.block])
-    def doc(self, key) -> np.ndarray:
+    def length(self, key:int # a document's key (its index in the stream)
+              ) -> int:
+        "The length of document `key`."
+        return int(self._block(key // self.block)[0][key % self.block])
+    def doc(self, key:int # a document's key
+           ) -> np.ndarray:
+        "Document `key`, rebuilt from its key alone."
         L, O = self._block(key // self.block)
         i = key % self.block
         d = self.pool[O[i]:O[i] + L[i]].copy()
@@ -57,7 +69,8 @@ class SyntheticStream:
         return [self.doc(k) for k in keys], keys
 
 # %% ../nbs/11_bench.ipynb #acf6259d
-def measure_tokenize_rate(min_time=0.5) -> dict:
+def measure_tokenize_rate(min_time=0.5 # seconds to encode for, at least, per measurement
+                         ) -> dict:
     "Tokens/s of `nanochat_dl.tokenizer.Tokenizer` (1,024 ids, trained on the stdlib's pydoc text) encoding that text."
     import pydoc_data.topics
     from nanochat_dl.tokenizer import Tokenizer
@@ -77,7 +90,15 @@ def _bench_pack_args(B, T, buffer_size, batches, seed) -> tuple:
     return tuple(check_int(name, v, lo) for name, v, lo in
                  [('B', B, 1), ('T', T, 1), ('buffer_size', buffer_size, 1), ('batches', batches, 1), ('seed', seed, 0)])
 
-def bench_pack(B=32, T=2048, buffer_size=1000, batches=20, seed=0, repeats=3, warmup_docs=None, tokens_per_s=None) -> dict:
+def bench_pack(B=32,               # rows per batch
+               T=2048,             # tokens per row
+               buffer_size=1000,   # documents in the buffer
+               batches=20,         # timed batches per packer
+               seed=0,             # the synthetic stream's seed
+               repeats=3,          # timings per packer; the best is kept
+               warmup_docs=None,   # documents packed first, to reach the steady state (default 20 * buffer_size)
+               tokens_per_s=None   # the tokenizer's rate to compare with (default: `measure_tokenize_rate()`)
+              ) -> dict:
     "Time `ReferencePacker` and `Packer` on identical steady-state work; `tokens_per_s` defaults to `measure_tokenize_rate()`."
     B, T, size, batches, seed = _bench_pack_args(B, T, buffer_size, batches, seed)
     stream = SyntheticStream(seed, T=T)
@@ -121,7 +142,8 @@ def bench_pack(B=32, T=2048, buffer_size=1000, batches=20, seed=0, repeats=3, wa
                 crop_pct=_pct(sum(b.metrics['tokens_cropped'] for b in out_fast), sum(b.metrics['tokens_emitted'] + b.metrics['tokens_cropped'] for b in out_fast)),
                 buffered_docs=len(p_fast), identical=identical)
 
-def format_bench(r) -> str:
+def format_bench(r # `bench_pack`'s result
+                ) -> str:
     "The result of `bench_pack` as a small table."
     lines = [f"B={r['B']} T={r['T']} buffer_size={r['buffer_size']}: {r['batches']} batches = {r['rows']:,} rows, "
              f"{r['tokens_in']:,} tokens in, FineWeb-like lengths (seed {r['seed']}), {r['buffered_docs']:,} documents buffered",
@@ -154,7 +176,16 @@ def bench_pack_cli(B: int = 32,             # rows per batch
     return 0 if r['identical'] else 1
 
 # %% ../nbs/11_bench.ipynb #86e7f42b
-def measure_waste(strategy, buffer_size, T=2048, B=32, seed=0, window_batches=400, warmup_docs=None, pull=None, bos_id=0) -> dict:
+def measure_waste(strategy,           # a packing strategy (`STRATEGIES`)
+                  buffer_size,        # documents in the buffer
+                  T=2048,             # tokens per row
+                  B=32,               # rows per batch
+                  seed=0,             # the synthetic stream's seed
+                  window_batches=400, # batches counted
+                  warmup_docs=None,   # documents packed first (default 30 * buffer_size + 5,000)
+                  pull=None,          # the documents (default: a `SyntheticStream`)
+                  bos_id=0            # the BOS id of the documents
+                 ) -> dict:
     "Steady-state waste of `strategy`: warm up on `warmup_docs` documents, then count over `window_batches` batches."
     if pull is None: pull = SyntheticStream(seed, T=T, bos_id=bos_id)
     p = Packer(T, buffer_size, strategy, bos_id=bos_id)
@@ -202,70 +233,114 @@ class _PeakMemory:
         try: return max(0, _status_kib('VmHWM') - self.start) * 1024
         except OSError: return 0
 
-def tokenize_rate(encoder, slices, ahead=2) -> tuple:
-    "Encode `slices` (lists of texts) with up to `ahead` more in flight, as the loader does: `(tokens, seconds)`."
+def tokenize_rate(encoder,      # a `ProcessEncoder` or `DocEncoder`
+                  units,        # the messages: lists of texts (or of `Request`s, with `submit`)
+                  ahead=2,      # messages in flight beyond the one waited for
+                  submit=None   # `unit -> handle` (default: `encoder.submit`)
+                 ) -> tuple:
+    "Send `units` with up to `ahead` more in flight, as the encode stage does: `(tokens, seconds)`."
+    submit = submit or encoder.submit
     pending, n, t0 = deque(), 0, time.perf_counter()
-    for sl in slices:
-        pending.append(encoder.submit(sl))
+    for u in units:
+        pending.append(submit(u))
         if len(pending) > ahead: n += encoder.result(pending.popleft()).ntokens
     while pending: n += encoder.result(pending.popleft()).ntokens
     return n, time.perf_counter() - t0
+
+def loader_units(files,            # the shards the loader read
+                 skip:int,         # documents the loader pulled before the timed batches
+                 docs:int,         # documents it pulled during them
+                 batch_size=128    # its slice size
+                ) -> tuple:
+    "The loader's messages to its encoder for the `docs` documents after the first `skip`, cut as `EncodeStage` cuts them: `(units of slices, the source)`."
+    src = RowGroupSource(RowGroupReader(files, batch_size=batch_size))
+    n, units, cur, size = 0, [], [], 0
+    while n < skip + docs:
+        s = next(src)
+        if n >= skip:
+            cur.append(s); size += s.hi - s.lo
+            if size >= _UNIT_MAX or (size >= _UNIT_DOCS and s.hi == src.rows(s.file, s.rg)): units.append(cur); cur, size = [], 0
+        n += s.hi - s.lo
+    return units + ([cur] if cur else []), src
 
 def _waste(m0, m1) -> float:
     "Waste % between two packer counter snapshots, as the packer's own metrics define it."
     d = {k: m1[k] - m0[k] for k in ('cropped', 'padded', 'emitted')}
     return _pct(d['cropped'] + d['padded'], d['emitted'] + d['cropped'])
 
-BENCH_KINDS = ('reference', 'dropin', 'best', 'tokenize')
+BENCH_KINDS = ('reference', 'dropin', 'best', 'tokenize', 'read')
 
 def _settle_gc(gc_mode):
     "What a training loop does with Python's garbage collector after its first step: 'freeze' (nanochat's: collect, freeze, disable) or 'on' (checked by `bench_one`)."
     if gc_mode == 'freeze': gc.collect(); gc.freeze(); gc.disable()
 
 class _CpuMeter:
-    "CPU used between `start()` and `stop()` by this process and by `encoder`'s worker processes, what the encoder reports spending on encoding, and what `producer` spent packing."
-    def __init__(self, encoder, producer=None): self.enc, self.prod = encoder, producer
-    def _now(self): return (time.process_time(), getattr(self.enc, 'worker_cpu_s', None), getattr(self.enc, 'encode_cpu_s', None),
-                            getattr(self.prod, 'pack_cpu_s', None))
+    "CPU used between `start()` and `stop()`: by this process; by `encoder`'s worker processes, in all, reading and encoding; and by `loader`'s stages in its threads."
+    def __init__(self, encoder=None, loader=None): self.enc, self.ld = encoder, loader
+    def _now(self) -> dict:
+        e, ld = self.enc, self.ld
+        return dict(main=time.process_time(), worker=getattr(e, 'worker_cpu_s', None), encode=getattr(e, 'encode_cpu_s', None),
+                    read=getattr(e, 'read_cpu_s', None), stage=ld and ld.encode.cpu_s, pack=ld and ld.pack.pack_cpu_s,
+                    state=ld and ld._producer.state_cpu_s)
     def start(self): self.t0 = self._now()
-    def stop(self, not_mine=0.0) -> dict:
-        "`main_cpu_s` (less `not_mine`, the benchmark's own work), `worker_cpu_s`, `encode_cpu_s`, `pack_cpu_s`; `outside_pct`: the share of all that CPU not spent encoding, and `outside_nopack_pct`: the same with the packing CPU left out (None where not known)."
-        (c0, w0, e0, p0), (c1, w1, e1, p1) = self.t0, self._now()
-        main = c1 - c0 - not_mine
-        work = None if w0 is None else w1 - w0        # None: threads, their CPU is this process's
-        enc = None if e0 is None else e1 - e0
-        pack = None if p0 is None else min(p1 - p0, max(main, 0.0))   # (a batch under way at either end: never more than the process used)
-        total = main + (work or 0.0)
+    def stop(self, not_mine=0.0, consumer=None) -> dict:
+        "CPU seconds: `main` (less `not_mine`, the benchmark's own work), `worker`, `encode`, `read`, the encode stage's (`stage`), `pack`, `state`, and `consumer` (given: the training thread's, in `next`); `outside_pct`: the share of all of it not spent encoding; `outside_nopack_pct`: the same with the packing left out (None where not known)."
+        a, b = self.t0, self._now()
+        d = {k: None if a[k] is None else b[k] - a[k] for k in a}
+        main = d['main'] - not_mine
+        enc, pack = d['encode'], None if d['pack'] is None else min(d['pack'], max(main, 0.0))   # (a batch under way at either end)
+        total = main + (d['worker'] or 0.0)                        # (threads: their CPU is this process's)
         share = lambda t: 100.0 * (1 - enc / t) if enc is not None and t > 0 else None
-        return dict(main_cpu_s=main, worker_cpu_s=work, encode_cpu_s=enc, pack_cpu_s=pack, outside_pct=share(total),
+        return dict(main_cpu_s=main, worker_cpu_s=d['worker'], encode_cpu_s=enc, read_cpu_s=d['read'], stage_cpu_s=d['stage'],
+                    pack_cpu_s=pack, state_cpu_s=d['state'], consumer_cpu_s=consumer, outside_pct=share(total),
                     outside_nopack_pct=max(0.0, share(total - pack)) if pack is not None and enc is not None else None)
 
-def bench_one(kind, data_dir=None, tokenizer_dir=None, B=32, T=2048, warmup=3, batches=20, threads=4, buffer_size=1000,
-              best='bestfit-split', docs=None, skip=0, gc_mode='freeze') -> dict:
-    "Time one contender of the benchmark in this process: 'reference', 'dropin', 'best', or 'tokenize' (`docs` documents after the first `skip`)."
+def _encode_only(kind, tok, files, threads, docs, skip, gc_mode) -> dict:
+    "(d) 'tokenize': the texts of the loader's messages, read beforehand, sent to the workers; (e) 'read': the same messages as addresses, the workers read them. Three times over, with as many in flight as the loader keeps."
+    units, src = loader_units(files, skip, docs)
+    enc = make_encoder(tok, threads)
+    rt = RowGroupTexts()
+    par = getattr(enc, 'workers', None) or getattr(enc, 'threads', 1)
+    if kind == 'tokenize':   # text: each message cut in one part per worker, one message ahead (a pipe then never holds more than it takes)
+        work, ahead = [[t for f, g, rows in _runs(u) for t in rt(files[f], g, rows)] for u in units], par
+        submit = lambda texts: enc.submit(texts, spread=True)
+    else:                    # addresses, as the encode stage sends them: each message to one worker, two per worker ahead
+        work, ahead = [[src.request(f, g, rows) for f, g, rows in _runs(u)] for u in units], 2 * par
+        submit = lambda reqs: enc.submit_read(reqs)
+    rt.close()
+    enc.result(submit(work[0]))                                                    # start the workers outside the timing
+    _settle_gc(gc_mode)
+    cpu = _CpuMeter(enc)
+    cpu.start()
+    n, dt = tokenize_rate(enc, work * 3, ahead, submit)   # the same documents three times over: a ceiling, not a short sprint
+    used = cpu.stop()
+    enc.close(); src.close()
+    return dict(wall_s=dt, tokenize_s=dt, tokenized=n, delivered=None, waste_pct=None, docs=sum(s.hi - s.lo for u in units for s in u),
+                skip=skip, digests=[], batches=None, **used)
+
+def bench_one(kind,                  # 'reference', 'dropin', 'best', 'tokenize' or 'read'
+              data_dir=None,         # the shard folder
+              tokenizer_dir=None,    # the tokenizer folder
+              B=32,                  # rows per batch
+              T=2048,                # tokens per row
+              warmup=3,              # untimed batches first
+              batches=20,            # timed batches
+              threads=4,             # tokenizer workers
+              buffer_size=1000,      # documents in the packing buffer
+              best='bestfit-split',  # the strategy of 'best'
+              docs=None,             # 'tokenize', 'read': documents, as many as a loader pulled in its timed batches ...
+              skip=0,                # ... after the first `skip`
+              gc_mode='freeze'       # 'freeze' or 'on' after warm-up
+             ) -> dict:
+    "Time one contender of the benchmark in this process."
     if kind not in BENCH_KINDS: raise ValueError(f"kind={kind!r}: expected one of {BENCH_KINDS}")
     _check_bench(B, T, warmup, batches, threads, buffer_size, best, 1, gc_mode)
     tok, files = get_tokenizer(tokenizer_dir), split_files('train', data_dir)
     os.environ['NANOCHAT_DL_DATA_DIR'] = str(get_data_dir(data_dir))     # where the drop-in looks
     mem = _PeakMemory()
-    if kind == 'tokenize':
-        docs = max(1, check_int('docs', docs, 0))   # a loader that pulled nothing in its timed batches: one document
-        reader, texts = RowGroupReader(files, batch_size=128), []
-        while len(texts) < skip + docs: texts += next(reader).texts
-        texts = texts[skip:skip + docs]     # the documents a loader pulled in its timed batches, in the same order
-        enc = make_encoder(tok, threads)
-        k = 128 * _group_size(enc, 128)                              # the loader's calls: a group of 128-document slices
-        slices = [texts[i:i + k] for i in range(0, docs, k)]
-        enc(slices[0])                                                # start the workers outside the timing
-        _settle_gc(gc_mode)
-        cpu = _CpuMeter(enc)
-        cpu.start()
-        # the same documents three times over, a call in flight while the next is sent: a ceiling, not a short sprint
-        n, dt = tokenize_rate(enc, slices * 3, ahead=2)
-        used = cpu.stop()
-        enc.close()
-        return dict(kind=kind, wall_s=dt, tokenize_s=dt, tokenized=n, delivered=None, waste_pct=None, docs=docs, skip=skip,
-                    digests=[], peak_rss=mem.growth(), batches=None, **used)
+    if kind in ('tokenize', 'read'):
+        docs = max(1, check_int('docs', docs, 0))   # a loader that pulled nothing in its timed batches: one slice
+        return dict(kind=kind, peak_rss=mem.growth(), **_encode_only(kind, tok, files, threads, docs, skip, gc_mode))
     tt = ld = None
     if kind == 'reference':
         tt, packer = _TimedTokenizer(tok), ReferencePacker(T, buffer_size, tok.get_bos_token_id())
@@ -276,30 +351,33 @@ def bench_one(kind, data_dir=None, tokenizer_dir=None, B=32, T=2048, warmup=3, b
     else:
         it = ld = PackedLoader(tok, B, T, files=files, strategy=best, tokenizer_threads=threads, buffer_size=buffer_size, device='cpu')
     packer = ld.packer if ld is not None else packer
-    cpu = _CpuMeter(*((ld._producer.encoder, ld._producer) if ld is not None else (None, None)))
-    digests, tok_s, tokenized, padded, digest_cpu = [], 0.0, 0, 0, 0.0
+    counters = lambda: ld.state_dict()['stages']['pack']['metrics'] if ld is not None else packer.metrics_state()
+    cpu = _CpuMeter(*((ld.encoder, ld) if ld is not None else (None, None)))
+    digests, tok_s, tokenized, padded, digest_cpu, consumer = [], 0.0, 0, 0, 0.0, 0.0
     for i in range(warmup + batches):
         if i == warmup:
             _settle_gc(gc_mode)
             cpu.start()
-            t0, m0 = time.perf_counter(), (ld.state_dict()['metrics'] if ld is not None else packer.metrics_state())
+            t0, m0 = time.perf_counter(), counters()
             if tt is not None: s0, k0 = tt.seconds, tt.tokens
+        c0 = time.thread_time()
         got = next(it)
+        c1 = time.thread_time()
         x, y = (got.inputs, got.targets) if isinstance(got, LoaderBatch) else got[:2]
         if i >= warmup:
-            d0 = time.thread_time(); digests.append(_digest(x, y)); digest_cpu += time.thread_time() - d0   # the benchmark's, not the loader's
+            consumer += c1 - c0
+            digests.append(_digest(x, y)); digest_cpu += time.thread_time() - c1   # the benchmark's, not the loader's
             if ld is not None:
                 m = ld.last_metrics
                 tok_s += m['tokenize_s']; tokenized += m['tokens_in']; padded += m['tokens_padded']
     wall = time.perf_counter() - t0
-    used = cpu.stop(not_mine=digest_cpu)
+    used = cpu.stop(not_mine=digest_cpu, consumer=consumer if ld is not None else None)
     if tt is not None: tok_s, tokenized = tt.seconds - s0, tt.tokens - k0
-    m1 = ld.state_dict()['metrics'] if ld is not None else packer.metrics_state()   # a producer may be ahead: the counters as of the last batch handed out
-    docs_in = m1['docs_in'] - m0['docs_in']
+    m1 = counters()   # a producer may be ahead: the counters as of the last batch handed out
     it.close()
     return dict(kind=kind, strategy='bestfit-crop' if kind != 'best' else best, wall_s=wall, batches=batches,
                 delivered=batches * B * T - padded, tokenize_s=tok_s, tokenized=tokenized, waste_pct=_waste(m0, m1),
-                docs=docs_in, skip=m0['docs_in'], digests=digests, peak_rss=mem.growth(), **used)
+                docs=m1['docs_in'] - m0['docs_in'], skip=m0['docs_in'], digests=digests, peak_rss=mem.growth(), **used)
 
 def _bench_subprocess(spec) -> dict:
     code = ("import json, sys; from nanochat_dl.bench import bench_one; "
@@ -317,42 +395,61 @@ def _check_bench(B, T, warmup, batches, threads, buffer_size, best, repeats, gc_
     if best not in STRATEGIES: raise ValueError(f"best={best!r}: expected one of {list(STRATEGIES)}")
     if gc_mode not in ('freeze', 'on'): raise ValueError(f"gc_mode={gc_mode!r}: expected 'freeze' or 'on'")
 
-def run_bench(data_dir=None, tokenizer_dir=None, B=32, T=2048, warmup=3, batches=30, threads=4, buffer_size=1000,
-              best='bestfit-split', repeats=3, gc_mode='freeze', progress=print) -> dict:
-    "The four contenders (and (b), (d) again with one tokenizer worker), each in a fresh process on the same shards and tokenizer, `repeats` rounds; the best round of each, and the ratios."
+_RUNS = [('reference', {}), ('dropin', {}), ('best', {}), ('tokenize', {}), ('read', {}), ('dropin', dict(threads=1)), ('tokenize', dict(threads=1))]
+_VS = {'dropin': 'tokenize', 'best': 'tokenize', 'dropin1': 'tokenize1', 'read': 'tokenize'}   # tokenized tokens/s against tokenizing alone, same workers
+
+def run_bench(data_dir=None,                        # the shard folder
+              tokenizer_dir=None,                  # the tokenizer folder
+              B=32,                                # rows per batch
+              T=2048,                              # tokens per row
+              warmup=10,                           # untimed batches
+              batches=90,                          # timed batches
+              threads=4,                           # tokenizer workers
+              buffer_size=1000,                    # documents in the packing buffer
+              best='bestfit-split',                # the strategy of contender (c)
+              repeats=3,                           # rounds; each contender's best round is kept
+              gc_mode='freeze',                    # the garbage collector after warm-up: 'freeze' or 'on'
+              progress=print                       # where to say which contender runs (None: nowhere)
+             ) -> dict:
+    "Every contender in a fresh process on the same shards and tokenizer, `repeats` rounds: the best round of each, and the ratios within rounds."
     _check_bench(B, T, warmup, batches, threads, buffer_size, best, repeats, gc_mode)
     spec = dict(data_dir=None if data_dir is None else str(data_dir), tokenizer_dir=None if tokenizer_dir is None else str(tokenizer_dir),
                 B=B, T=T, warmup=warmup, batches=batches, threads=threads, buffer_size=buffer_size, best=best, repeats=repeats,
                 gc_mode=gc_mode)
-    runs = [('reference', {}), ('dropin', {}), ('best', {}), ('tokenize', {}), ('dropin', dict(threads=1)), ('tokenize', dict(threads=1))]
-    res, identical, slower = {}, True, {k: [] for k in ('dropin', 'best', 'dropin1')}
+    res, identical, ratios, cpu_ratios = {}, True, {k: [] for k in _VS}, {k: [] for k in _VS}
     for rep in range(repeats):                        # rounds interleave the contenders, so a slow spell hits all of them
         got = {}
-        for kind, extra in runs:
+        for kind, extra in _RUNS:
             name = kind + ('1' if extra else '')
             if progress: progress(f"  round {rep + 1}/{repeats}: {name} ...")
-            if kind == 'tokenize':   # the very documents the drop-in tokenized in its timed batches
+            if kind in ('tokenize', 'read'):   # the very documents the drop-in tokenized in its timed batches
                 src = got['dropin1' if extra else 'dropin']
                 extra = dict(extra, docs=src['docs'], skip=src['skip'])
             one = {k: v for k, v in spec.items() if k != 'repeats'}
             got[name] = r = _bench_subprocess(dict(one, kind=kind, **extra))
             r['tokenized_per_s'] = r['tokenized'] / r['wall_s']
+            r['cpu_per_token'] = (r['main_cpu_s'] + (r['worker_cpu_s'] or 0.0)) / max(r['tokenized'], 1)   # all its CPU, workers included
             r['delivered_per_s'] = r['delivered'] / r['wall_s'] if r['delivered'] is not None else None
             key = 'tokenized_per_s' if r['delivered'] is None else 'delivered_per_s'
             if name not in res or r[key] > res[name][key]: res[name] = r
         identical &= got['reference']['digests'] == got['dropin']['digests']
-        for k in slower:   # within the round: tokenizing as part of the loader against tokenizing alone, same workers
-            slower[k].append(100.0 * (1 - got[k]['tokenized_per_s'] / got['tokenize1' if k.endswith('1') else 'tokenize']['tokenized_per_s']))
+        for k, v in _VS.items():
+            ratios[k].append(100.0 * got[k]['tokenized_per_s'] / got[v]['tokenized_per_s'])
+            cpu_ratios[k].append(100.0 * got[v]['cpu_per_token'] / got[k]['cpu_per_token'])
     a, b, c = res['reference'], res['dropin'], res['best']
     return dict(config=spec, results=res, b_over_a=b['delivered_per_s'] / a['delivered_per_s'],
-                slower_pct={k: float(np.median(v)) for k, v in slower.items()},
+                of_tokenize_pct={k: float(np.median(v)) for k, v in ratios.items()},
+                of_tokenize_cpu_pct={k: float(np.median(v)) for k, v in cpu_ratios.items()},
                 c_over_a=c['delivered_per_s'] / a['delivered_per_s'], identical=identical, cpus=os.cpu_count())
 
-def format_bench_table(r) -> str:
-    "`run_bench`'s result as the table the CLI prints."
+def _ms(x, k): return 1e3 * x[k] / x['batches'] if x.get(k) is not None and x.get('batches') else None
+
+def format_bench_table(r # `run_bench`'s result
+                      ) -> str:
+    "`run_bench`'s result as the table the CLI prints, with where the training process's CPU goes and what the goals ask."
     c, res = r['config'], r['results']
     names = {'reference': '(a) reference loader', 'dropin': '(b) drop-in', 'best': f"(c) {c['best']}", 'tokenize': '(d) tokenize only',
-             'dropin1': "(b') drop-in, 1 worker", 'tokenize1': "(d') tokenize, 1 worker"}
+             'read': '(e) read+tokenize', 'dropin1': "(b') drop-in, 1 worker", 'tokenize1': "(d') tokenize, 1 worker"}
     out = [f"B={c['B']} T={c['T']} buffer_size={c['buffer_size']} tokenizer_threads={c['threads']}, {c['batches']} timed batches "
            f"after {c['warmup']} warm-up, best of {c['repeats']} rounds, {r['cpus']} CPUs, GC {c['gc_mode']} after warm-up",
            f"{'':<24}{'delivered':>11}{'tokenized':>11}{'waste':>8}{'CPU ms':>8}{'CPU':>9}{'peak mem':>10}",
@@ -361,20 +458,31 @@ def format_bench_table(r) -> str:
         x = res[k]
         dl = f"{x['delivered_per_s'] / 1e6:>11.3f}" if x['delivered_per_s'] is not None else f"{'-':>11}"
         w = f"{x['waste_pct']:>8.1f}" if x['waste_pct'] is not None else f"{'-':>8}"
-        ms = f"{1e3 * x['main_cpu_s'] / x['batches']:>8.1f}" if x.get('batches') else f"{'-':>8}"
+        ms = f"{_ms(x, 'main_cpu_s'):>8.2f}" if x.get('batches') else f"{'-':>8}"
         o = f"{x['outside_pct']:>8.1f}%" if x['outside_pct'] is not None else f"{'-':>9}"
         out.append(f"{n:<24}{dl}{x['tokenized_per_s'] / 1e6:>11.3f}{w}{ms}{o}{human_bytes(x['peak_rss']):>10}")
     out.append(f"b/a = {r['b_over_a']:.2f} (target >= 1.5), identical batches: {r['identical']}")
     out.append(f"c/a = {r['c_over_a']:.2f} (target >= 2.5, delivered tokens/s)")
+    pc, cc = r['of_tokenize_pct'], r['of_tokenize_cpu_pct']
+    out.append(f"tokenized tokens/s as a share of tokenizing alone with the same workers, (d) (median of the rounds' ratios): "
+               f"(b) {pc['dropin']:.1f}% (goal >= 90%), (c) {pc['best']:.1f}%, (e) {pc['read']:.1f}%; (b') of (d') {pc['dropin1']:.1f}%")
+    out.append(f"the same from CPU, which other work on the machine does not move ((d)'s CPU per tokenized token, workers included, over "
+               f"the contender's): (b) {cc['dropin']:.1f}%, (c) {cc['best']:.1f}%, (e) {cc['read']:.1f}%; (b') of (d') {cc['dropin1']:.1f}%")
+    b = res['dropin']
+    parts = [(k, _ms(b, k)) for k in ('stage_cpu_s', 'pack_cpu_s', 'state_cpu_s', 'consumer_cpu_s')]
+    if all(v is not None for _, v in parts):
+        rest = _ms(b, 'main_cpu_s') - sum(v for _, v in parts)
+        out.append(f"(b) training process CPU per batch: {_ms(b, 'main_cpu_s'):.2f} ms (goal <= 2 ms) = encode stage {parts[0][1]:.2f} "
+                   f"(planning, sending, receiving) + packing {parts[1][1]:.2f} + states {parts[2][1]:.2f} + next() and transfer "
+                   f"{parts[3][1]:.2f} + the rest {rest:.2f} (thread switches, the queue, select)")
+    w = b.get('worker_cpu_s')
+    if w is not None and b.get('read_cpu_s') is not None:
+        out.append(f"(b) tokenizer workers' CPU: {100 * b['encode_cpu_s'] / w:.1f}% encoding, {100 * b['read_cpu_s'] / w:.1f}% reading "
+                   f"parquet, {100 * (1 - (b['encode_cpu_s'] + b['read_cpu_s']) / w):.1f}% the rest (messages)" if w > 0 else
+                   "(b) tokenizer workers' CPU: no answer arrived during the timed batches")
     pct = lambda k: f"{res[k]['outside_pct']:.1f}%" if res[k]['outside_pct'] is not None else 'n/a'
-    out.append(f"CPU outside tokenization (1 - encoding CPU / all CPU, workers included): (b) {pct('dropin')}, (c) {pct('best')}, "
-               f"(b') {pct('dropin1')} (target < 10%); tokenizing alone through the same workers, (d): {pct('tokenize')}, (d') {pct('tokenize1')}")
-    nop = lambda k: f"{res[k]['outside_nopack_pct']:.1f}%" if res[k].get('outside_nopack_pct') is not None else 'n/a'
-    out.append(f"the same with the packing CPU left out (what a packer that cost nothing would leave): (b) {nop('dropin')}, "
-               f"(c) {nop('best')}, (b') {nop('dropin1')}")
-    sl = r['slower_pct']
-    out.append(f"tokenized tokens/s below tokenizing alone (median of the rounds' ratios, same workers): (b) {sl['dropin']:.1f}%, "
-               f"(c) {sl['best']:.1f}%, (b') {sl['dropin1']:.1f}%")
+    out.append(f"CPU outside encoding (1 - encoding CPU / all CPU, workers included): (b) {pct('dropin')}, (c) {pct('best')}, "
+               f"(b') {pct('dropin1')}; (d) {pct('tokenize')}, (e) {pct('read')}, (d') {pct('tokenize1')}")
     return '\n'.join(out)
 
 @call_parse
@@ -383,14 +491,14 @@ def bench_cli(data_dir: str = None,        # shard folder (default: $NANOCHAT_DL
               vocab_size: int = 8192,      # vocabulary size of a tokenizer trained here
               B: int = 32,                 # rows per batch
               T: int = 2048,               # tokens per row
-              warmup: int = 3,             # untimed batches first
-              batches: int = 30,           # timed batches per contender
+              warmup: int = 10,            # untimed batches first (the loader's read-ahead fills)
+              batches: int = 90,           # timed batches per contender (long against the read-ahead, a few hundred thousand tokens)
               threads: int = 4,            # tokenizer workers, at most one per CPU (nanochat's tokenizer_threads default is 4)
               buffer_size: int = 1000,     # documents in the packing buffer
               best: str = 'bestfit-split',  # the strategy of contender (c)
               repeats: int = 3,            # rounds; each contender's best round is reported
               gc_mode: str = 'freeze'):    # after warm-up: 'freeze' the garbage collector as nanochat's training loop does, or leave it 'on'
-    "Benchmark nanochat's loader structure against the drop-in, the best strategy and raw tokenization; print a table."
+    "Benchmark nanochat's loader structure against the drop-in, the best strategy and the tokenizer workers alone; print a table."
     try:
         _check_bench(B, T, warmup, batches, threads, buffer_size, best, repeats, gc_mode)
         d = _ensure_shards(data_dir)

@@ -24,25 +24,47 @@ def _dropin_device(device):
 
 class NanochatStream:
     "What the drop-in functions return: nanochat's tuples from a `PackedLoader` (kept in `.loader`); `close()` stops it."
-    def __init__(self, loader, with_state=True): self.loader, self.with_state = loader, with_state
+    def __init__(self, loader,             # the `PackedLoader` that makes the batches
+                 with_state:bool=True):    # yield `(inputs, targets, state_dict)`, or `(inputs, targets)`
+        self.loader, self.with_state = loader, with_state
     def __iter__(self): return self
     def __next__(self):
         b = next(self.loader)
         return (b.inputs, b.targets, b.state) if self.with_state else (b.inputs, b.targets)
-    def close(self): self.loader.close()
+    def close(self):
+        "Stop the loader: its background thread and its tokenizer workers."
+        self.loader.close()
     def __enter__(self): return self
     def __exit__(self, *exc): self.close()
     def __repr__(self): return f"NanochatStream({self.loader!r})"
 
-def tokenizing_distributed_data_loader_with_state_bos_bestfit(tokenizer, B, T, split, tokenizer_threads=4, tokenizer_batch_size=128,
-                                                              device="cuda", resume_state_dict=None, buffer_size=1000):
+def tokenizing_distributed_data_loader_with_state_bos_bestfit(
+        tokenizer,                  # nanochat's tokenizer (or this package's): `encode`, `get_bos_token_id`; a tiktoken core is driven directly
+        B,                          # rows per batch
+        T,                          # tokens per row
+        split,                      # 'train' or 'val'
+        tokenizer_threads=4,        # tokenizer worker processes (at most one per CPU)
+        tokenizer_batch_size=128,   # documents per slice of a row group
+        device="cuda",              # where the batches go ('cuda' falls back to the CPU, with a warning, when there is no CUDA)
+        resume_state_dict=None,     # a state this function yielded (exact resume), or nanochat's `{pq_idx, rg_idx, epoch}`
+        buffer_size=1000):          # documents in the packing buffer
     "nanochat's loader by name and signature: yields `(inputs, targets, state_dict)` forever, token for token nanochat's batches; `state_dict` resumes exactly."
     loader = PackedLoader(tokenizer, B, T, split, tokenizer_threads=tokenizer_threads, tokenizer_batch_size=tokenizer_batch_size,
                           device=_dropin_device(device), resume_state_dict=resume_state_dict, buffer_size=buffer_size)
     return NanochatStream(loader)
 
-def tokenizing_distributed_data_loader_bos_bestfit(*args, **kwargs):
+def tokenizing_distributed_data_loader_bos_bestfit(
+        tokenizer,                  # as `tokenizing_distributed_data_loader_with_state_bos_bestfit`
+        B,                          # rows per batch
+        T,                          # tokens per row
+        split,                      # 'train' or 'val'
+        tokenizer_threads=4,        # tokenizer worker processes
+        tokenizer_batch_size=128,   # documents per slice
+        device="cuda",              # where the batches go
+        resume_state_dict=None,     # a state to resume from
+        buffer_size=1000):          # documents in the packing buffer
     "As `tokenizing_distributed_data_loader_with_state_bos_bestfit`, yielding `(inputs, targets)`."
-    stream = tokenizing_distributed_data_loader_with_state_bos_bestfit(*args, **kwargs)
+    stream = tokenizing_distributed_data_loader_with_state_bos_bestfit(tokenizer, B, T, split, tokenizer_threads, tokenizer_batch_size,
+                                                                       device, resume_state_dict, buffer_size)
     stream.with_state = False
     return stream

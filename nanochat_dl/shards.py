@@ -4,8 +4,8 @@
 
 # %% auto #0
 __all__ = ['SPLITS', 'UTF8_ERRORS', 'split_files', 'toy_text', 'write_toy_shards', 'check_utf8_errors', 'column_texts',
-           'shard_layout', 'row_group_plan', 'rank_documents', 'DocBatch', 'RowGroupReader', 'read_documents',
-           'nanochat_state', 'resume_loss']
+           'shard_layout', 'row_group_plan', 'rank_documents', 'DocBatch', 'Slice', 'RowGroupReader', 'read_documents',
+           'RowGroupTexts', 'nanochat_state', 'resume_loss']
 
 # %% ../nbs/02_shards.ipynb #1d383a2c
 import numpy as np
@@ -15,13 +15,15 @@ from pathlib import Path
 from typing import NamedTuple
 from fastcore.basics import patch
 from .core import get_data_dir, get_dist_info, check_int
-from .dataset import list_parquet_files
 
 # %% ../nbs/02_shards.ipynb #8b13a313
 SPLITS = ('train', 'val')
 
-def split_files(split, data_dir=None) -> list[Path]:
+def split_files(split,            # 'train' (every shard but the last) or 'val' (the last one)
+                data_dir=None     # the shard folder (default: `get_data_dir()`)
+               ) -> list[Path]:
     "The shards of `split`: every shard in `data_dir` but the last for `'train'`, the last one for `'val'`."
+    from nanochat_dl.dataset import list_parquet_files   # here, not at the top: the tokenizer workers import this module
     if split not in SPLITS: raise ValueError(f"split must be 'train' or 'val', got {split!r}")
     d = get_data_dir(data_dir)
     if not d.is_dir():
@@ -39,11 +41,19 @@ def split_files(split, data_dir=None) -> list[Path]:
     return files[-1:]
 
 # %% ../nbs/02_shards.ipynb #88194ba1
-def toy_text(f: int, g: int, r: int) -> str:
+def toy_text(f: int,   # file index
+             g: int,   # row group
+             r: int    # row
+            ) -> str:
     "The text `write_toy_shards` puts at file `f`, row group `g`, row `r`."
     return f"f{f}-g{g}-r{r}"
 
-def write_toy_shards(data_dir, layout, text_column='text', text_fn=toy_text, prefix='shard') -> list[Path]:
+def write_toy_shards(data_dir,                 # folder to write into (created if missing)
+                     layout,                   # `layout[f][g]`: rows of row group `g` of file `f`
+                     text_column='text',       # name of the string column
+                     text_fn=toy_text,         # `(f, g, r) -> str`: the text of each row
+                     prefix='shard'            # file names are `{prefix}_{f:05d}.parquet`
+                    ) -> list[Path]:
     "Write `len(layout)` shards into `data_dir`; `layout[f][g]` is the number of rows of row group `g` of file `f`."
     d = Path(data_dir); d.mkdir(parents=True, exist_ok=True)
     schema = pa.schema([(text_column, pa.string())])
@@ -81,9 +91,16 @@ def _open_shard(path, text_column='text') -> pq.ParquetFile:
 def _rows_per_group(pf) -> tuple[int, ...]:
     return tuple(pf.metadata.row_group(i).num_rows for i in range(pf.num_row_groups))
 
+def _text_bytes(pf, text_column='text') -> tuple[int, ...]:
+    "Uncompressed bytes of `text_column` in each row group, from the footer (what reading and encoding a row group costs)."
+    md = pf.metadata
+    j = next((i for i in range(md.num_columns) if md.schema.column(i).path == text_column), None)
+    return tuple(md.row_group(g).column(j).total_uncompressed_size if j is not None else 0 for g in range(md.num_row_groups))
+
 UTF8_ERRORS = ('strict', 'replace')
 
-def check_utf8_errors(utf8_errors) -> str:
+def check_utf8_errors(utf8_errors # 'strict' or 'replace'
+                     ) -> str:
     "`utf8_errors` if it is 'strict' or 'replace', else a `ValueError` saying what each means."
     if utf8_errors not in UTF8_ERRORS:
         raise ValueError(f"utf8_errors={utf8_errors!r} is invalid: expected 'strict' (text that is not UTF-8 stops the run, naming "
@@ -94,44 +111,69 @@ def _as_bytes(col) -> list:
     "A text column's values as `bytes`, undecoded (the same buffers seen as binary)."
     kind = {pa.string(): pa.binary(), pa.large_string(): pa.large_binary()}.get(col.type)
     if kind is None: kind = pa.binary_view()   # string_view
-    return [b for chunk in col.chunks for b in chunk.view(kind).to_pylist()]
+    chunks = col.chunks if isinstance(col, pa.ChunkedArray) else [col]
+    return [b for chunk in chunks for b in chunk.view(kind).to_pylist()]
 
-def column_texts(col, path, g, text_column='text', utf8_errors='strict') -> list:
-    "A row group's text column as `str`s (None for nulls); text that is not UTF-8 is an error naming the row, or replaced (`utf8_errors`)."
+def column_texts(col,                 # a string column (Arrow array or chunked array)
+                 path,                # the shard it came from, for errors
+                 g,                   # its row group, for errors
+                 text_column='text',  # the column's name, for errors
+                 utf8_errors='strict',  # 'strict': text that is not UTF-8 is an error; 'replace': U+FFFD for undecodable bytes
+                 rows=None            # the row number in the row group of each value (default 0, 1, ...), for errors
+                ) -> list:
+    "A row group's text column (or some of its rows) as `str`s (None for nulls); text that is not UTF-8 is an error naming the row, or replaced (`utf8_errors`)."
     try: return col.to_pylist()                  # the common case: valid UTF-8, decoded by Arrow
     except UnicodeDecodeError: pass
     raw = _as_bytes(col)
     if utf8_errors == 'replace': return [None if b is None else b.decode('utf-8', 'replace') for b in raw]
-    for r, b in enumerate(raw):
+    for i, b in enumerate(raw):
         try: b is None or b.decode('utf-8')
         except UnicodeDecodeError as e:
+            r = i if rows is None else rows[i]
             raise ValueError(f"{path}: row group {g}, row {r}: {text_column!r} is not valid UTF-8 ({e.reason} at byte {e.start}: "
                              f"{b[max(0, e.start - 12):e.end + 12]!r}); pass utf8_errors='replace' (train-tokenizer: --utf8-errors "
                              "replace) to read it with U+FFFD for the undecodable bytes") from None
     raise AssertionError("unreachable: Arrow could not decode a column whose every value is UTF-8")
 
-def _read_group(pf, path, g, text_column, utf8_errors='strict') -> list[str]:
-    "The documents of row group `g`, reading only `text_column`."
-    # use_threads=False: for one column of one row group, Arrow's thread pool adds CPU (about 0.5 ms per
-    # batch in the loader's benchmark) and no speed; that CPU belongs to the tokenizer workers
-    try: col = pf.read_row_group(g, columns=[text_column], use_threads=False).column(0)
+def _read_column(pf, path, g, text_column):
+    "Row group `g`'s `text_column`, undecoded (an Arrow column); errors name the file and row group."
+    if not 0 <= g < pf.num_row_groups: raise ValueError(f"{path}: no row group {g}; it has {pf.num_row_groups}")
+    # use_threads=False: for one column of one row group, Arrow's thread pool adds CPU and no speed;
+    # that CPU belongs to the tokenizer workers
+    try: return pf.read_row_group(g, columns=[text_column], use_threads=False).column(0)
     except (pa.ArrowException, OSError) as e:
         raise ValueError(f"{path}: row group {g} could not be read ({e}); expected a parquet row group "
                          f"with a string column {text_column!r}") from None
-    texts = column_texts(col, path, g, text_column, utf8_errors)
-    if any(t is None for t in texts):
-        raise ValueError(f"{path}: row group {g} has a null {text_column!r}; expected a document in every row")
+
+def _no_nulls(texts, path, g, text_column, rows=None):
+    if None in texts:
+        i = texts.index(None)
+        raise ValueError(f"{path}: row group {g} has a null {text_column!r} (row {i if rows is None else rows[i]}); "
+                         "expected a document in every row")
     return texts
 
-def shard_layout(files, text_column='text') -> list[tuple[int, ...]]:
+def _read_group(pf, path, g, text_column, utf8_errors='strict') -> list[str]:
+    "The documents of row group `g`, reading only `text_column`."
+    return _no_nulls(column_texts(_read_column(pf, path, g, text_column), path, g, text_column, utf8_errors), path, g, text_column)
+
+def shard_layout(files,              # shard paths
+                 text_column='text'  # the string column every shard must have
+                ) -> list[tuple[int, ...]]:
     "Rows in each row group of each shard, from the parquet footers only."
     out = []
     for p in files:
         with _open_shard(p, text_column) as pf: out.append(_rows_per_group(pf))
     return out
 
-def row_group_plan(layout, rank=0, world_size=1, epoch=1, shuffle=False, seed=0, balanced=False) -> list[tuple[int, int]]:
-    "The `(file, row group)` pairs rank `rank` of `world_size` reads in `epoch`, in order. `layout`: row groups per file (counts or `shard_layout`)."
+def row_group_plan(layout,          # row groups per file: counts, or rows per row group (`shard_layout`)
+                   rank=0,          # this rank ...
+                   world_size=1,    # ... of this many
+                   epoch=1,         # the epoch (it seeds the shuffle)
+                   shuffle=False,   # a new order of the split's row groups every epoch
+                   seed=0,          # the shuffle's seed
+                   balanced=False   # stride over the whole split instead of file by file
+                  ) -> list[tuple[int, int]]:
+    "The `(file, row group)` pairs rank `rank` of `world_size` reads in `epoch`, in order."
     rows = [(None,) * c if isinstance(c, (int, np.integer)) else tuple(c) for c in layout]   # None: size unknown
     if not (shuffle or balanced): return [(f, g) for f, n in enumerate(rows) for g in range(rank, len(n), world_size)]
     every = [(f, g) for f, n in enumerate(rows) for g in range(len(n)) if n[g] != 0]         # empty row groups left out
@@ -139,7 +181,10 @@ def row_group_plan(layout, rank=0, world_size=1, epoch=1, shuffle=False, seed=0,
     if balanced: return every[rank::world_size]           # stride over the whole split, not file by file
     return [x for x in every if x[1] % world_size == rank]
 
-def rank_documents(layout, world_size, balanced=False) -> list[int]:
+def rank_documents(layout,          # rows per row group of each file (`shard_layout`)
+                   world_size,      # ranks
+                   balanced=False   # the balanced plan instead of nanochat's striding
+                  ) -> list[int]:
     "Documents each rank reads in one epoch: nanochat's striding (row groups `r, r+W, ...` of each file), or `balanced`."
     return [sum(layout[f][g] for f, g in row_group_plan(layout, r, world_size, balanced=balanced)) for r in range(world_size)]
 
@@ -150,13 +195,28 @@ class DocBatch(NamedTuple):
     addrs: list[tuple[int, int, int]]
     epoch: int
 
+class Slice(NamedTuple):
+    "The address of a slice, nothing read: rows `lo` to `hi` (excluded) of row group `rg` of file `file`, in `epoch`."
+    epoch: int
+    file: int
+    rg: int
+    lo: int
+    hi: int
+
 _CURSOR = ('epoch', 'file', 'rg', 'row')
 _CONFIG = ('rank', 'world_size', 'n_files', 'shuffle', 'seed', 'balanced')
 
 class RowGroupReader:
     "Endless, resumable stream of `DocBatch`es for rank `rank` of `world_size`: its strided row groups, one at a time, epoch after epoch."
-    def __init__(self, files, rank=0, world_size=1, batch_size=128, shuffle=False, seed=0, text_column='text',
-                 balanced=False, utf8_errors='strict'):
+    def __init__(self, files,               # the split's shards, in order
+                 rank=0,                    # this rank ...
+                 world_size=1,              # ... of this many
+                 batch_size=128,            # documents per slice (nanochat's tokenizer_batch_size)
+                 shuffle=False,             # a new row-group order every epoch, from (seed, epoch)
+                 seed=0,                    # the shuffle's seed
+                 text_column='text',        # the string column with one document per row
+                 balanced=False,            # stride over the whole split instead of file by file
+                 utf8_errors='strict'):     # 'strict': text that is not UTF-8 stops the run, naming the row; 'replace': U+FFFD
         self.files = [Path(p) for p in files]
         if not self.files: raise ValueError("RowGroupReader needs at least one shard file, got none")
         for name, v, lo in (('world_size', world_size, 1), ('batch_size', batch_size, 1), ('seed', seed, 0)): check_int(name, v, lo)
@@ -167,6 +227,7 @@ class RowGroupReader:
         self.utf8_errors = check_utf8_errors(utf8_errors)
         self._planned = self.shuffle or self.balanced   # follow an explicit per-epoch plan (needs every footer)
         self._layout = [None] * len(self.files)    # rows per row group of each file, read once from its footer
+        self._bytes = [None] * len(self.files)     # uncompressed bytes of the text column per row group, from the same footer
         self._pf = self._pf_idx = None             # the one open shard
         self._texts = self._texts_at = None        # the one row group in memory
         self._plan = self._plan_epoch = None       # shuffled order of one epoch
@@ -192,7 +253,7 @@ class RowGroupReader:
         if self._pf_idx != f:
             self._close_file()
             self._pf, self._pf_idx = _open_shard(self.files[f], self.text_column), f
-            if self._layout[f] is None: self._layout[f] = _rows_per_group(self._pf)
+            if self._layout[f] is None: self._layout[f], self._bytes[f] = _rows_per_group(self._pf), _text_bytes(self._pf, self.text_column)
         return self._pf
 
     def _close_file(self):
@@ -207,6 +268,13 @@ class RowGroupReader:
     def _rows(self, f) -> tuple[int, ...]:
         if self._layout[f] is None: self._open(f)
         return self._layout[f]
+
+    def text_bytes(self, f:int, # file index
+                   g:int        # row group
+                  ) -> int:
+        "Uncompressed bytes of the text of row group `g` of file `f`, from its footer."
+        self._rows(f)
+        return self._bytes[f][g]
 
     def _group_texts(self, f, g) -> list[str]:
         if self._texts_at != (f, g):
@@ -272,15 +340,24 @@ class RowGroupReader:
 
     def __iter__(self): return self
 
-    def __next__(self) -> DocBatch:
+    def _next_slice(self) -> Slice:
+        "The next slice's address, the cursor left where it is."
         self._settle()
-        f, g, r = self.file, self.rg, self.row
-        texts = self._group_texts(f, g)
-        end = min((r // self.batch_size + 1) * self.batch_size, len(texts))
-        self.row = end
-        batch = DocBatch(texts[r:end], [(f, g, i) for i in range(r, end)], self.epoch)
-        if end == len(texts): self._texts = self._texts_at = None   # finished with this row group
-        return batch
+        r = self.row
+        return Slice(self.epoch, self.file, self.rg, r, min((r // self.batch_size + 1) * self.batch_size, self._rows(self.file)[self.rg]))
+
+    def next_slice(self) -> Slice:
+        "The next slice's address, moving the cursor past it: the footers are read, never the text."
+        s = self._next_slice()
+        self.row = s.hi
+        return s
+
+    def __next__(self) -> DocBatch:
+        s = self._next_slice()
+        texts = self._group_texts(s.file, s.rg)
+        self.row = s.hi
+        if s.hi == len(texts): self._texts = self._texts_at = None   # finished with this row group
+        return DocBatch(texts[s.lo:s.hi], [(s.file, s.rg, i) for i in range(s.lo, s.hi)], s.epoch)
 
     def state_dict(self) -> dict:
         "Where the next unread document is (`epoch, file, rg, row`), plus the settings a resume must match."
@@ -300,7 +377,8 @@ class RowGroupReader:
         k = idx.get((f, g))
         return None if k is None else (epoch, k)
 
-    def check_state(self, sd) -> tuple:
+    def check_state(self, sd # a state from `state_dict()` (possibly through JSON)
+                   ) -> tuple:
         "Check that `sd` is a state of this reader pointing at a document it reads; its cursor `(epoch, file, rg, row)`."
         if not isinstance(sd, dict): raise TypeError(f"reader state must be a dict from RowGroupReader.state_dict(), got {type(sd).__name__}")
         missing = [k for k in _CURSOR + _CONFIG if k not in sd]
@@ -328,7 +406,7 @@ class RowGroupReader:
             raise ValueError(f"reader state has row={r}, but row group {g} of {self.files[f]} has {rows[g]} rows")
         return int(e), int(f), int(g), int(r)
 
-    def load_state_dict(self, sd):
+    def load_state_dict(self, sd): # a state from `state_dict()` (possibly through JSON)
         "Resume exactly at the document `sd` points to (`sd` from `state_dict()`, possibly through JSON)."
         self.epoch, self.file, self.rg, self.row = self.check_state(sd)
         self._k = self._place(self.epoch, self.file, self.rg)[1] if self._planned else 0
@@ -336,8 +414,12 @@ class RowGroupReader:
         return self
 
 # %% ../nbs/02_shards.ipynb #9e9f91e1
-def read_documents(files, addrs, text_column='text', utf8_errors='strict') -> list[str]:
-    "Texts at `addrs` (`(file, row group, row)` into `files`), in the order given; each row group is read once."
+def read_documents(files,                # the shards the addresses point into
+                   addrs,                # `(file index, row group, row)` triples (lists, as JSON gives them, work too)
+                   text_column='text',   # the string column
+                   utf8_errors='strict'  # 'strict' or 'replace' (see `column_texts`)
+                  ) -> list[str]:
+    "Texts at `addrs`, in the order given; each row group is read once."
     files, utf8_errors = [Path(p) for p in files], check_utf8_errors(utf8_errors)
     addrs = [tuple(a) for a in addrs]
     want = {}
@@ -347,22 +429,61 @@ def read_documents(files, addrs, text_column='text', utf8_errors='strict') -> li
         if not 0 <= f < len(files): raise ValueError(f"address file index {f} is out of range: there are {len(files)} files")
         with _open_shard(files[f], text_column) as pf:
             for g in sorted(want[f]):
-                if not 0 <= g < pf.num_row_groups:
-                    raise ValueError(f"{files[f]}: no row group {g}; it has {pf.num_row_groups}")
                 texts = _read_group(pf, files[f], g, text_column, utf8_errors)
                 for r in want[f][g]:
                     if not 0 <= r < len(texts): raise ValueError(f"{files[f]}: row group {g} has {len(texts)} rows, no row {r}")
                     got[f, g, r] = texts[r]
     return [got[a] for a in addrs]
 
+# %% ../nbs/02_shards.ipynb #6cb52a2e
+class RowGroupTexts:
+    "Texts of rows of a row group, by path: one shard kept open and one row group kept decoded (for the next call); errors name the file, row group and row."
+    def __init__(self, text_column='text',    # the string column
+                 utf8_errors='strict'):       # 'strict' or 'replace' (see `column_texts`)
+        self.text_column, self.utf8_errors = text_column, check_utf8_errors(utf8_errors)
+        self._pf = self._path = self._col = self._at = None
+    def _column(self, path, g):
+        if self._at != (path, g):
+            if self._path != path:
+                self.close()
+                self._pf, self._path = _open_shard(path, self.text_column), path
+            self._col = self._at = None                                  # never two row groups at once
+            self._col, self._at = _read_column(self._pf, path, g, self.text_column), (path, g)
+        return self._col
+    def __call__(self, path,     # the shard (a path)
+                 g:int,          # the row group
+                 rows            # the rows: a `range`, or a list of row numbers
+                ) -> list[str]:
+        "The texts of `rows` of row group `g` of `path`, in the order given."
+        col = self._column(path, g)
+        n = len(col)
+        if isinstance(rows, range) and rows.step == 1 and 0 <= rows.start <= rows.stop <= n: part = col.slice(rows.start, len(rows))
+        else:
+            bad = next((r for r in rows if not 0 <= r < n), None)
+            if bad is not None: raise ValueError(f"{path}: row group {g} has {n} rows, no row {bad}")
+            part = col.take(pa.array(rows, pa.int64()))
+        return _no_nulls(column_texts(part, path, g, self.text_column, self.utf8_errors, rows), path, g, self.text_column, rows)
+    def close(self):
+        "Close the shard and drop the decoded row group."
+        if self._pf is not None: self._pf.close()
+        self._pf = self._path = self._col = self._at = None
+
 # %% ../nbs/02_shards.ipynb #95e39b91
-def nanochat_state(batch: DocBatch) -> dict:
+def nanochat_state(batch: DocBatch # a batch from `RowGroupReader`
+                  ) -> dict:
     "The state nanochat's loader would save after handing out `batch`: its file, row group and epoch."
     f, g, _ = batch.addrs[-1]
     return {'pq_idx': int(f), 'rg_idx': int(g), 'epoch': int(batch.epoch)}
 
 @patch(cls_method=True)
-def from_nanochat_state(cls: RowGroupReader, files, state, rank=0, world_size=1, batch_size=128, text_column='text', utf8_errors='strict'):
+def from_nanochat_state(cls: RowGroupReader,
+                        files,                 # the split's shards
+                        state,                 # nanochat's `{pq_idx, rg_idx, epoch}`
+                        rank=0,                # this rank ...
+                        world_size=1,          # ... of this many
+                        batch_size=128,        # documents per slice
+                        text_column='text',    # the string column
+                        utf8_errors='strict'): # 'strict' or 'replace'
     "A reader resumed as nanochat resumes: at the rank's row group after `state['rg_idx']` (skipping the rest of that one)."
     rd = cls(files, rank, world_size, batch_size, text_column=text_column, utf8_errors=utf8_errors)
     f = state['pq_idx']
@@ -371,8 +492,14 @@ def from_nanochat_state(cls: RowGroupReader, files, state, rank=0, world_size=1,
     return rd   # the cursor may point past the file's end: the reader then moves on as nanochat does
 
 # %% ../nbs/02_shards.ipynb #45cf5fa6
-def resume_loss(files, rank=0, world_size=1, batch_size=128, n_batches=None, text_column='text') -> list[int]:
-    "Documents nanochat's resume skips when it restarts after each of the first `n_batches` batches (default: one epoch)."
+def resume_loss(files,               # the split's shards
+                rank=0,              # this rank ...
+                world_size=1,        # ... of this many
+                batch_size=128,      # documents per slice
+                n_batches=None,      # resume after each of the first `n_batches` slices (default: one epoch)
+                text_column='text'   # the string column
+               ) -> list[int]:
+    "Documents nanochat's resume skips when it restarts after each of the first `n_batches` batches."
     rd = RowGroupReader(files, rank, world_size, batch_size, text_column=text_column)
     stream, batches = {}, []      # (epoch, address) -> position in the uninterrupted stream
     while True:

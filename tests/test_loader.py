@@ -12,7 +12,7 @@ from nanochat_dl.loader import PackedLoader, reference_loader
 from nanochat_dl.dataloader import tokenizing_distributed_data_loader_with_state_bos_bestfit
 from nanochat_dl.dataset import make_sample_shards
 from nanochat_dl.packing import STRATEGIES
-from nanochat_dl.shards import split_files, write_toy_shards
+from nanochat_dl.shards import RowGroupReader, split_files, write_toy_shards
 from nanochat_dl.tokenizer import Tokenizer, train_tokenizer
 
 
@@ -82,9 +82,10 @@ def test_dropin_matches_reference(env, monkeypatch, B, T, tbs, buf, rank, ws):
 def test_killed_worker_is_reported(env):
     ld = PackedLoader(env['tok'], 4, 256, data_dir=env['data'], device='cpu', tokenizer_threads=2, tokenize_in='processes')
     next(ld)
-    enc = ld._producer.encoder
+    enc = ld.encoder
+    pids = [p.pid for p in enc._procs]
     for p in enc._procs: p.kill()
-    with pytest.raises(RuntimeError, match='tokenizer worker'):
+    with pytest.raises(RuntimeError, match=rf"tokenizer worker \d \(pid ({'|'.join(map(str, pids))})\) .*exit code -9"):
         for _ in range(200): next(ld)
     with pytest.raises(RuntimeError, match='stopped after an error'): next(ld)
 
@@ -102,7 +103,7 @@ from nanochat_dl.tokenizer import Tokenizer
 tok = Tokenizer.load(sys.argv[2])
 ld = PackedLoader(tok, 8, 512, data_dir=sys.argv[1], device='cpu', tokenizer_threads=2, tokenize_in=sys.argv[3], prefetch=3)
 next(ld)
-print(json.dumps([p.pid for p in getattr(ld._producer.encoder, '_procs', [])]), flush=True)
+print(json.dumps([p.pid for p in getattr(ld.encoder, '_procs', [])]), flush=True)
 # no close(): the interpreter must still exit promptly, and take the workers with it
 """
 
@@ -148,16 +149,17 @@ def test_run_bench_table_at_a_toy_size(env):
     r = run_bench(env['data'], env['tok_dir'], B=4, T=256, warmup=1, batches=40, threads=2, buffer_size=2, repeats=1, progress=None)   # slices of 128 long documents enter inside the window
     assert r['identical'] is True and r['b_over_a'] > 0 and r['c_over_a'] > 0
     res = r['results']
-    assert set(res) == {'reference', 'dropin', 'best', 'tokenize', 'dropin1', 'tokenize1'}
+    assert set(res) == {'reference', 'dropin', 'best', 'tokenize', 'read', 'dropin1', 'tokenize1'}
     assert res['reference']['outside_pct'] is None                    # its encoding time is not known
     if os.name == 'posix':   # worker processes: their encoding CPU is read with all their CPU, the share never falls below 0
-        for k in ('dropin', 'best', 'tokenize', 'dropin1', 'tokenize1'): assert 0 <= res[k]['outside_pct'] <= 100, (k, res[k])
-    assert res['tokenize']['tokenized'] == 3 * res['dropin']['tokenized']   # the same documents, three times
-    assert set(r['slower_pct']) == {'dropin', 'best', 'dropin1'}
+        for k in ('dropin', 'best', 'tokenize', 'read', 'dropin1', 'tokenize1'): assert 0 <= res[k]['outside_pct'] <= 100, (k, res[k])
+    assert res['tokenize']['tokenized'] == res['read']['tokenized'] == 3 * res['dropin']['tokenized']   # the same documents, three times
+    assert set(r['of_tokenize_pct']) == set(r['of_tokenize_cpu_pct']) == {'dropin', 'best', 'dropin1', 'read'}
+    assert all(v > 0 for v in r['of_tokenize_cpu_pct'].values())
     text = format_bench_table(r)
-    for line in ('(a) reference loader', '(b) drop-in', '(c) bestfit-split', '(d) tokenize only', "(b') drop-in, 1 worker",
-                 "(d') tokenize, 1 worker", 'b/a = ', 'identical batches: True', 'c/a = ', 'CPU outside tokenization',
-                 'tokenized tokens/s below tokenizing alone'):
+    for line in ('(a) reference loader', '(b) drop-in', '(c) bestfit-split', '(d) tokenize only', '(e) read+tokenize', "(b') drop-in, 1 worker",
+                 "(d') tokenize, 1 worker", 'b/a = ', 'identical batches: True', 'c/a = ', 'CPU outside encoding',
+                 'as a share of tokenizing alone', 'the same from CPU', '(b) training process CPU per batch', "(b) tokenizer workers' CPU"):
         assert line in text, line
 
 
@@ -237,7 +239,7 @@ def test_close_frees_a_consumer_stuck_on_a_hung_worker(env, monkeypatch):
     ld = PackedLoader(env['tok'], 4, 256, files=split_files('train', env['data']), device='cpu', tokenizer_threads=2,
                       tokenize_in='processes', buffer_size=20)
     next(ld)
-    procs = list(ld._producer.encoder._procs)
+    procs = list(ld.encoder._procs)
     os.kill(procs[0].pid, signal.SIGSTOP)
     got = {}
     def consume():
@@ -275,7 +277,7 @@ POISON = "open({marker!r}, 'a').write({name!r} + '\\n')\nraise ImportError('the 
 
 
 def _poison(folder, marker):
-    for name in ('tiktoken', 'numpy', 'regex'):
+    for name in ('tiktoken', 'numpy', 'regex', 'pyarrow'):
         (folder / f'{name}.py').write_text(POISON.format(marker=str(marker), name=name))
 
 
@@ -361,13 +363,13 @@ def test_a_hung_worker_is_reported_by_next(env, monkeypatch):
     ld = PackedLoader(env['tok'], 4, 256, files=split_files('train', env['data']), device='cpu', tokenizer_threads=2,
                       tokenize_in='processes', buffer_size=20, worker_timeout=(3.0, 0.0))
     next(ld)
-    procs = list(ld._producer.encoder._procs)
+    procs = list(ld.encoder._procs)
     os.kill(procs[0].pid, signal.SIGSTOP)
     try:
         with pytest.raises(RuntimeError) as e:
             for _ in range(10_000): next(ld)
         msg = str(e.value)
-        assert re.search(rf"tokenizer worker 0 \(pid {procs[0].pid}\) was sent \d+ documents \([\d,]+ characters\) [\d.]+ s ago "
+        assert re.search(rf"tokenizer worker 0 \(pid {procs[0].pid}\) was sent \d+ documents \([\d,]+ bytes of text\) [\d.]+ s ago "
                          r"and has not answered for [\d.]+ s \(allowed 3\.0 s: 3 s \+ 0 s per character\); its state: T \(stopped\): it looks hung", msg), msg
         ld.close()
         assert all(p.poll() is not None for p in procs)
@@ -420,7 +422,7 @@ def test_next_from_several_threads(env, prefetch):
               buffer_size=50, copy=True, prefetch=prefetch)
     n, k = 96, 6
     with PackedLoader(env['tok'], **kw) as ld:
-        want = {b.state['step']: (b.inputs.clone(), b.targets.clone(), json.dumps(b.state)) for b in itertools.islice(ld, n)}
+        want = {b.state['stages']['batch']['step']: (b.inputs.clone(), b.targets.clone(), json.dumps(b.state)) for b in itertools.islice(ld, n)}
     got, errors = [], []
     with PackedLoader(env['tok'], **kw) as ld:
         start = threading.Barrier(k)
@@ -428,7 +430,7 @@ def test_next_from_several_threads(env, prefetch):
             start.wait()
             try:
                 for _ in range(n // k):
-                    b = next(ld); got.append((b.state['step'], b.inputs, b.targets, json.dumps(b.state)))
+                    b = next(ld); got.append((b.state['stages']['batch']['step'], b.inputs, b.targets, json.dumps(b.state)))
             except Exception as e: errors.append(e)
         threads = [threading.Thread(target=take) for _ in range(k)]
         if prefetch: _until(lambda: ld._q.full(), 30)          # batches waiting: the threads take them at the same moment
@@ -513,14 +515,20 @@ class Reads:
     def __init__(self, monkeypatch):
         from nanochat_dl import encode, loader, shards
         self.n = 0
-        for mod, name in ((loader, 'read_documents'), (shards, '_read_group')):
+        for mod, name in ((loader, 'read_documents'), (shards, '_read_group'), (shards, '_read_column')):
             orig = getattr(mod, name)
             def spy(*a, _orig=orig, **k): self.n += 1; return _orig(*a, **k)
             monkeypatch.setattr(mod, name, spy)
-        for cls in (encode.DocEncoder, encode.ProcessEncoder):
-            orig = cls.submit
-            def spy_submit(me, texts, _orig=orig): self.n += 1; return _orig(me, texts)
-            monkeypatch.setattr(cls, 'submit', spy_submit)
+        for cls, name in ((encode.DocEncoder, 'submit'), (encode.DocEncoder, 'submit_read'), (encode.ProcessEncoder, 'submit'),
+                          (encode.ProcessEncoder, 'submit_read')):
+            orig = getattr(cls, name)
+            def spy_submit(me, *a, _orig=orig, **k): self.n += 1; return _orig(me, *a, **k)
+            monkeypatch.setattr(cls, name, spy_submit)
+
+
+def stages_with(sd, stage, **kv):
+    "`sd` with some entries of one stage's state replaced."
+    return {**sd, 'stages': {**sd['stages'], stage: {**sd['stages'][stage], **kv}}}
 
 
 def refused(env, sd, strategy='bestfit-crop'):
@@ -532,35 +540,64 @@ def refused(env, sd, strategy='bestfit-crop'):
 
 def test_hand_edited_states_are_refused_naming_the_field(env, runs, monkeypatch):
     full, sd = runs['bestfit-crop']
-    buf = sd['buffer']
+    pack, B = sd['stages']['pack'], "resume_state_dict['stages']['pack']"
+    buf = pack['buffer']
     assert len(buf['row']) >= 3
     reads = Reads(monkeypatch)
     def dup(cols, i, j): return {c: v[:j] + [v[i]] + v[j:] for c, v in cols.items()}
     entry = lambda i: (tuple(buf[c][i] for c in ('epoch', 'file', 'rg', 'row')), buf['offset'][i])
+    metrics = lambda **kv: stages_with(sd, 'pack', metrics={**pack['metrics'], **kv})
+    source = sd['stages']['source']
     cases = [
-        (dict(sd, buffer=dup(buf, 1, 3)), ValueError, re.escape(f"resume_state_dict['buffer']: entry 3 duplicates entry 1 ({entry(1)[0]}, offset 0)")),
-        (dict(sd, buffer={c: v * 600 for c, v in buf.items()}), ValueError,
-         re.escape(f"resume_state_dict['buffer'] holds {600 * len(buf['row'])} documents: a loader with buffer_size=6 and "
+        (stages_with(sd, 'pack', buffer=dup(buf, 1, 3)), ValueError, re.escape(f"{B}['buffer']: entry 3 duplicates entry 1 ({entry(1)[0]}, offset 0)")),
+        (stages_with(sd, 'pack', buffer={c: v * 600 for c, v in buf.items()}), ValueError,
+         re.escape(f"{B}['buffer'] holds {600 * len(buf['row'])} documents: a loader with buffer_size=6 and "
                    "tokenizer_batch_size=4 holds at most 9")),
-        (dict(sd, metrics=dict(sd['metrics'], emitted=-5)), ValueError, re.escape("resume_state_dict['metrics']['emitted']=-5 is invalid: expected an int >= 0")),
-        (dict(sd, metrics=dict(sd['metrics'], rows=2.0)), ValueError, re.escape("resume_state_dict['metrics']['rows']=2.0 is invalid: expected an int >= 0")),
-        (dict(sd, metrics=dict(sd['metrics'], rows='2')), ValueError, re.escape("resume_state_dict['metrics']['rows']='2' is invalid")),
+        (metrics(emitted=-5), ValueError, re.escape(f"{B}['metrics']['emitted']=-5 is invalid: expected an int >= 0")),
+        (metrics(rows=2.0), ValueError, re.escape(f"{B}['metrics']['rows']=2.0 is invalid: expected an int >= 0")),
+        (metrics(rows='2'), ValueError, re.escape(f"{B}['metrics']['rows']='2' is invalid")),
         (dict(sd, epoch=0), ValueError, re.escape("resume_state_dict['epoch']=0 is invalid: expected an int >= 1")),
+        (dict(sd, epoch=sd['epoch'] + 1), ValueError, re.escape(f"resume_state_dict['epoch']={sd['epoch'] + 1} but "
+                                                                "resume_state_dict['stages']['source']['last']['epoch']")),
         (dict(sd, config=[1]), TypeError, re.escape("resume_state_dict['config'] must be a dict, got list")),
         (dict(sd, pq_idx='x'), ValueError, re.escape("resume_state_dict['pq_idx']='x' is invalid: expected an int >= 0")),
-        (dict(sd, reader=5), TypeError, re.escape("resume_state_dict['reader'] must be a dict, got int")),
-        (dict(sd, step=True), ValueError, re.escape("resume_state_dict['step']=True is invalid")),
+        (stages_with(sd, 'source', cursor=5), TypeError, re.escape("resume_state_dict['stages']['source']['cursor'] must be a dict, got int")),
+        (stages_with(sd, 'source', last=None), ValueError, re.escape("resume_state_dict has 'pq_idx', 'rg_idx', 'epoch', but "
+                                                                     "resume_state_dict['stages']['source']['last'] is None")),
+        (stages_with(sd, 'batch', step=True), ValueError, re.escape("resume_state_dict['stages']['batch']['step']=True is invalid")),
+        (stages_with(sd, 'encode', ahead=[1]), ValueError, re.escape("resume_state_dict['stages']['encode'] has unknown keys ['ahead']")),
+        ({**sd, 'stages': {k: v for k, v in sd['stages'].items() if k != 'transfer'}}, ValueError,
+         re.escape("resume_state_dict['stages'] lacks ['transfer']")),
         (dict(sd, extra=1), ValueError, re.escape("resume_state_dict has unknown keys ['extra']")),
         ({k: v for k, v in sd.items() if k != 'format'}, ValueError, re.escape("resume_state_dict lacks 'format'")),
         ({k: v for k, v in sd.items() if k != 'rg_idx'}, ValueError, re.escape("resume_state_dict has 'pq_idx', 'epoch' but not 'rg_idx'")),
-        (dict(sd, buffer=dict(buf, row=[buf['row'][0] + 1000] + buf['row'][1:])), ValueError,
-         re.escape("resume_state_dict['buffer']: entry 0 has row=")),
+        (stages_with(sd, 'pack', buffer=dict(buf, row=[buf['row'][0] + 1000] + buf['row'][1:])), ValueError,
+         re.escape(f"{B}['buffer']: entry 0 has row=")),
         (dict(sd, checksum='0' * 16), ValueError, re.escape("resume_state_dict['checksum'] does not match the state's contents")),
+        (dict(sd, format='nanochat_dl.loader/2'), ValueError,
+         re.escape("resume_state_dict has format 'nanochat_dl.loader/2', written by an earlier version of this loader, which reads "
+                   "'nanochat_dl.loader/3' (the states of its stages: source, encode, pack, batch, transfer); to continue approximately, "
+                   "as nanochat does, pass only the state's 'pq_idx', 'rg_idx' and 'epoch'")),
     ]
+    assert source['last'] == {k: sd[k] for k in ('pq_idx', 'rg_idx', 'epoch')}
     for bad, kind, msg in cases:
         e = refused(env, bad)
         assert isinstance(e, kind) and re.search(msg, str(e)), (msg, repr(e))
     assert reads.n == 0, f"{reads.n} reads or encodings before refusing"
+
+
+def test_a_state_of_format_2_is_refused_and_its_nanochat_fields_continue(env):
+    "A state written by the previous version of the loader (format /2: reader, buffer, metrics and step at the top) is refused with the way to continue, which works."
+    kw = dict(files=env['toy'], **TOYKW)
+    with PackedLoader(env['tok'], **kw) as ld:
+        sd = json.loads(json.dumps(list(itertools.islice(ld, 4))[-1].state))
+    st = sd['stages']
+    old = {'pq_idx': sd['pq_idx'], 'rg_idx': sd['rg_idx'], 'epoch': sd['epoch'], 'format': 'nanochat_dl.loader/2', 'step': st['batch']['step'],
+           'config': sd['config'], 'fingerprint': sd['fingerprint'], 'reader': st['source']['cursor'], 'buffer': st['pack']['buffer'],
+           'metrics': st['pack']['metrics'], 'checksum': '0' * 16}
+    with pytest.raises(ValueError, match=re.escape("format 'nanochat_dl.loader/2', written by an earlier version")): PackedLoader(env['tok'], **kw, resume_state_dict=old)
+    with PackedLoader(env['tok'], **kw, resume_state_dict={k: old[k] for k in ('pq_idx', 'rg_idx', 'epoch')}) as ld:
+        assert ld.resumed == 'approximate' and next(ld).inputs.shape == (2, 24)
 
 
 JSONS = st.recursive(st.none() | st.booleans() | st.integers(-3, 2 ** 64) | st.floats(allow_nan=False) | st.text(max_size=4),
@@ -579,7 +616,9 @@ def _mutate(sd, data):
     "One random edit of a state: a value replaced, nudged or deleted, a key added, list items repeated or dropped, buffer entries duplicated, dropped, swapped or moved."
     sd = json.loads(json.dumps(sd))
     op = data.draw(st.sampled_from(['replace', 'nudge', 'delete', 'add', 'repeat', 'dup_entry', 'drop_entry', 'swap_entries', 'move_entry', 'grow']))
-    buf = sd.get('buffer') if isinstance(sd, dict) and isinstance(sd.get('buffer'), dict) else None
+    buf = sd
+    for k in ('stages', 'pack', 'buffer'): buf = buf.get(k) if isinstance(buf, dict) else None
+    buf = buf if isinstance(buf, dict) else None
     cols = [c for c in ('epoch', 'file', 'rg', 'row', 'offset') if buf and isinstance(buf.get(c), list)]
     n = min((len(buf[c]) for c in cols), default=0) if cols else 0
     if op in ('dup_entry', 'drop_entry', 'swap_entries', 'move_entry', 'grow') and n:
@@ -631,3 +670,80 @@ def test_mutated_states_are_refused_or_resume_exactly(env, runs, monkeypatch, st
         for i, b in enumerate(itertools.islice(ld, len(full) - 9)):
             x0, y0, s0 = full[9 + i]
             assert torch.equal(b.inputs, x0) and torch.equal(b.targets, y0) and json.loads(json.dumps(b.state)) == s0
+
+
+# -- the tokenizer workers read their own rows ----------------------------------------------------------------------------
+
+def _stream(tok, n, **kw):
+    with PackedLoader(tok, **kw) as ld:
+        return [(b.inputs.clone(), b.targets.clone(), json.loads(json.dumps(b.state))) for b in itertools.islice(ld, n)]
+
+
+@pytest.mark.parametrize('strategy', ['bestfit-crop', 'bestfit-split', 'concat'])
+def test_workers_reading_rows_give_the_batches_of_the_text_path(env, strategy):
+    """Workers that read their own rows, workers sent text (the way it was), and threads: the same batches and the same
+    states, on the sample shards (long documents, several epochs of the toy shards), from the start and after a resume."""
+    for files, B, T, tbs, buf, n in ((split_files('train', env['data']), 4, 512, 32, 40, 25), (env['toy'], 3, 24, 4, 6, 30)):
+        kw = dict(files=files, B=B, T=T, tokenizer_batch_size=tbs, buffer_size=buf, strategy=strategy, device='cpu', tokenizer_threads=2)
+        reads = _stream(env['tok'], n, tokenize_in='processes', **kw)
+        texts = _stream(env['tok'], n, tokenize_in='processes', worker_reads=False, **kw)
+        threads = _stream(env['tok'], n, tokenize_in='threads', **kw)
+        for other in (texts, threads):
+            assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) and a[2] == b[2] for a, b in zip(reads, other))
+        again = _stream(env['tok'], n - 10, tokenize_in='processes', resume_state_dict=texts[9][2], **kw)   # a state of the text path
+        assert all(torch.equal(a[0], b[0]) and a[2] == b[2] for a, b in zip(again, reads[10:]))
+
+
+def test_no_text_is_read_in_the_training_process(env, monkeypatch):
+    """With worker processes, the training process reads footers only: no row group is decoded and no text is sent, neither
+    while streaming nor when a resume rebuilds the packing buffer (the workers fetch it)."""
+    from nanochat_dl import encode, shards
+    kw = dict(files=split_files('train', env['data']), B=4, T=512, tokenizer_batch_size=32, buffer_size=40, device='cpu',
+              tokenizer_threads=2, tokenize_in='processes')
+    want = _stream(env['tok'], 14, **kw)
+    calls = []
+    for mod, name in ((shards, '_read_column'), (shards, 'read_documents'), (encode.ProcessEncoder, 'submit')):
+        orig = getattr(mod, name)
+        monkeypatch.setattr(mod, name, lambda *a, _o=orig, _n=name, **k: calls.append(_n) or _o(*a, **k))
+    got = _stream(env['tok'], 6, resume_state_dict=want[7][2], **kw)
+    assert all(torch.equal(a[0], b[0]) and a[2] == b[2] for a, b in zip(got, want[8:]))
+    assert len(want[7][2]['stages']['pack']['buffer']['row']) > 10       # a buffer rebuilt by the workers
+    assert calls == []
+
+
+@pytest.mark.parametrize('tokenize_in,worker_reads', [('processes', True), ('processes', False), ('threads', True)])
+def test_invalid_utf8_is_named_wherever_it_is_read(env, tmp_path, tokenize_in, worker_reads):
+    "Raised in a tokenizer worker (or thread, or this process), the error names the file, row group and row, with the same message."
+    import numpy as np, pyarrow as pa, pyarrow.parquet as pq
+    p = tmp_path / 'shard_00000.parquet'
+    with pq.ParquetWriter(p, pa.schema([('text', pa.string())])) as w:
+        for rows in ([b'one document', b'two documents'], [b'three', b'four \xf0\x28\x8c\x28 bad', b'five']):
+            offsets = np.cumsum([0] + [len(b) for b in rows]).astype(np.int32)
+            w.write_table(pa.table({'text': pa.Array.from_buffers(pa.string(), len(rows), [None, pa.py_buffer(offsets.tobytes()), pa.py_buffer(b''.join(rows))])}))
+    kw = dict(files=[p], device='cpu', tokenizer_threads=2, tokenize_in=tokenize_in, worker_reads=worker_reads, buffer_size=2, tokenizer_batch_size=2)
+    want = f"{p}: row group 1, row 1: 'text' is not valid UTF-8 (invalid continuation byte at byte 5: b'four \\xf0(\\x8c( bad'); pass utf8_errors='replace'"
+    with PackedLoader(env['tok'], 1, 8, **kw) as ld:
+        with pytest.raises(ValueError, match=re.escape(want)):
+            for _ in range(20): next(ld)
+    with PackedLoader(env['tok'], 1, 8, **kw, utf8_errors='replace') as ld:
+        keys = {s.key[2:] for _ in range(20) for row in next(ld).segments for s in row}
+    assert (1, 1) in keys                                                # the bad row, read with U+FFFD
+
+
+def test_time_allowed_for_rows_counts_their_bytes_from_the_footer(env):
+    "A message of rows to read is given `timeout[0] + timeout[1] * bytes` seconds, the bytes of text the footer gives for those rows."
+    from nanochat_dl.encode import ProcessEncoder
+    from nanochat_dl.loader import RowGroupSource
+    src = RowGroupSource(RowGroupReader(split_files('train', env['data']), batch_size=16))
+    slices = [next(src) for _ in range(6)]
+    reqs = [src.request(s.file, s.rg, range(s.lo, s.hi)) for s in slices]
+    rows = src.rows(slices[0].file, slices[0].rg)
+    assert reqs[0].nbytes == -(-src.reader.text_bytes(0, 0) * 16 // rows) > 1000
+    enc = ProcessEncoder(env['tok'], 1, timeout=(5.0, 1e-3))
+    try:
+        enc.submit_read(reqs)
+        docs, amount, unit, _ = enc._w[0].pending[-1]
+        assert (docs, amount, unit) == (96, sum(r.nbytes for r in reqs), 'bytes of text')
+        assert enc._allowed(amount) == pytest.approx(5.0 + 1e-3 * amount)
+        assert len(enc.result([0])) == 96
+    finally: enc.close()
