@@ -8,10 +8,10 @@ resumed exactly from a few kilobytes of state."""
 __all__ = ['PACKS', 'FORMAT', 'shard_starts', 'owned_shards', 'Permutation', 'shard_key', 'CountTree', 'ShardSource', 'Framing',
            'Chunker', 'Mixer', 'DocKey', 'TokenStream', 'Permutations', 'shard_keys', 'BlockSource', 'Feed',
            'LazyBatch', 'ConcatRows', 'PadRows', 'BestFitRows', 'FastTokenStream', 'data_fingerprint', 'stream_config',
-           'check_resume', 'StreamBatch', 'StreamingLoader', 'StreamingDataset']
+           'check_resume', 'run_id', 'StreamBatch', 'StreamingLoader', 'StreamingDataset']
 
 # %% ../nbs/13_streaming.ipynb #5eb651c8
-import bisect, hashlib, math, queue, threading, time, weakref, zlib
+import bisect, hashlib, json, math, queue, threading, time, weakref, zlib
 from collections import Counter, defaultdict, deque
 from itertools import repeat
 from typing import NamedTuple
@@ -585,17 +585,17 @@ def _check_doc(self:TokenStream, i, g, e, cur:_Shards, where) -> int:
     return L
 
 @patch
-def _check_start(self:TokenStream, g, L, a, where, rows=False):
-    "Refuse `a` unless a piece of document `g` (of `L` tokens) starts there: a max_chunk piece, or with `rows` a row piece of one."
+def _check_start(self:TokenStream, g, L, a, where, rows=False, inside=False):
+    "Refuse `a` unless a piece of document `g` (of `L` tokens) starts there: a max_chunk piece, with `rows` a row piece of one, with `inside` anywhere in the unit (a `concat` entry: a rescale hands on the rest of a piece as a piece)."
     U, mc = self.framing.unit_len(L), self.mc
     c = a - a % mc if mc else 0                          # the max_chunk piece holding position a
-    if not (a < U and ((a - c) % self.C == 0 if rows else a == c)):
+    if not (a < U and (inside or ((a - c) % self.C == 0 if rows else a == c))):
         raise ValueError(f"{where}: start {a} is not where a piece of document {g} ({U} tokens with delimiters) starts")
 
 @patch
 def _parse_dataset(self:TokenStream, i, d, where) -> dict:
     "Dataset `i`'s part of a state, checked: its shards' cursors, the document being cut, the shuffle window."
-    src, mc = self.sources[i], self.mc
+    src = self.sources[i]
     if _pairs(d.get('shards'), where + "['shards']") != _ranges(src.shards):
         raise ValueError(f"{where}['shards']={str(d['shards'])[:80]}: this unit walks logical shards {_span(src.shards)} of dataset {src.dataset!r}")
     epoch = _unrle(d.get('epoch'), where + "['epoch']", len(src.shards), 1)
@@ -607,25 +607,26 @@ def _parse_dataset(self:TokenStream, i, d, where) -> dict:
     if draws != want: raise ValueError(f"{where}['draws']={draws}, but the shards' 'epoch' and 'pos' count {want} documents drawn")
     cur = _Shards(epoch, pos, {s: j for j, s in enumerate(src.shards)}, shard_starts(src.n_docs, src.n_shards), {})
     out = dict(epoch=epoch, pos=pos, draws=draws, tokens=_int(where + "['tokens']", d.get('tokens')), cut=None, shuffle=None, cur=cur)
-    cut = d.get('cut')
-    if cut is not None:
-        w = where + "['cut']"
-        if not mc: raise ValueError(f"{w}={str(cut)[:80]}: a document half cut, but max_chunk is None")
-        if not (isinstance(cut, list) and len(cut) == 3): raise ValueError(f"{w}={str(cut)[:80]}: expected [doc, epoch, start]")
-        g, e, a = _int(w + '[0]', cut[0]), _int(w + '[1]', cut[1], 1), _int(w + '[2]', cut[2], 1)
-        L = self._check_doc(i, g, e, cur, w)
-        if a % mc or a >= self.framing.unit_len(L): raise ValueError(f"{w}: start {a} is not where a later piece of document {g} starts (max_chunk={mc})")
-        out['cut'] = (g, e, a)
-    win = self.windows[i]
-    if win:
+    if d.get('cut') is not None: out['cut'] = self._parse_cut(i, d['cut'], cur, where + "['cut']")[:3]
+    if self.windows[i]:          # a window may hold more pieces than its slots (after a rescale): it draws without refilling until below
         s, w = _field(d, 'shuffle', dict, where), where + "['shuffle']"
         drawn, doc = _int(w + "['drawn']", s.get('drawn')), _field(s, 'doc', list, w)
-        if len(doc) > win: raise ValueError(f"{w}['doc'] holds {len(doc)} pieces, more than the window's {win}")
         ep, at = _unrle(s.get('epoch'), w + "['epoch']", len(doc), 1), _unrle(s.get('start'), w + "['start']", len(doc))
         for j, g in enumerate(doc): _int(f"{w}['doc'][{j}]", g)
         self._check_window(i, doc, ep, at, cur, w)
         out['shuffle'] = (drawn, list(zip(doc, ep, at)))
     return out
+
+@patch
+def _parse_cut(self:TokenStream, i, cut, cur, w) -> tuple:
+    "A dataset's `cut` checked: `(doc, epoch, start, document length)` of a drawn document whose unit goes on past `start`, a later max_chunk piece's start."
+    mc = self.mc
+    if not mc: raise ValueError(f"{w}={str(cut)[:80]}: a document half cut, but max_chunk is None")
+    if not (isinstance(cut, list) and len(cut) == 3): raise ValueError(f"{w}={str(cut)[:80]}: expected [doc, epoch, start]")
+    g, e, a = _int(w + '[0]', cut[0]), _int(w + '[1]', cut[1], 1), _int(w + '[2]', cut[2], 1)
+    L = self._check_doc(i, g, e, cur, w)
+    if a % mc or a >= self.framing.unit_len(L): raise ValueError(f"{w}: start {a} is not where a later piece of document {g} starts (max_chunk={mc})")
+    return g, e, a, L
 
 @patch
 def _check_window(self:TokenStream, i, doc, ep, at, cur, w, first=0):
@@ -647,7 +648,7 @@ def _parse_entries(self:TokenStream, pk, ds) -> list:
         if self.mixer.ups[i] is None or not self.mixer.w[i]: raise ValueError(f"{where}: dataset {self.names[i]!r} is not read by this unit (weight 0, or no documents in its shards)")
         g, e, a, off = _int(where + '[1]', ent[1]), _int(where + '[2]', ent[2], 1), _int(where + '[3]', ent[3]), _int(where + '[4]', ent[4])
         L = self._check_doc(i, g, e, ds[i]['cur'], where)
-        self._check_start(g, L, a, where, rows=not concat)
+        self._check_start(g, L, a, where, rows=not concat, inside=concat)
         n = (self._end(a, L) if concat else min(self._end(a, L), a + self.C)) - a     # the piece's tokens
         if off >= n or (off and j): raise ValueError(f"{where}: offset {off} is not possible: a piece of {n} tokens, and only the first entry is partly delivered")
         items.append((i, g, e, a, off, n, L))
@@ -672,14 +673,14 @@ def _parse_metrics(self:TokenStream, pk, items) -> dict:
 
 @patch
 def _check_once(self:TokenStream, ds, items):
-    "Refuse a state that buffers a piece twice (shuffle window, packer), or a piece of a document being cut beyond the cut."
+    "Refuse a state that buffers a piece twice (shuffle window, packer; two `concat` entries in one max_chunk piece overlap), or a piece of a document being cut beyond the cut."
     pieces = [(i, g, e, a, 0, None) for i, d in enumerate(ds) for g, e, a in (d['shuffle'] or (0, []))[1]]
     pieces += [(i, g, e, a, 1, j) for j, (i, g, e, a, *_) in enumerate(items)]
     docs = Counter(p[:3] for p in pieces)
     cuts = {(i, *d['cut'][:2]) for i, d in enumerate(ds) if d['cut'] is not None}
     many = {k for k, n in docs.items() if n > 1} | (cuts & docs.keys())      # only these documents can break a rule
     if not many: return
-    seen = defaultdict(list)   # (dataset, doc, epoch) -> [(max_chunk piece, start, 0 for the shuffle window or 1 for the packer, where)]
+    seen, concat = defaultdict(list), self.pack == 'concat'   # (dataset, doc, epoch) -> [(max_chunk piece, start, 0 for the shuffle window or 1 for the packer, where)]
     for i, g, e, a, k, j in pieces:
         if (i, g, e) in many:
             c = a - a % self.mc if self.mc else 0
@@ -687,7 +688,7 @@ def _check_once(self:TokenStream, ds, items):
     for (i, g, e), ps in seen.items():
         ps.sort()
         for (c0, a0, k0, w0), (c1, a1, k1, w1) in zip(ps, ps[1:]):
-            if c0 == c1 and (a0 == a1 or k0 == 0 or k1 == 0):    # the same piece, or a row piece of a max_chunk piece still in the window
+            if c0 == c1 and (a0 == a1 or k0 == 0 or k1 == 0 or concat):   # the same piece, or a part of a max_chunk piece still in the window
                 raise ValueError(f"{w1}: piece (doc {g}, epoch {e}, start {a1}) of dataset {self.names[i]!r} is also in {w0}: it would be delivered twice")
         cut = ds[i]['cut']
         if cut is not None and cut[:2] == (g, e) and ps[-1][0] >= cut[2]:
@@ -714,11 +715,17 @@ def load_state(self:TokenStream, st:dict):
     for src, ch, sh, d in zip(self.sources, self.chunkers, self.shuffles, p['datasets']):
         src.load_state_dict(dict(shards=list(src.shards), epoch=d['epoch'], pos=d['pos'], draws=d['draws']))
         if ch is not None: ch.load_state_dict(dict(cut=None if d['cut'] is None else list(d['cut'])))
-        if sh is not None: sh.load_state_dict(dict(window=sh.window, seed=sh.seed, stream=sh.stream, drawn=d['shuffle'][0], addresses=d['shuffle'][1]))
+        if sh is not None: _load_window(sh, *d['shuffle'])
     self.mixer.load_state_dict(dict(tokens=[d['tokens'] for d in p['datasets']]))
     self._load_packer(p['entries'], p['metrics'])
     self.step = p['step']
     return self
+
+def _load_window(sh:ShuffleBuffer, drawn, addresses):
+    "Put a checked window into `sh`: `ShuffleBuffer.load_state_dict` less its checks (done) and its cap (a rescaled window may hold more than its slots)."
+    sh.drawn, sh.done = drawn, False
+    sh.buf = list(sh.upstream.fetch(addresses)) if addresses else []
+    sh._copy, sh._log = list(sh.buf), []
 
 @patch
 def _load_packer(self:TokenStream, items, metrics):
@@ -1265,8 +1272,9 @@ def _check_window(self:FastTokenStream, i, doc, ep, at, cur, w, first=0):
 
 # %% ../nbs/13_streaming.ipynb #ebf13e75
 FORMAT = 'nanochat_dl.streaming/1'
+_UNIT = ('world_size', 'rank', 'n_workers', 'worker')      # which unit of work a state is: the rest of the settings are the run's
 _CONFIG = ('datasets', 'weights', 'seq_len', 'pack', 'max_chunk', 'bos_token', 'eos_token', 'sep_token', 'pad_token',
-           'seed', 'n_logical_shards', 'shuffle_window', 'pack_buffer', 'world_size', 'rank', 'n_workers', 'worker')
+           'seed', 'n_logical_shards', 'shuffle_window', 'pack_buffer') + _UNIT
 
 def _token_id(name, v, hi=1 << 32):
     if v is not None and (isinstance(v, bool) or not isinstance(v, (int, np.integer)) or not 0 <= v < hi):
@@ -1349,9 +1357,29 @@ def check_resume(state,             # a state from `state_dict()`, or anything a
             diff = ('it has no such dataset' if got is None else
                     ', '.join(f"{k} {got.get(k)!r} -> {v!r}" for k, v in want.items() if got.get(k) != v) if isinstance(got, dict) else repr(got))
             raise ValueError(f"state was saved over other data: dataset {ds!r} differs ({diff}): exact resume needs the same files")
-    for k in _CONFIG:
+    if 'run' in state and not (isinstance(state['run'], str) and 0 < len(state['run']) <= 64):
+        raise ValueError(f"state['run']={str(state['run'])[:60]!r} is invalid: expected the run's id, a string of 1 to 64 characters")
+    for k in _CONFIG[:-len(_UNIT)]:
         if c.get(k) != config[k]:
             raise ValueError(f"state was saved with {k}={c.get(k)!r}, this loader has {k}={config[k]!r}: exact resume needs the same {k}")
+    if [c.get(k) for k in _UNIT] != [config[k] for k in _UNIT]:
+        ks = [k for k in _UNIT if c.get(k) != config[k]]
+        was, now = ', '.join(f"{k}={c.get(k)!r}" for k in ks), ', '.join(f"{k}={config[k]!r}" for k in ks)
+        if [c.get(k) for k in ('world_size', 'n_workers')] != [config['world_size'], config['n_workers']]:
+            raise ValueError(f"state was saved with {was} by {_unit_name(c)}, this loader has {now} and is {_unit_name(config)}: "
+                             "to resume at another world size or number of workers, pass the list of every rank's (every worker's) state")
+        raise ValueError(f"state was saved with {was} by {_unit_name(c)}, this loader is {_unit_name(config)}: pass this rank's own state, or the list of every rank's state")
+
+def _unit_name(c) -> str:
+    "`rank 1 of 3` (with `, worker 0 of 2` where there are workers), from a config."
+    return f"rank {c.get('rank')!r} of {c.get('world_size')!r}" + (f", worker {c.get('worker')!r} of {c.get('n_workers')!r}" if c.get('n_workers') != 1 else '')
+
+def run_id(config:dict,        # checked settings, from `stream_config`
+           fingerprint:dict,   # the data's and tokenizer's, from `stream_config`
+           ) -> str:
+    "The id of a run at its start: a digest of its settings (less the unit of work) and data, the same on every rank with no word between them. Resumes carry it on; a rescale derives the next (`nanochat_dl.elastic`)."
+    c = {k: config[k] for k in _CONFIG[:-len(_UNIT)]}
+    return hashlib.sha1(json.dumps([c, fingerprint], sort_keys=True).encode()).hexdigest()[:16]
 
 # %% ../nbs/13_streaming.ipynb #b1e5d7d5
 class StreamBatch:
@@ -1440,14 +1468,16 @@ class StreamingLoader:
         self.stream = self.stream_class(self.root, c)
         if self.stream.empty:
             raise ValueError(f"rank {c['rank']} of {c['world_size']} owns no document of datasets {c['datasets']} with a positive weight: "
-                             f"{c['n_logical_shards']} logical shards of " + ', '.join(f"{d}: {v['docs']} documents" for d, v in self.fingerprint['data'].items()))
+                             f"{c['n_logical_shards']} logical shards of " + ', '.join(f"{d}: {v['docs']} documents" for d, v in self.fingerprint['data'].items()) +
+                             ": every rank needs a logical shard holding a document (more logical shards, or fewer ranks)")
+        self.run = run_id(c, self.fingerprint)
         self.transfer = DeviceTransfer(self.B, c['seq_len'], self.device, slots, copy)
         self._snap, self._state, self._started, self._yielded, self._error, self._last = self.stream.snapshot(), None, False, 0, None, None
         self._closed = False
 
     def _full_state(self, snap) -> dict:
         st = self.stream.state_of(snap)
-        return dict(format=FORMAT, step=st.pop('step'), config=dict(self.stream.cfg, batch_size=self.B),
+        return dict(format=FORMAT, run=self.run, step=st.pop('step'), config=dict(self.stream.cfg, batch_size=self.B),
                     fingerprint=dict(data={k: dict(v) for k, v in self.fingerprint['data'].items()}, tokenizer=self.fingerprint['tokenizer']), **st)
 
     def state_dict(self) -> dict:
@@ -1455,14 +1485,17 @@ class StreamingLoader:
         if self._state is None: self._state = self._full_state(self._snap)
         return self._state
 
-    def load_state_dict(self, state:dict):
-        "Continue exactly after the batch whose `state` this is (before the first batch); a state from other data or settings is refused, naming the field."
+    def load_state_dict(self, state):   # this rank's state, or the list of every rank's (or every DataLoader worker's)
+        "Continue exactly after the batch whose `state` this is (before the first batch). Given the list of every rank's states of a run at any world size, continue that run on this rank: logical shards and what they hold dealt anew (`nanochat_dl.elastic`). A state from other data or settings is refused, naming the field."
         if self._started: raise RuntimeError("load_state_dict must come before the first batch is taken")
+        if isinstance(state, (list, tuple)):
+            from nanochat_dl.elastic import World        # (the elastic chapter, built on this one)
+            state = World(state, self.root, self.config, self.fingerprint).state_for(*(self.config[k] for k in ('rank', 'world_size')))
         check_resume(state, self.stream.cfg, self.fingerprint)
         check_state(state)
         if 'batch_size' in state['config']: _int("state['config']['batch_size']", state['config']['batch_size'], 1)   # may differ from ours
         fresh = self.stream_class(self.root, self.config).load_state(state)   # a bad state leaves this loader as it was
-        self.stream, self._snap, self._state = fresh, fresh.snapshot(), None
+        self.stream, self._snap, self._state, self.run = fresh, fresh.snapshot(), None, state.get('run', self.run)
         return self
 
 # %% ../nbs/13_streaming.ipynb #687cea8c
@@ -1558,7 +1591,7 @@ class StreamingDataset(torch.utils.data.IterableDataset):
         if bad: raise TypeError(f"StreamingDataset takes no {bad}: the DataLoader batches the rows and moves them")
         _, self.config, self.fingerprint = stream_config(root, seq_len, **kwargs)
         self.root_path, self.max_open = str(root.root if isinstance(root, TokenRoot) else root), kwargs.get('max_open')
-        self._stream, self._pending = None, None
+        self._stream, self._pending, self.run = None, None, run_id(self.config, self.fingerprint)
 
     def _ensure(self) -> TokenStream:
         "This worker's stream (built in the process that iterates; a pending state loaded into it)."
@@ -1570,9 +1603,11 @@ class StreamingDataset(torch.utils.data.IterableDataset):
                 raise RuntimeError(f"the token files under {self.root_path} changed since this dataset was made")
             s = FastTokenStream(root, self.config, w, nw)
             if self._pending is not None:
-                check_resume(self._pending, s.cfg, self.fingerprint)
-                s.load_state(self._pending)
-                self._pending = None
+                st = self._pending
+                if isinstance(st, list): st = self._world(st, root).state_for(self.config['rank'], self.config['world_size'], w, nw)
+                check_resume(st, s.cfg, self.fingerprint)
+                s.load_state(st)
+                self._pending, self.run = None, st.get('run', self.run)
             self._stream = s
         return self._stream
 
@@ -1587,13 +1622,21 @@ class StreamingDataset(torch.utils.data.IterableDataset):
         "This worker's state after the last row it yielded."
         s = self._ensure()
         st = s.state_of(s.snapshot())
-        return dict(format=FORMAT, step=st.pop('step'), config=dict(s.cfg),
+        return dict(format=FORMAT, run=self.run, step=st.pop('step'), config=dict(s.cfg),
                     fingerprint=dict(data={k: dict(v) for k, v in self.fingerprint['data'].items()}, tokenizer=self.fingerprint['tokenizer']), **st)
 
-    def load_state_dict(self, state:dict):
-        "Continue from this worker's `state` (checked, and loaded, when the worker builds its stream)."
-        if not isinstance(state, dict): raise TypeError(f"state is {type(state).__name__}: expected a dict from state_dict()")
+    def load_state_dict(self, state):   # this worker's state, or the list of every rank's and worker's
+        "Continue from this worker's `state` (checked, and loaded, when the worker builds its stream); or, given the list of the states of every rank and worker of a run (`StatefulDataLoader` states too) at any world size and number of workers, continue that run (`nanochat_dl.elastic`)."
+        if isinstance(state, (list, tuple)):
+            state, root = list(state), TokenRoot(self.root_path, self.config['datasets'], max_open=self.max_open or 1 << 30)
+            try: self._world(state, root)                  # a bad list is refused here, not in a worker
+            finally: root.close()
+        elif not isinstance(state, dict): raise TypeError(f"state is {type(state).__name__}: expected a dict from state_dict(), or a list of them")
         self._pending, self._stream = state, None
+
+    def _world(self, states, root):
+        from nanochat_dl.elastic import World        # (the elastic chapter, built on this one)
+        return World(states, root, self.config, self.fingerprint)
 
     def __getstate__(self):
         return dict(self.__dict__, _stream=None)    # mapped files stay in the process that opened them

@@ -524,7 +524,7 @@ CASES = {   # name: (base state, change (returns False to skip), what the refusa
     'a shard past its last document': ('bestfit', lambda st, ts: st['datasets']['code']['pos'].__setitem__(0, 10**6), "['pos'][0]=1000000: logical shard 0 has"),
     'shards of another rank': ('bestfit', lambda st, ts: st['datasets']['code'].__setitem__('shards', [[3, 6]]), 'this unit walks logical shards 0..2'),
     'window runs that do not add up': ('bestfit', lambda st, ts: st['datasets']['web']['shuffle']['epoch'][-1].__setitem__(1, 10**12), 'its runs hold'),
-    'a window fuller than its slots': ('bestfit', lambda st, ts: set_window(st['datasets']['web'], window(st['datasets']['web']) * 3), 'more than the window'),
+    'a window holding its pieces thrice': ('bestfit', lambda st, ts: set_window(st['datasets']['web'], window(st['datasets']['web']) * 3), 'it would be delivered twice'),
     'emitted != rows * (seq_len + 1)': ('bestfit', metric(emitted=1), 'emitted='),
     'tokens_in != doc_tokens': ('bestfit', metric(tokens_in=1), 'tokens_in='),
     'tokens lost (padding miscounted)': ('bestfit', metric(padded=1), 'undelivered tokens'),
