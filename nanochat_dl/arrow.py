@@ -12,7 +12,7 @@ __all__ = ['TOKENS', 'META', 'COUNTS_FILE', 'COUNTS_HEADER', 'TAIL_BYTES', 'MANI
            'TokenizeResult', 'tokenize', 'tokenize_cli']
 
 # %% ../nbs/12_arrow.ipynb #0782d22d
-import csv, hashlib, io, json, os, queue, shlex, signal, subprocess, sys, tempfile, threading, time
+import csv, hashlib, io, itertools, json, os, queue, shlex, signal, subprocess, sys, tempfile, threading, time
 from collections import OrderedDict
 from pathlib import Path
 from types import SimpleNamespace
@@ -24,6 +24,7 @@ from fastcore.script import call_parse
 from .core import check_int, file_in_the_way, folder_lock, get_data_dir, get_dist_info, get_tokenizer_dir
 from .dataset import list_parquet_files
 from .shards import split_files, _open_shard, _read_group
+from .remote import FileCache, cache_metrics, is_local, open_uri
 
 # %% ../nbs/12_arrow.ipynb #319519f0
 TOKENS = 'tokens'                          # the column fms-fsdp reads
@@ -214,20 +215,24 @@ def _owner(path, names):
     hit = next((i for i, s in enumerate(parts[:-1]) if s in names), None)
     return (None, None) if hit is None else (parts[hit], '/'.join(parts[hit + 1:]))
 
-def _counts_rows(p):
+def _counts_rows(p, shown=None):   # shown: the name errors use (default: `p`)
     with open(p, newline='') as f:
         rd = csv.DictReader(f)
         if rd.fieldnames is None or not set(COUNTS_HEADER) <= set(rd.fieldnames):
-            raise ValueError(f"{p}: header {rd.fieldnames}, expected {','.join(COUNTS_HEADER)}")
+            raise ValueError(f"{shown or p}: header {rd.fieldnames}, expected {','.join(COUNTS_HEADER)}")
         yield from enumerate(rd, 2)
 
 def read_counts(root,       # the token root
                 datasets,   # names of the datasets whose rows are wanted
                 ) -> dict:
     "`{(dataset, file): (documents, tokens)}` from ROOT's counts files, for the datasets named (other rows are ignored)."
+    return _read_counts([(p, p) for p in counts_files(root)], datasets)
+
+def _read_counts(files, datasets) -> dict:
+    "As `read_counts`, from `files`: `(local path, the name errors use)` pairs."
     names, out = set(datasets), {}
-    for p in counts_files(root):
-        for line, row in _counts_rows(p):
+    for local, p in files:
+        for line, row in _counts_rows(local, p):
             key = _owner(row['dataset/filename'], names)
             if key[0] is None: continue
             try: val = (int(row['documents']), int(row['tokens']))
@@ -296,9 +301,14 @@ def read_manifest(root,   # the token root
                   ) -> dict:
     "ROOT/meta/manifest.json as a dict, its structure checked; None if there is none."
     p = Path(root)/META/MANIFEST
-    try: m = json.loads(p.read_text())
+    try: raw = p.read_bytes()
     except FileNotFoundError: return None
-    except (ValueError, UnicodeDecodeError) as e: raise _manifest_error(p, f"not valid JSON ({e})") from None
+    return _parse_manifest(raw, p)
+
+def _parse_manifest(raw, p) -> dict:
+    "The manifest in bytes `raw`, its structure checked; errors name `p`."
+    try: m = json.loads(raw)
+    except ValueError as e: raise _manifest_error(p, f"not valid JSON ({e})") from None
     if not isinstance(m, dict) or m.get('format') != MANIFEST_FORMAT:
         raise _manifest_error(p, f"format {m.get('format') if isinstance(m, dict) else None!r}")
     if not isinstance(m.get('datasets'), dict): raise _manifest_error(p, "no 'datasets' object")
@@ -408,10 +418,21 @@ class TokenRoot:
                  column=TOKENS,          # the token column
                  max_open:int=64,        # token files kept open
                  tokenizer=None,         # a tokenizer or its fingerprint: refused unless the manifest records the same one
-                 verify='quick'):        # files against the manifest: 'quick' (size, tail hash), 'full' (sha256), 'off'
-        self.root, self.column, self.max_open = Path(root), column, check_int('max_open', max_open, 1)
-        verify = _check_verify(verify)
-        have = list_datasets(self.root)
+                 verify='quick',         # files against the manifest: 'quick' (size, tail hash), 'full' (sha256), 'off'
+                 cache_dir=None,         # a URI root's local copies (default: one folder per root under the base dir)
+                 cache_size=None,        # bytes those copies may take (None: no cap)
+                 prefetch:int=2,         # files of this rank's plan (`want_share`) fetched ahead in the background
+                 fetch:dict|None=None):  # more `FileCache` settings for a URI root: attempts, backoff, max_backoff, timeout, threads
+        self.column, self.max_open, self.cache = column, check_int('max_open', max_open, 1), None
+        self.verify = verify = _check_verify(verify)
+        if is_local(root): self.root = Path(open_uri(root)[1]) if '://' in str(root) else Path(root)
+        else: self._open_cache(root, cache_dir, cache_size, prefetch, fetch)
+        try: self._setup(datasets, tokenizer, verify)
+        except BaseException:
+            if self.cache is not None: self.cache.close()
+            raise
+    def _setup(self, datasets, tokenizer, verify):
+        have = list_datasets(self.root) if self.cache is None else self._remote_datasets()
         if datasets is None: datasets = have
         elif isinstance(datasets, str): datasets = [datasets]
         datasets = list(datasets)
@@ -419,32 +440,45 @@ class TokenRoot:
         if unknown: raise ValueError(f"unknown dataset(s) {unknown} in {self.root}: expected some of {have}")
         if len(set(datasets)) != len(datasets): raise ValueError(f"datasets {datasets} names one twice")
         if not datasets: raise ValueError(f"{self.root} holds no dataset folders: expected ROOT/<dataset>/**/*.arrow")
-        self.datasets, self.manifest = datasets, read_manifest(self.root)
+        self.datasets = datasets
+        self.manifest = read_manifest(self.root) if self.cache is None else self._remote_manifest()
         self.tokenizer = None if self.manifest is None else _check_tokenizers(self.root, self.manifest, datasets, tokenizer)
-        counts = read_counts(self.root, datasets)
+        counts = read_counts(self.root, datasets) if self.cache is None else self._remote_counts(datasets)
         self.files, self._open = {}, OrderedDict()
         for ds in datasets: self.files[ds] = self._infos(ds, counts, verify)
-    def path(self, dataset, file) -> Path: return self.root/dataset/file
+        if self.cache is not None: self.max_open = min(self.max_open, self._fits())
+    def _at(self, *parts):
+        "Where `parts` are under the root: a path, or a URI for a URI root (for messages)."
+        return self.root.joinpath(*parts) if self.cache is None else '/'.join([self.root, *parts])
+    def path(self, dataset, file) -> Path:
+        "The local file of `file` of `dataset` (for a URI root, where its checked copy is or will be)."
+        return self.root/dataset/file if self.cache is None else self.cache.path(f"{dataset}/{file}")
     def open(self, dataset, file) -> TokenFile:
         "The open `TokenFile` for `file` of `dataset` (mapped on first use; its count checked against the counts file)."
         key = (dataset, file)
         tf = self._open.get(key)
         if tf is not None: self._open.move_to_end(key); return tf
-        tf = TokenFile(self.path(dataset, file), self.column)
+        while self.cache is not None and len(self._open) >= self.max_open: self._shut(*self._open.popitem(last=False))   # room first
+        tf = TokenFile(self.path(dataset, file) if self.cache is None else self._local(dataset, file), self.column)
         info = next((i for i in self.files.get(dataset, ()) if i.file == file), None)
         if info is not None and (info.docs, info.tokens) != (len(tf), tf.ntokens):
             raise ValueError(f"{tf.path} holds {len(tf)} documents and {tf.ntokens} tokens, but the counts file says "
                              f"{info.docs} and {info.tokens}: the counts are stale; rewrite them (re-run `nanochat-dl tokenize`) "
-                             f"or delete {self.root/META}/*counts*.csv to count from the files")
+                             f"or delete {self._at(META)}/*counts*.csv to count from the files")
         self._open[key] = tf
-        while len(self._open) > self.max_open: self._open.popitem(last=False)[1].close()
+        while len(self._open) > self.max_open: self._shut(*self._open.popitem(last=False))
         return tf
+    def _shut(self, key, tf):
+        tf.close()
+        if self.cache is not None: self.cache.unpin('/'.join(key))
     def doc(self, dataset, file, i) -> np.ndarray:
         "Document `i` of `file` of `dataset`, as a numpy view."
         return self.open(dataset, file).doc(i)
     def close(self):
-        for tf in self._open.values(): tf.close()
+        "Unmap the open files (and for a URI root, release their copies and stop fetching; a later `open` starts again)."
+        for key, tf in list(self._open.items()): self._shut(key, tf)
         self._open.clear()
+        if self.cache is not None: self.cache.close()
     def __enter__(self): return self
     def __exit__(self, *exc): self.close()
     def __repr__(self):
@@ -455,17 +489,18 @@ class TokenRoot:
 @patch
 def _infos(self: TokenRoot, ds, counts, verify) -> list:
     "The `FileInfo`s of dataset `ds`: checked against the manifest and counted by it where it lists `ds`, else by the counts file or the files."
-    rel = dataset_files(self.root, ds)
-    if not rel: raise ValueError(f"dataset {ds!r} ({self.root/ds}) holds no .arrow files")
+    rel = dataset_files(self.root, ds) if self.cache is None else self._remote_files(ds)
+    if not rel: raise ValueError(f"dataset {ds!r} ({self._at(ds)}) holds no .arrow files")
     entry = (self.manifest or {}).get('datasets', {}).get(ds)
     if entry is None: return [FileInfo(ds, f, *counts[(ds, f)]) if (ds, f) in counts else self._counted(ds, f) for f in rel]
-    verify_dataset(self.root, ds, verify, self.manifest)
+    if self.cache is None: verify_dataset(self.root, ds, verify, self.manifest)
+    else: self._check_listing(ds, rel, entry, verify)
     out = []
     for f in rel:
         r = entry['files'][f]
         if counts.get((ds, f), (r['documents'], r['tokens'])) != (r['documents'], r['tokens']):
             raise ValueError(f"the counts file says {ds}/{f} holds {counts[(ds, f)][0]} documents and {counts[(ds, f)][1]} tokens, but "
-                             f"{self.root/META/MANIFEST} records {r['documents']} and {r['tokens']}: rewrite both with {_rebuild(self.root, ds, entry)}")
+                             f"{self._at(META, MANIFEST)} records {r['documents']} and {r['tokens']}: rewrite both with {_rebuild(self.root, ds, entry)}")
         out.append(FileInfo(ds, f, r['documents'], r['tokens']))
     return out
 
@@ -473,6 +508,104 @@ def _infos(self: TokenRoot, ds, counts, verify) -> list:
 def _counted(self: TokenRoot, ds, f) -> FileInfo:
     tf = self.open(ds, f)
     return FileInfo(ds, f, len(tf), tf.ntokens)
+
+# %% ../nbs/12_arrow.ipynb #f650bec1
+@patch
+def _open_cache(self:TokenRoot, root, cache_dir, cache_size, prefetch, fetch):
+    "A URI root: its listing, copies and checks through a `FileCache`."
+    self.root, self._checked = str(root).rstrip('/'), set()
+    self._cache_args = dict(cache_dir=cache_dir, cache_size=cache_size, prefetch=prefetch, **(fetch or {}))
+    self.cache = FileCache(self.root, **self._cache_args)
+
+@patch
+def _live_cache(self:TokenRoot) -> FileCache:
+    "The cache, made again (from its folder: no network) after `close()`."
+    if self.cache.closed: self.cache = FileCache(self.root, **self._cache_args, sha256=self.cache.sha256)
+    return self.cache
+
+@patch
+def _remote_datasets(self:TokenRoot) -> list:
+    "A URI root's dataset folders, from its listing: the first parts of the paths, but `meta` (hidden names are never listed)."
+    return sorted({r.split('/', 1)[0] for r in self.cache.files if '/' in r} - {META})
+
+@patch
+def _remote_files(self:TokenRoot, ds) -> list:
+    return sorted(r[len(ds) + 1:] for r in self.cache.files if r.startswith(ds + '/') and r.endswith('.arrow'))
+
+@patch
+def _remote_manifest(self:TokenRoot):
+    "A URI root's manifest (fetched through the cache), checked; None if it has none."
+    rel = f"{META}/{MANIFEST}"
+    if rel not in self.cache.files: return None
+    with self.cache.pinned(rel) as p: return _parse_manifest(p.read_bytes(), self._at(META, MANIFEST))
+
+@patch
+def _remote_counts(self:TokenRoot, datasets) -> dict:
+    "`read_counts` for a URI root: its `meta/*counts*.csv` fetched through the cache."
+    names = [r for r in sorted(self.cache.files) if r.count('/') == 1 and r.startswith(META + '/') and 'counts' in r.split('/')[1] and r.endswith('.csv')]
+    paths = [self.cache.pin(r) for r in names]
+    try: return _read_counts([(p, self._at(r)) for p, r in zip(paths, names)], datasets)
+    finally:
+        for r in names: self.cache.unpin(r)
+
+@patch
+def _check_listing(self:TokenRoot, ds, have, entry, verify):
+    "A URI root's files of `ds` against the manifest, from the listing: none missing, none extra, each of the size recorded; the copies are then checked against the recorded sha256 as they arrive."
+    if verify == 'off': return
+    mp, listed = self._at(META, MANIFEST), entry['files']
+    for f in sorted(set(listed) - set(have)):
+        raise ValueError(f"{self._at(ds, f)} is listed in {mp} but missing from the store; rebuild it with {_rebuild(self.root, ds, entry)}")
+    for f in sorted(set(have) - set(listed)):
+        raise ValueError(f"{self._at(ds, f)} is not listed in {mp}: remove it, or rebuild the dataset with "
+                         f"{_rebuild(self.root, ds, entry, overwrite=True)} (which removes files that no source shard makes)")
+    for f, r in sorted(listed.items()):
+        n = self.cache.files[f"{ds}/{f}"]
+        if n != r['bytes']: raise ValueError(f"{self._at(ds, f)} changed since {mp} recorded it ({n} bytes in the store, the manifest "
+                                             f"records {r['bytes']}); rebuild it with {_rebuild(self.root, ds, entry)}")
+        self.cache.sha256[f"{ds}/{f}"] = r['sha256']
+
+@patch
+def _fits(self:TokenRoot) -> int:
+    "How many token files may be open (their copies pinned) at once: any that many fit under `cache_size`."
+    if self.cache.cache_size is None: return 1 << 30
+    sizes = sorted((self.cache.files[f"{d}/{i.file}"] for d in self.datasets for i in self.files[d]), reverse=True)
+    return max(1, int(np.searchsorted(np.cumsum(sizes), self.cache.cache_size, side='right')))
+
+# %% ../nbs/12_arrow.ipynb #a0684522
+@patch
+def _local(self:TokenRoot, ds, f) -> Path:
+    "The checked local copy of `f` of `ds`, pinned until `_shut`: fetched if needed (its sha256 checked); a copy cached before is checked once (`verify`) and fetched again if damaged."
+    rel, cache = f"{ds}/{f}", self._live_cache()
+    p = cache.pin(rel)
+    r = ((self.manifest or {}).get('datasets', {}).get(ds) or {}).get('files', {}).get(f)
+    if rel in self._checked or r is None or self.verify == 'off': return p
+    ok = lambda p: tail_sha256(p) == r['tail_sha256'] if self.verify == 'quick' else _sha256_file(p) == r['sha256']
+    if not ok(p):
+        cache.unpin(rel); cache.discard(rel)
+        p = cache.pin(rel)                                   # fetched again, checked against the sha256
+        if not ok(p):
+            cache.unpin(rel)
+            raise ValueError(f"the cached copy {p} of {self._at(ds, f)} differs from {self._at(META, MANIFEST)} and another "
+                             "process holds it: stop the processes sharing the cache folder, then start again")
+    self._checked.add(rel)
+    return p
+
+@patch
+def want_share(self:TokenRoot, lo:int, hi:int, n:int):
+    "For a URI root: this rank reads logical shards `lo` to `hi` (excluded) of `n` of each dataset, so the cache fetches their files ahead (dataset order, datasets interleaved, round after round). Nothing for a local root."
+    if self.cache is None: return
+    per = []
+    for d in self.datasets:
+        fs = self.files[d]
+        starts = np.cumsum([0] + [i.docs for i in fs])
+        a, b = int(starts[-1]) * lo // n, int(starts[-1]) * hi // n
+        per.append([f"{d}/{i.file}" for i, s, e in zip(fs, starts[:-1], starts[1:]) if s < b and e > a])
+    self._live_cache().want([r for g in itertools.zip_longest(*per) for r in g if r is not None], cycle=True)
+
+@patch
+def cache_stats(self:TokenRoot) -> dict:
+    "For a URI root, the cache's counters as loaders put them in their per-batch metrics (`cache_metrics`); None for a local root."
+    return None if self.cache is None else cache_metrics(self.cache)
 
 # %% ../nbs/12_arrow.ipynb #74e2daba
 def tokenize_shard(src,                # a parquet text shard
