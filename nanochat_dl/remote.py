@@ -7,7 +7,7 @@ under a cap, and shared safely by the ranks of one machine."""
 # %% auto #0
 __all__ = ['ENDPOINT_ENVS', 'REGION_ENVS', 'INDEX', 'CACHE_METRICS', 'uri_scheme', 'is_local', 's3_filesystem', 'open_uri',
            'RemoteFile', 'list_files', 'is_transient', 'backoff_s', 'FetchError', 'Cancelled', 'new_temp', 'fetch_file',
-           'default_cache_dir', 'FileCache', 'cache_metrics']
+           'default_cache_dir', 'FileCache', 'cache_metrics', 'cache_for', 'local_copy', 'pin_copies', 'unpin_copies']
 
 # %% ../nbs/14_remote.ipynb #0e7a4862
 import atexit, hashlib, json, os, random, re, secrets, threading, time, weakref
@@ -635,3 +635,47 @@ def discard(self:FileCache, rel) -> bool:
     gone = _try_remove(self.path(rel))
     self._scan()
     return gone
+
+@patch
+@contextmanager
+def open_input(self:FileCache, rel):
+    "`with cache.open_input(rel) as f:` a binary file to read parts of `rel` (a footer, say): the copy if it is cached, else the store's object, read by ranges (its opening retried like a fetch)."
+    self._known(rel)
+    if self.local_root is not None or self._complete(rel):
+        with self.pinned(rel) as p, open(p, 'rb') as f: yield f
+        return
+    fs = self.fs
+    f = self._retrying(lambda: fs.open_input_file(f"{self._base}/{rel}"), self.uri(rel))
+    try: yield f
+    finally: f.close()
+
+def cache_for(path,                 # a local path
+              ) -> tuple:
+    "`(cache, rel)` when `path` is where a live `FileCache` of this process keeps the copy of `rel`; else None."
+    p = os.path.abspath(path)
+    for c in list(_LIVE):
+        if c.cache_dir is not None and not c.closed:
+            top = os.path.abspath(c.cache_dir/'files') + os.sep
+            if p.startswith(top) and (rel := p[len(top):].replace(os.sep, '/')) in c.files: return c, rel
+    return None
+
+@contextmanager
+def local_copy(path,                # a local path, or where a live `FileCache` keeps a copy
+               ):
+    "`with local_copy(path) as p:` `path` itself, or for a cached root's copy, `path` fetched if needed and pinned while inside."
+    hit = cache_for(path)
+    if hit is None: yield Path(path); return
+    with hit[0].pinned(hit[1]) as p: yield p
+
+def pin_copies(paths,               # local paths, some of them maybe copies of cached roots
+               ) -> list:
+    "Fetch and pin the copies among `paths` (each once) until `unpin_copies` of the list returned; other paths are left alone."
+    out = []
+    for p in dict.fromkeys(map(str, paths)):
+        if (hit := cache_for(p)) is not None: hit[0].pin(hit[1]); out.append(hit)
+    return out
+
+def unpin_copies(pins,              # what `pin_copies` returned
+                 ):
+    "Undo `pin_copies`."
+    for c, rel in pins: c.unpin(rel)

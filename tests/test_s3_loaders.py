@@ -276,3 +276,85 @@ def test_damaged_cached_copy_is_fetched_again(local, s3root, tmp_path):
     same(batches(StreamingLoader(tr, **KW), 30), want)
     assert tr.cache.stats()['fetched_bytes'] == (local/'web'/'a.arrow').stat().st_size
     assert p.read_bytes() == (local/'web'/'a.arrow').read_bytes()
+
+
+# ---- PackedLoader over parquet text shards in a bucket -----------------------------------------------------
+
+def words(f, g, r): return ' '.join([f"w{f}{g}{r}x"] * (1 + (7 * f + 3 * g + 5 * r) % 23))
+
+
+@pytest.fixture(scope='module')
+def text(tmp_path_factory):
+    "Six toy shards (five train, one val) and a small tokenizer trained on the sample shards."
+    from nanochat_dl.dataset import make_sample_shards
+    from nanochat_dl.shards import write_toy_shards
+    from nanochat_dl.tokenizer import train_tokenizer
+    d = tmp_path_factory.mktemp('s3text')
+    make_sample_shards(d/'sample')
+    tok = train_tokenizer(d/'sample', vocab_size=512, out_dir=d/'tok', progress=False)
+    write_toy_shards(d/'shards', [[6, 5, 7], [4, 8, 3, 5], [9, 2], [5, 5, 5], [7, 6, 4], [3, 3]], text_fn=words)
+    return d/'shards', tok
+
+
+PKW = dict(B=3, T=24, tokenizer_batch_size=4, buffer_size=8, device='cpu', tokenizer_threads=2, prefetch=0)
+
+
+def packed(ld, n):
+    try: return [(b.inputs.clone(), b.targets.clone(), json.loads(json.dumps(b.state)), b.metrics['cache']) for b in itertools.islice(ld, n)]
+    finally: ld.close()
+
+
+def same_packed(a, b):
+    assert len(a) == len(b)
+    for x, y in zip(a, b): assert torch.equal(x[0], y[0]) and torch.equal(x[1], y[1]) and x[2] == y[2]
+
+
+@pytest.fixture
+def s3text(moto, bucket, text):
+    moto.put(bucket, objects(text[0], 'text'))
+    return f's3://{bucket}/text'
+
+
+@pytest.mark.parametrize('tokenize_in', ['processes', 'threads'])
+def test_packed_loader_from_s3_equals_local(text, s3text, tmp_path, tokenize_in):
+    from nanochat_dl.loader import PackedLoader
+    shards, tok = text
+    want = packed(PackedLoader(tok, data_dir=shards, tokenize_in=tokenize_in, **PKW), 40)
+    got = packed(PackedLoader(tok, data_dir=s3text, cache_dir=tmp_path/'c', tokenize_in=tokenize_in, **PKW), 40)
+    same_packed(got, want)                                       # states too: same shards, same fingerprint
+    assert want[-1][3] is None
+    m = got[-1][3]
+    train = sum(p.stat().st_size for p in sorted(shards.glob('*.parquet'))[:-1])
+    assert m['fetched_bytes'] == train and m['misses'] + m['waits'] + m['prefetched'] == 5 and m['retries'] == 0
+    assert sorted(p.name for p in (tmp_path/'c'/'files').iterdir()) == sorted(p.name for p in shards.glob('*.parquet'))[:-1]
+
+
+def test_packed_loader_resume_from_s3(text, s3text, tmp_path):
+    from nanochat_dl.loader import PackedLoader
+    shards, tok = text
+    full = packed(PackedLoader(tok, data_dir=s3text, cache_dir=tmp_path/'c', **PKW), 40)
+    again = packed(PackedLoader(tok, data_dir=s3text, cache_dir=tmp_path/'c2', resume_state_dict=full[14][2], **PKW), 25)
+    same_packed(again, full[15:])
+    local = packed(PackedLoader(tok, data_dir=shards, resume_state_dict=full[29][2], **PKW), 10)   # a state saved over S3 resumes on local files
+    same_packed(local, full[30:])
+
+
+def test_packed_loader_cap_smaller_than_the_data(text, s3text, tmp_path):
+    from nanochat_dl.loader import PackedLoader
+    shards, tok = text
+    sizes = sorted((p.stat().st_size for p in shards.glob('*.parquet')), reverse=True)
+    cap = sizes[0] + sizes[1] + 10
+    # the files in flight are pinned: with read-ahead, a message of >= 256 documents spans all of these tiny shards (real
+    # shards hold thousands of documents, a message spans one or two); read_ahead=0 keeps one slice in flight
+    kw = dict(PKW, read_ahead=0)
+    want = packed(PackedLoader(tok, data_dir=shards, **kw), 60)     # past the end of the first epoch
+    ld = PackedLoader(tok, data_dir=s3text, cache_dir=tmp_path/'c', cache_size=cap, **kw)
+    got, peak = [], 0
+    for b in itertools.islice(ld, 60):
+        got.append((b.inputs.clone(), b.targets.clone(), json.loads(json.dumps(b.state)), b.metrics['cache']))
+        peak = max(peak, cache_bytes(tmp_path/'c'))
+    over = ld.cache.stats()['over_cap']
+    ld.close()
+    same_packed(got, want)
+    m = got[-1][3]
+    assert peak <= cap and over == 0 and m['evictions'] > 0 and got[-1][2]['stages']['source']['cursor']['epoch'] >= 2
