@@ -24,7 +24,7 @@ from fastcore.script import call_parse
 from .core import check_int, file_in_the_way, folder_lock, get_data_dir, get_dist_info, get_tokenizer_dir
 from .dataset import list_parquet_files
 from .shards import split_files, _open_shard, _read_group
-from .remote import FileCache, cache_metrics, is_local, open_uri
+from .remote import FileCache, cache_metrics, default_cache_dir, is_local, list_files, open_uri, retry, upload_file
 
 # %% ../nbs/12_arrow.ipynb #319519f0
 TOKENS = 'tokens'                          # the column fms-fsdp reads
@@ -882,10 +882,66 @@ def tokenize(data_dir=None,        # parquet text shards (else $NANOCHAT_DL_DATA
              wait:float=600,       # rank 0 gives up after this many seconds without another rank finishing a shard
              progress=True,        # a progress bar in documents
              verbose=True,         # print what is done
+             stage_dir=None,       # for a URI `out`: the local folder files are written in before upload (default: one per URI under the base dir)
              ) -> TokenizeResult:
-    "One `.arrow` token file per parquet shard of `data_dir` under `out/dataset/`; this rank's shards are i = rank (mod world_size); rank 0 then writes the counts file and the manifest."
-    p = _prepare(data_dir, out, dataset, tokenizer_dir, workers, rank, world_size, split, text_column, overwrite, wait)
-    return _execute(p, progress, print if verbose else lambda *a: None)
+    "One `.arrow` token file per parquet shard of `data_dir` under `out/dataset/`; this rank's shards are i = rank (mod world_size); rank 0 then writes the counts file and the manifest. A URI `out` (`s3://bucket/prefix`, ...) gets each file uploaded once it is finished, the counts file and the manifest last."
+    args = (data_dir, out, dataset, tokenizer_dir, workers, rank, world_size, split, text_column, overwrite, wait)
+    say = print if verbose else lambda *a: None
+    if out is not None and not is_local(out): return _execute_uri(_prepare_uri(*args, stage_dir), progress, say)
+    return _execute(_prepare(*args), progress, say)
+
+# %% ../nbs/12_arrow.ipynb #3a384c82
+def _stage_dir(out) -> Path:
+    "Where `tokenize` writes for URI `out` before uploading: `stage/<name>-<hash>` under the base dir, shared by the ranks of a machine."
+    d = default_cache_dir(out)
+    return d.parent.parent/'stage'/d.name
+
+def _pull_meta(fs, base, stage, out):
+    "The store's counts file and manifest copied into the staging root (or removed there if the store has none), so that `tokenize` adds to them."
+    def read(path):
+        with fs.open_input_stream(path) as f: return f.read()
+    for name in (COUNTS_FILE, MANIFEST):
+        try: data = retry(lambda: read(f"{base}/{META}/{name}"), f"{out}/{META}/{name}")
+        except FileNotFoundError: (stage/META/name).unlink(missing_ok=True); continue
+        _write_meta(stage/META/name, data.decode())
+
+def _prepare_uri(data_dir, out, dataset, tokenizer_dir, workers, rank, world_size, split, text_column, overwrite, wait, stage_dir=None):
+    "`_prepare` for a URI `out`: the staging root primed with the store's meta files; `.arrow` files in the store that no shard makes refused unless `overwrite`."
+    out = str(out).rstrip('/')
+    fs, base = open_uri(out)
+    stage = Path(stage_dir).expanduser().absolute() if stage_dir is not None else _stage_dir(out)
+    if dataset is not None: _check_dataset_name(dataset)
+    _pull_meta(fs, base, stage, out)
+    p = _prepare(data_dir, stage, dataset, tokenizer_dir, workers, rank, world_size, split, text_column, overwrite, wait)
+    p.uri, p.fs, p.base = out, fs, base
+    made = {s.stem + '.arrow' for s in p.shards}
+    p.stored = {f.path: f.size for f in retry(lambda: list_files(f"{base}/{dataset}", '.arrow', fs=fs), f"{out}/{dataset}")}
+    p.remote_extras = sorted(f for f in p.stored if f not in made)
+    if p.remote_extras and not overwrite:
+        raise ValueError(f"{out}/{dataset} holds {len(p.remote_extras)} .arrow file(s) that no shard of {p.source['data_dir']} makes "
+                         f"({', '.join(p.remote_extras[:3])}{', ...' if len(p.remote_extras) > 3 else ''}): remove them, pass overwrite=True "
+                         "(--overwrite) to have them removed, or choose another dataset")
+    return p
+
+def _upload(p, names, say, force=()):
+    "Upload the token files `names` of the staging root whose size in the store differs (or that are in `force`, written in this run)."
+    for n in names:
+        src = p.root/p.dataset/n
+        if n in force or p.stored.get(n) != src.stat().st_size:
+            p.stored[n] = upload_file(p.fs, src, f"{p.base}/{p.dataset}/{n}", f"{p.uri}/{p.dataset}/{n}")
+
+def _execute_uri(p, progress=True, say=print) -> TokenizeResult:
+    "`_execute` into the staging root, then the uploads: this rank's files; on rank 0 once every shard is done, any file still missing, then the counts file, then the manifest."
+    res = _execute(p, progress, say)
+    _upload(p, res.done + res.skipped, say, force=set(res.done))
+    if res.manifest is None: return res
+    p.stored = {f.path: f.size for f in retry(lambda: list_files(f"{p.base}/{p.dataset}", '.arrow', fs=p.fs), f"{p.uri}/{p.dataset}")}
+    _upload(p, sorted(read_manifest(p.root)['datasets'][p.dataset]['files']), say)
+    for f in p.remote_extras:
+        retry(lambda: p.fs.delete_file(f"{p.base}/{p.dataset}/{f}"), f"{p.uri}/{p.dataset}/{f}"); p.stored.pop(f, None)
+    for name in (COUNTS_FILE, MANIFEST): upload_file(p.fs, p.root/META/name, f"{p.base}/{META}/{name}", f"{p.uri}/{META}/{name}")
+    say(f"uploaded to {p.uri}: {p.dataset}/ ({len(p.stored)} files), {META}/{COUNTS_FILE}, {META}/{MANIFEST}")
+    return res._replace(manifest=f"{p.uri}/{META}/{MANIFEST}")
 
 # %% ../nbs/12_arrow.ipynb #032fe449
 @call_parse
@@ -901,12 +957,16 @@ def tokenize_cli(data_dir:str=None,       # parquet text shards (else $NANOCHAT_
                  overwrite:bool=False,    # replace a dataset of another tokenizer; remove .arrow files no shard makes
                  wait:float=600,          # rank 0 gives up after this many seconds without another rank finishing a shard
                  progress:bool=True,      # progress bar in documents (--no-progress hides it)
+                 stage_dir:str=None,      # for a URI --out (s3://bucket/prefix, ...): the local folder files are written in before upload
                 ) -> int:
-    "Tokenize parquet shards into fms-fsdp's arrow layout; exit code 2 for bad arguments, 1 if a shard failed."
+    "Tokenize parquet shards into fms-fsdp's arrow layout, on disk or in object storage (--out s3://...); exit code 2 for bad arguments, 1 if a shard (or an upload) failed."
     err = lambda msg: print(f"nanochat-dl tokenize: error: {msg}", file=sys.stderr)
-    try: p = _prepare(data_dir, out, dataset, tokenizer_dir, Workers, rank, world_size, split, text_column, overwrite, wait)
+    uri = out is not None and not is_local(out)
+    args = (data_dir, out, dataset, tokenizer_dir, Workers, rank, world_size, split, text_column, overwrite, wait)
+    try: p = _prepare_uri(*args, stage_dir) if uri else _prepare(*args)
     except (ValueError, FileNotFoundError) as e: err(e); return 2
-    try: res = _execute(p, progress and sys.stderr.isatty())
+    except OSError as e: err(e); return 1                       # the store could not be read
+    try: res = (_execute_uri if uri else _execute)(p, progress and sys.stderr.isatty())
     except (OSError, RuntimeError) as e: err(e); return 1
     for n, why in sorted(res.failed.items()): err(f"{n}: {why}")
     return 1 if res.failed else 0

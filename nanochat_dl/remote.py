@@ -7,7 +7,8 @@ under a cap, and shared safely by the ranks of one machine."""
 # %% auto #0
 __all__ = ['ENDPOINT_ENVS', 'REGION_ENVS', 'INDEX', 'CACHE_METRICS', 'uri_scheme', 'is_local', 's3_filesystem', 'open_uri',
            'RemoteFile', 'list_files', 'is_transient', 'backoff_s', 'FetchError', 'Cancelled', 'new_temp', 'fetch_file',
-           'default_cache_dir', 'FileCache', 'cache_metrics', 'cache_for', 'local_copy', 'pin_copies', 'unpin_copies']
+           'default_cache_dir', 'FileCache', 'cache_metrics', 'cache_for', 'local_copy', 'pin_copies', 'unpin_copies',
+           'retry', 'upload_file']
 
 # %% ../nbs/14_remote.ipynb #0e7a4862
 import atexit, hashlib, json, os, random, re, secrets, threading, time, weakref
@@ -679,3 +680,39 @@ def unpin_copies(pins,              # what `pin_copies` returned
                  ):
     "Undo `pin_copies`."
     for c, rel in pins: c.unpin(rel)
+
+def retry(fn,                       # what to call
+          what,                     # the URI errors name
+          attempts:int=8,           # tries in all
+          backoff:float=0.5,        # seconds before the second try; doubles per try
+          max_backoff:float=30.0,   # cap on one wait
+          ):
+    "`fn()`, transient errors retried with backoff; a missing file raises `FileNotFoundError`, anything else permanent (or the last failure) a `FetchError` naming `what`."
+    for k in range(1, attempts + 1):
+        try: return fn()
+        except FileNotFoundError: raise
+        except Exception as e:
+            if not is_transient(e): raise FetchError(what, f"{type(e).__name__}: {e}", k) from e
+            if k == attempts: raise FetchError(what, f"gave up after {k} tries: {e}", k) from e
+            time.sleep(backoff_s(k, backoff, max_backoff))
+
+def upload_file(fs,                 # the store's filesystem (pyarrow)
+                src,                # the local file
+                dst,                # its path on `fs`
+                uri=None,           # the name errors use (default: `dst`)
+                attempts:int=8, backoff:float=0.5, max_backoff:float=30.0,   # as `retry`
+                ) -> int:
+    "Put local file `src` at `dst` so that `dst` is never seen half-written: it is written under a hidden temp name beside `dst`, its size checked, then moved to `dst` by the store (a copy on S3) and the temp removed; transient errors retried. Returns the bytes."
+    n, (d, name) = os.path.getsize(src), str(dst).rsplit('/', 1)
+    tmp = f"{d}/.{name}.{secrets.token_hex(6)}.part"
+    def put():
+        with open(src, 'rb') as f, fs.open_output_stream(tmp) as out:
+            while b := f.read(8 << 20): out.write(b)
+        got = fs.get_file_info(tmp).size
+        if got != n: raise OSError(f"the store holds {got} bytes of the upload, expected {n}")   # transient: uploaded again
+        fs.move(tmp, dst)
+    try: retry(put, uri or dst, attempts, backoff, max_backoff)
+    finally:
+        try: fs.delete_file(tmp)
+        except Exception: pass                                  # moved, or never made
+    return n

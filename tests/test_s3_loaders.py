@@ -358,3 +358,62 @@ def test_packed_loader_cap_smaller_than_the_data(text, s3text, tmp_path):
     same_packed(got, want)
     m = got[-1][3]
     assert peak <= cap and over == 0 and m['evictions'] > 0 and got[-1][2]['stages']['source']['cursor']['epoch'] >= 2
+
+
+# ---- nanochat-dl tokenize --out s3://... ----------------------------------------------------------------------------
+
+def listing(moto, bucket, prefix):
+    "`{key under prefix: bytes}` of the objects in the bucket under `prefix/` (hidden names included; not the empty folder markers pyarrow leaves)."
+    c, out = moto.client(), {}
+    for o in c.list_objects_v2(Bucket=bucket, Prefix=prefix + '/').get('Contents', []):
+        if o['Key'].endswith('/') and o['Size'] == 0: continue
+        out[o['Key'][len(prefix) + 1:]] = c.get_object(Bucket=bucket, Key=o['Key'])['Body'].read()
+    return out
+
+
+def test_tokenize_to_s3(text, moto, bucket, tmp_path):
+    "`tokenize --out s3://...` puts in the bucket the files a local `--out` gets, byte for byte; the loader reads them back."
+    from nanochat_dl.arrow import tokenize
+    from nanochat_dl.cli import main
+    shards, tok = text
+    tok_dir = shards.parent/'tok'
+    moto.put(bucket, {})
+    res = tokenize(shards, tmp_path/'local', 'toy', tok_dir, workers=2, progress=False, verbose=False)
+    assert main(['tokenize', '--data-dir', str(shards), '--out', f's3://{bucket}/tok', '--dataset', 'toy', '--tokenizer-dir', str(tok_dir),
+                 '-w', '2', '--no-progress', '--stage-dir', str(tmp_path/'stage')]) == 0
+    got = listing(moto, bucket, 'tok')
+    assert sorted(got) == ['meta/combined_counts.csv', 'meta/manifest.json'] + [f'toy/{n}' for n in res.done]
+    local = tmp_path/'local'
+    for k, v in got.items():
+        if k.startswith('toy/'): assert v == (local/k).read_bytes(), k
+    assert json.loads(got['meta/manifest.json'])['datasets']['toy']['files'] == read_json(local/'meta'/'manifest.json')['datasets']['toy']['files']
+    assert got['meta/combined_counts.csv'] == (local/'meta'/'combined_counts.csv').read_bytes()
+    same(batches(StreamingLoader(f's3://{bucket}/tok', **KW, cache_dir=tmp_path/'c'), 10), batches(StreamingLoader(local, **KW), 10))
+    # a second dataset into the same bucket root keeps the first one's entries
+    r2 = tokenize(shards, f's3://{bucket}/tok', 'again', tok_dir, workers=1, split='val', progress=False, verbose=False,
+                  stage_dir=tmp_path/'stage2')
+    assert r2.manifest == f's3://{bucket}/tok/meta/manifest.json'
+    m = json.loads(listing(moto, bucket, 'tok')['meta/manifest.json'])
+    assert sorted(m['datasets']) == ['again', 'toy']
+
+
+def read_json(p): return json.loads(Path(p).read_text())
+
+
+def test_tokenize_to_s3_never_shows_half_a_file(text, moto, bucket, proxy, tmp_path):
+    "Uploads cut by resets and 503s are retried; one the store refuses (403) fails the run: no manifest, no partial object, nothing hidden left over."
+    from nanochat_dl.arrow import tokenize
+    from nanochat_dl.remote import FetchError
+    shards, tok = text
+    moto.put(bucket, {})
+    proxy.add('status', path='.part', method='PUT', count=2, status=503)
+    proxy.add('reset', path='.part', method='PUT', count=1, after=0)
+    res = tokenize(shards, f's3://{bucket}/ok', 'toy', shards.parent/'tok', workers=1, progress=False, verbose=False, stage_dir=tmp_path/'s1')
+    got = listing(moto, bucket, 'ok')
+    assert sorted(got) == ['meta/combined_counts.csv', 'meta/manifest.json'] + [f'toy/{n}' for n in res.done]
+    assert len([k for k in proxy.requests('.part', 'PUT') if k is not None]) == 3
+    proxy.add('status', path='shard_00003.arrow', method='PUT', count=1, status=403)
+    with pytest.raises(FetchError, match=re.escape(f"s3://{bucket}/bad/toy/shard_00003.arrow: OSError")):
+        tokenize(shards, f's3://{bucket}/bad', 'toy', shards.parent/'tok', workers=1, progress=False, verbose=False, stage_dir=tmp_path/'s2')
+    got = listing(moto, bucket, 'bad')
+    assert 'meta/manifest.json' not in got and 'toy/shard_00003.arrow' not in got and not [k for k in got if '/.' in '/' + k]
