@@ -12,7 +12,8 @@ from nanochat_dl.loader import PackedLoader, reference_loader
 from nanochat_dl.dataloader import tokenizing_distributed_data_loader_with_state_bos_bestfit
 from nanochat_dl.dataset import make_sample_shards
 from nanochat_dl.packing import STRATEGIES
-from nanochat_dl.shards import RowGroupReader, split_files, write_toy_shards
+from nanochat_dl.shards import RowGroupReader, split_files
+from nanochat_dl.testing import write_toy_shards
 from nanochat_dl.tokenizer import Tokenizer, train_tokenizer
 
 

@@ -287,7 +287,7 @@ def words(f, g, r): return ' '.join([f"w{f}{g}{r}x"] * (1 + (7 * f + 3 * g + 5 *
 def text(tmp_path_factory):
     "Six toy shards (five train, one val) and a small tokenizer trained on the sample shards."
     from nanochat_dl.dataset import make_sample_shards
-    from nanochat_dl.shards import write_toy_shards
+    from nanochat_dl.testing import write_toy_shards
     from nanochat_dl.tokenizer import train_tokenizer
     d = tmp_path_factory.mktemp('s3text')
     make_sample_shards(d/'sample')
