@@ -23,7 +23,7 @@ from fastcore.basics import patch
 from fastcore.script import call_parse
 from .core import check_int, file_in_the_way, folder_lock, get_data_dir, get_dist_info, get_tokenizer_dir
 from .dataset import list_parquet_files
-from .shards import split_files, _open_shard, _read_group
+from .shards import split_files, split_shards, _open_shard, _read_group
 from .remote import FileCache, cache_metrics, default_cache_dir, is_local, list_files, open_uri, retry, upload_file
 
 # %% ../nbs/12_arrow.ipynb #319519f0
@@ -708,6 +708,24 @@ def _source_shards(data_dir, split) -> list:
     if not files: raise FileNotFoundError(f"no .parquet shards in {d}: download shards (`nanochat-dl download`) or write the offline sample (`nanochat-dl sample`) first")
     return files
 
+def _uri_shards(uri, split, cache_dir, cache_size, rank, world) -> tuple:
+    "A URI's parquet shards for `tokenize`: the local paths of their copies, and the `FileCache` that holds them; this rank's copies fetched now and pinned."
+    if split not in SPLIT_CHOICES: raise ValueError(f"split {split!r} is invalid: expected one of {', '.join(SPLIT_CHOICES)}")
+    if split != 'all': files, cache = split_shards(split, uri, cache_dir, cache_size)
+    else:
+        cache = FileCache(uri, cache_dir, cache_size, suffix='.parquet')
+        files = [cache.path(r) for r in sorted(r for r in cache.files if '/' not in r)]
+    try:
+        if not files: raise FileNotFoundError(f"no .parquet shards in {uri}: expected the shards' folder or prefix")
+        cache.want([f.name for f in files[rank::world]])
+        for f in files[rank::world]: cache.pin(f.name)
+    except BaseException: cache.close(); raise
+    return files, cache
+
+def _src_bytes(p, src) -> int:
+    "The size of source shard `src` (for a URI's shards, from the listing: other ranks' copies need not be here)."
+    return p.cache.files[src.name] if getattr(p, 'cache', None) is not None else src.stat().st_size
+
 def _check_text_column(shard, text_column):
     "A text column the first shard lacks is a bad argument; a shard that does not open is left to its worker to report."
     import pyarrow.parquet as pq
@@ -730,9 +748,9 @@ def _rank_world(rank, world_size) -> tuple:
     return rank, world
 
 # %% ../nbs/12_arrow.ipynb #be5b1de8
-def _prepare(data_dir, out, dataset, tokenizer_dir, workers, rank, world_size, split, text_column, overwrite, wait) -> SimpleNamespace:
+def _prepare(data_dir, out, dataset, tokenizer_dir, workers, rank, world_size, split, text_column, overwrite, wait,
+             cache_dir=None, cache_size=None) -> SimpleNamespace:
     "Check everything `tokenize` is asked before any work: a `ValueError` or `FileNotFoundError` says what is wrong."
-    from nanochat_dl.tokenizer import get_tokenizer
     if out is None: raise ValueError("out (--out) is required: the token root that holds one folder per dataset")
     if dataset is None: raise ValueError("dataset (--dataset) is required: the name of the dataset's folder under the token root")
     _check_dataset_name(dataset)
@@ -740,13 +758,23 @@ def _prepare(data_dir, out, dataset, tokenizer_dir, workers, rank, world_size, s
     if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not wait > 0: raise ValueError(f"wait={wait!r} is invalid: expected seconds > 0")
     root = Path(out).expanduser().absolute()
     if (f := file_in_the_way(root/dataset)) is not None: raise ValueError(f"out {root}: {f} is a file; expected folders there (created if missing)")
-    shards = _source_shards(data_dir, split)
-    _check_text_column(shards[0], text_column)
+    uri = data_dir if data_dir is not None else os.environ.get('NANOCHAT_DL_DATA_DIR')
+    if uri is not None and not is_local(uri): shards, cache = _uri_shards(str(uri).rstrip('/'), split, cache_dir, cache_size, rank, world)
+    else: shards, cache = _source_shards(data_dir, split), None
+    where = str(uri).rstrip('/') if cache is not None else str(shards[0].parent.absolute())
+    try: return _prepare_rest(root, dataset, shards, cache, where, workers, rank, world, split, text_column, overwrite, wait, tokenizer_dir)
+    except BaseException:
+        if cache is not None: cache.close()
+        raise
+
+def _prepare_rest(root, dataset, shards, cache, where, workers, rank, world, split, text_column, overwrite, wait, tokenizer_dir) -> SimpleNamespace:
+    from nanochat_dl.tokenizer import get_tokenizer
+    _check_text_column((shards[rank::world] or shards)[0] if cache is not None else shards[0], text_column)   # a URI's: one fetched here
     tok_dir = (get_tokenizer_dir() if tokenizer_dir is None else Path(tokenizer_dir)).expanduser().absolute()
     tok = get_tokenizer(tok_dir)
     p = SimpleNamespace(root=root, dataset=dataset, shards=shards, workers=workers, rank=rank, world=world, text_column=text_column,
-                        overwrite=overwrite, wait=wait, tok_dir=tok_dir, tok=tokenizer_record(tok), manifest=read_manifest(root))
-    p.source = dict(data_dir=str(shards[0].parent.absolute()), split=split, text_column=text_column, tokenizer_dir=str(tok_dir))
+                        overwrite=overwrite, wait=wait, tok_dir=tok_dir, tok=tokenizer_record(tok), manifest=read_manifest(root), cache=cache)
+    p.source = dict(data_dir=where, split=split, text_column=text_column, tokenizer_dir=str(tok_dir))
     _check_target(p)
     return p
 
@@ -781,7 +809,7 @@ def _record_of(p, name) -> dict:
 def _still_valid(p, rec, src, full=False) -> bool:
     "Whether `rec` describes the token file of shard `src` as it is now, made from `src` as it is now with this tokenizer."
     dst = p.root/p.dataset/(src.stem + '.arrow')
-    if rec is None or rec.get('tokenizer') != p.tok['fingerprint'] or rec.get('source') != dict(name=src.name, bytes=src.stat().st_size): return False
+    if rec is None or rec.get('tokenizer') != p.tok['fingerprint'] or rec.get('source') != dict(name=src.name, bytes=_src_bytes(p, src)): return False
     try:
         if dst.stat().st_size != rec['bytes']: return False
         return _sha256_file(dst) == rec['sha256'] if full else tail_sha256(dst) == rec['tail_sha256']
@@ -883,12 +911,16 @@ def tokenize(data_dir=None,        # parquet text shards (else $NANOCHAT_DL_DATA
              progress=True,        # a progress bar in documents
              verbose=True,         # print what is done
              stage_dir=None,       # for a URI `out`: the local folder files are written in before upload (default: one per URI under the base dir)
+             cache_dir=None,       # for a URI `data_dir`: the shards' local copies (this rank's are fetched before it starts)
+             cache_size=None,      # for a URI `data_dir`: bytes those copies may take (None: no cap)
              ) -> TokenizeResult:
     "One `.arrow` token file per parquet shard of `data_dir` under `out/dataset/`; this rank's shards are i = rank (mod world_size); rank 0 then writes the counts file and the manifest. A URI `out` (`s3://bucket/prefix`, ...) gets each file uploaded once it is finished, the counts file and the manifest last."
     args = (data_dir, out, dataset, tokenizer_dir, workers, rank, world_size, split, text_column, overwrite, wait)
     say = print if verbose else lambda *a: None
-    if out is not None and not is_local(out): return _execute_uri(_prepare_uri(*args, stage_dir), progress, say)
-    return _execute(_prepare(*args), progress, say)
+    p = _prepare_uri(*args, stage_dir, cache_dir, cache_size) if out is not None and not is_local(out) else _prepare(*args, cache_dir, cache_size)
+    try: return (_execute_uri if hasattr(p, 'uri') else _execute)(p, progress, say)
+    finally:
+        if p.cache is not None: p.cache.close()
 
 # %% ../nbs/12_arrow.ipynb #3a384c82
 def _stage_dir(out) -> Path:
@@ -905,19 +937,21 @@ def _pull_meta(fs, base, stage, out):
         except FileNotFoundError: (stage/META/name).unlink(missing_ok=True); continue
         _write_meta(stage/META/name, data.decode())
 
-def _prepare_uri(data_dir, out, dataset, tokenizer_dir, workers, rank, world_size, split, text_column, overwrite, wait, stage_dir=None):
+def _prepare_uri(data_dir, out, dataset, tokenizer_dir, workers, rank, world_size, split, text_column, overwrite, wait, stage_dir=None,
+                 cache_dir=None, cache_size=None):
     "`_prepare` for a URI `out`: the staging root primed with the store's meta files; `.arrow` files in the store that no shard makes refused unless `overwrite`."
     out = str(out).rstrip('/')
     fs, base = open_uri(out)
     stage = Path(stage_dir).expanduser().absolute() if stage_dir is not None else _stage_dir(out)
     if dataset is not None: _check_dataset_name(dataset)
     _pull_meta(fs, base, stage, out)
-    p = _prepare(data_dir, stage, dataset, tokenizer_dir, workers, rank, world_size, split, text_column, overwrite, wait)
+    p = _prepare(data_dir, stage, dataset, tokenizer_dir, workers, rank, world_size, split, text_column, overwrite, wait, cache_dir, cache_size)
     p.uri, p.fs, p.base = out, fs, base
     made = {s.stem + '.arrow' for s in p.shards}
     p.stored = {f.path: f.size for f in retry(lambda: list_files(f"{base}/{dataset}", '.arrow', fs=fs), f"{out}/{dataset}")}
     p.remote_extras = sorted(f for f in p.stored if f not in made)
     if p.remote_extras and not overwrite:
+        if p.cache is not None: p.cache.close()
         raise ValueError(f"{out}/{dataset} holds {len(p.remote_extras)} .arrow file(s) that no shard of {p.source['data_dir']} makes "
                          f"({', '.join(p.remote_extras[:3])}{', ...' if len(p.remote_extras) > 3 else ''}): remove them, pass overwrite=True "
                          "(--overwrite) to have them removed, or choose another dataset")
@@ -958,15 +992,19 @@ def tokenize_cli(data_dir:str=None,       # parquet text shards (else $NANOCHAT_
                  wait:float=600,          # rank 0 gives up after this many seconds without another rank finishing a shard
                  progress:bool=True,      # progress bar in documents (--no-progress hides it)
                  stage_dir:str=None,      # for a URI --out (s3://bucket/prefix, ...): the local folder files are written in before upload
+                 cache_dir:str=None,      # for a URI --data-dir: the shards' local copies (this rank's are fetched before it starts)
+                 cache_size:int=None,     # for a URI --data-dir: bytes those copies may take
                 ) -> int:
     "Tokenize parquet shards into fms-fsdp's arrow layout, on disk or in object storage (--out s3://...); exit code 2 for bad arguments, 1 if a shard (or an upload) failed."
     err = lambda msg: print(f"nanochat-dl tokenize: error: {msg}", file=sys.stderr)
     uri = out is not None and not is_local(out)
     args = (data_dir, out, dataset, tokenizer_dir, Workers, rank, world_size, split, text_column, overwrite, wait)
-    try: p = _prepare_uri(*args, stage_dir) if uri else _prepare(*args)
+    try: p = _prepare_uri(*args, stage_dir, cache_dir, cache_size) if uri else _prepare(*args, cache_dir, cache_size)
     except (ValueError, FileNotFoundError) as e: err(e); return 2
     except OSError as e: err(e); return 1                       # the store could not be read
     try: res = (_execute_uri if uri else _execute)(p, progress and sys.stderr.isatty())
     except (OSError, RuntimeError) as e: err(e); return 1
+    finally:
+        if p.cache is not None: p.cache.close()
     for n, why in sorted(res.failed.items()): err(f"{n}: {why}")
     return 1 if res.failed else 0

@@ -417,3 +417,32 @@ def test_tokenize_to_s3_never_shows_half_a_file(text, moto, bucket, proxy, tmp_p
         tokenize(shards, f's3://{bucket}/bad', 'toy', shards.parent/'tok', workers=1, progress=False, verbose=False, stage_dir=tmp_path/'s2')
     got = listing(moto, bucket, 'bad')
     assert 'meta/manifest.json' not in got and 'toy/shard_00003.arrow' not in got and not [k for k in got if '/.' in '/' + k]
+
+
+def test_dropin_reads_a_bucket(text, s3text, tmp_path, monkeypatch):
+    "nanochat's function names read a bucket given as `data_dir=` or as $NANOCHAT_DL_DATA_DIR, with nanochat's batches."
+    from nanochat_dl.dataloader import tokenizing_distributed_data_loader_bos_bestfit as dropin
+    shards, tok = text
+    kw = dict(tokenizer_threads=1, tokenizer_batch_size=4, device='cpu', buffer_size=8)
+    w = dropin(tok, 2, 16, 'train', data_dir=shards, **kw)
+    want = [b for b in itertools.islice(w, 12)]; w.close()
+    a = dropin(tok, 2, 16, 'train', data_dir=s3text, cache_dir=tmp_path/'c', **kw)
+    got = [b for b in itertools.islice(a, 12)]; a.close()
+    monkeypatch.setenv('NANOCHAT_DL_DATA_DIR', s3text)
+    b = dropin(tok, 2, 16, 'train', cache_dir=tmp_path/'c2', cache_size=10**6, **kw)
+    env = [x for x in itertools.islice(b, 12)]
+    assert b.loader.cache.cache_size == 10**6; b.close()
+    for (x0, y0), (x1, y1), (x2, y2) in zip(want, got, env): assert torch.equal(x0, x1) and torch.equal(y0, y1) and torch.equal(x0, x2)
+
+
+def test_tokenize_from_s3_shards(text, s3text, moto, tmp_path):
+    "`tokenize --data-dir s3://...` reads the shards through the cache: the token files are those of the local shards, the manifest names the URI."
+    from nanochat_dl.arrow import read_manifest, tokenize
+    from nanochat_dl.cli import main
+    shards, tok = text
+    tokenize(shards, tmp_path/'local', 'toy', shards.parent/'tok', workers=1, progress=False, verbose=False)
+    assert main(['tokenize', '--data-dir', s3text, '--out', str(tmp_path/'remote'), '--dataset', 'toy', '--tokenizer-dir', str(shards.parent/'tok'),
+                 '-w', '1', '--no-progress', '--cache-dir', str(tmp_path/'c'), '--cache-size', '1000000']) == 0
+    for p in sorted((tmp_path/'local'/'toy').glob('*.arrow')): assert p.read_bytes() == (tmp_path/'remote'/'toy'/p.name).read_bytes()
+    assert read_manifest(tmp_path/'remote')['datasets']['toy']['source']['data_dir'] == s3text
+    assert sorted(p.name for p in (tmp_path/'c'/'files').iterdir()) == sorted(p.name for p in shards.glob('*.parquet'))
