@@ -637,6 +637,7 @@ def discard(self:FileCache, rel) -> bool:
     self._scan()
     return gone
 
+# %% ../nbs/14_remote.ipynb #5f8acdd4
 @patch
 @contextmanager
 def open_input(self:FileCache, rel):
