@@ -445,8 +445,8 @@ class TokenRoot:
         self.tokenizer = None if self.manifest is None else _check_tokenizers(self.root, self.manifest, datasets, tokenizer)
         counts = read_counts(self.root, datasets) if self.cache is None else self._remote_counts(datasets)
         self.files, self._open = {}, OrderedDict()
+        if self.cache is not None: self.max_open = min(self.max_open, self._fits())   # before any file is opened (counted)
         for ds in datasets: self.files[ds] = self._infos(ds, counts, verify)
-        if self.cache is not None: self.max_open = min(self.max_open, self._fits())
     def _at(self, *parts):
         "Where `parts` are under the root: a path, or a URI for a URI root (for messages)."
         return self.root.joinpath(*parts) if self.cache is None else '/'.join([self.root, *parts])
@@ -568,7 +568,7 @@ def _check_listing(self:TokenRoot, ds, have, entry, verify):
 def _fits(self:TokenRoot) -> int:
     "How many token files may be open (their copies pinned) at once: any that many fit under `cache_size`."
     if self.cache.cache_size is None: return 1 << 30
-    sizes = sorted((self.cache.files[f"{d}/{i.file}"] for d in self.datasets for i in self.files[d]), reverse=True)
+    sizes = sorted((self.cache.files[f"{d}/{f}"] for d in self.datasets for f in self._remote_files(d)), reverse=True)
     return max(1, int(np.searchsorted(np.cumsum(sizes), self.cache.cache_size, side='right')))
 
 # %% ../nbs/12_arrow.ipynb #a0684522
