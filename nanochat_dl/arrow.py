@@ -12,7 +12,7 @@ __all__ = ['TOKENS', 'META', 'COUNTS_FILE', 'COUNTS_HEADER', 'TAIL_BYTES', 'MANI
            'TokenizeResult', 'tokenize', 'tokenize_cli']
 
 # %% ../nbs/12_arrow.ipynb #0782d22d
-import csv, hashlib, io, json, os, queue, shlex, signal, subprocess, sys, tempfile, threading, time
+import csv, hashlib, io, itertools, json, os, queue, shlex, signal, subprocess, sys, tempfile, threading, time
 from collections import OrderedDict
 from pathlib import Path
 from types import SimpleNamespace
@@ -23,7 +23,8 @@ from fastcore.basics import patch
 from fastcore.script import call_parse
 from .core import check_int, file_in_the_way, folder_lock, get_data_dir, get_dist_info, get_tokenizer_dir
 from .dataset import list_parquet_files
-from .shards import split_files, _open_shard, _read_group
+from .shards import split_files, split_shards, _open_shard, _read_group
+from .remote import FileCache, cache_metrics, default_cache_dir, is_local, list_files, open_uri, retry, upload_file
 
 # %% ../nbs/12_arrow.ipynb #319519f0
 TOKENS = 'tokens'                          # the column fms-fsdp reads
@@ -214,20 +215,24 @@ def _owner(path, names):
     hit = next((i for i, s in enumerate(parts[:-1]) if s in names), None)
     return (None, None) if hit is None else (parts[hit], '/'.join(parts[hit + 1:]))
 
-def _counts_rows(p):
+def _counts_rows(p, shown=None):   # shown: the name errors use (default: `p`)
     with open(p, newline='') as f:
         rd = csv.DictReader(f)
         if rd.fieldnames is None or not set(COUNTS_HEADER) <= set(rd.fieldnames):
-            raise ValueError(f"{p}: header {rd.fieldnames}, expected {','.join(COUNTS_HEADER)}")
+            raise ValueError(f"{shown or p}: header {rd.fieldnames}, expected {','.join(COUNTS_HEADER)}")
         yield from enumerate(rd, 2)
 
 def read_counts(root,       # the token root
                 datasets,   # names of the datasets whose rows are wanted
                 ) -> dict:
     "`{(dataset, file): (documents, tokens)}` from ROOT's counts files, for the datasets named (other rows are ignored)."
+    return _read_counts([(p, p) for p in counts_files(root)], datasets)
+
+def _read_counts(files, datasets) -> dict:
+    "As `read_counts`, from `files`: `(local path, the name errors use)` pairs."
     names, out = set(datasets), {}
-    for p in counts_files(root):
-        for line, row in _counts_rows(p):
+    for local, p in files:
+        for line, row in _counts_rows(local, p):
             key = _owner(row['dataset/filename'], names)
             if key[0] is None: continue
             try: val = (int(row['documents']), int(row['tokens']))
@@ -296,9 +301,14 @@ def read_manifest(root,   # the token root
                   ) -> dict:
     "ROOT/meta/manifest.json as a dict, its structure checked; None if there is none."
     p = Path(root)/META/MANIFEST
-    try: m = json.loads(p.read_text())
+    try: raw = p.read_bytes()
     except FileNotFoundError: return None
-    except (ValueError, UnicodeDecodeError) as e: raise _manifest_error(p, f"not valid JSON ({e})") from None
+    return _parse_manifest(raw, p)
+
+def _parse_manifest(raw, p) -> dict:
+    "The manifest in bytes `raw`, its structure checked; errors name `p`."
+    try: m = json.loads(raw)
+    except ValueError as e: raise _manifest_error(p, f"not valid JSON ({e})") from None
     if not isinstance(m, dict) or m.get('format') != MANIFEST_FORMAT:
         raise _manifest_error(p, f"format {m.get('format') if isinstance(m, dict) else None!r}")
     if not isinstance(m.get('datasets'), dict): raise _manifest_error(p, "no 'datasets' object")
@@ -408,10 +418,21 @@ class TokenRoot:
                  column=TOKENS,          # the token column
                  max_open:int=64,        # token files kept open
                  tokenizer=None,         # a tokenizer or its fingerprint: refused unless the manifest records the same one
-                 verify='quick'):        # files against the manifest: 'quick' (size, tail hash), 'full' (sha256), 'off'
-        self.root, self.column, self.max_open = Path(root), column, check_int('max_open', max_open, 1)
-        verify = _check_verify(verify)
-        have = list_datasets(self.root)
+                 verify='quick',         # files against the manifest: 'quick' (size, tail hash), 'full' (sha256), 'off'
+                 cache_dir=None,         # a URI root's local copies (default: one folder per root under the base dir)
+                 cache_size=None,        # bytes those copies may take (None: no cap)
+                 prefetch:int=2,         # files of this rank's plan (`want_share`) fetched ahead in the background
+                 fetch:dict|None=None):  # more `FileCache` settings for a URI root: attempts, backoff, max_backoff, timeout, threads
+        self.column, self.max_open, self.cache = column, check_int('max_open', max_open, 1), None
+        self.verify = verify = _check_verify(verify)
+        if is_local(root): self.root = Path(open_uri(root)[1]) if '://' in str(root) else Path(root)
+        else: self._open_cache(root, cache_dir, cache_size, prefetch, fetch)
+        try: self._setup(datasets, tokenizer, verify)
+        except BaseException:
+            if self.cache is not None: self.cache.close()
+            raise
+    def _setup(self, datasets, tokenizer, verify):
+        have = list_datasets(self.root) if self.cache is None else self._remote_datasets()
         if datasets is None: datasets = have
         elif isinstance(datasets, str): datasets = [datasets]
         datasets = list(datasets)
@@ -419,32 +440,45 @@ class TokenRoot:
         if unknown: raise ValueError(f"unknown dataset(s) {unknown} in {self.root}: expected some of {have}")
         if len(set(datasets)) != len(datasets): raise ValueError(f"datasets {datasets} names one twice")
         if not datasets: raise ValueError(f"{self.root} holds no dataset folders: expected ROOT/<dataset>/**/*.arrow")
-        self.datasets, self.manifest = datasets, read_manifest(self.root)
+        self.datasets = datasets
+        self.manifest = read_manifest(self.root) if self.cache is None else self._remote_manifest()
         self.tokenizer = None if self.manifest is None else _check_tokenizers(self.root, self.manifest, datasets, tokenizer)
-        counts = read_counts(self.root, datasets)
+        counts = read_counts(self.root, datasets) if self.cache is None else self._remote_counts(datasets)
         self.files, self._open = {}, OrderedDict()
+        if self.cache is not None: self.max_open = min(self.max_open, self._fits())   # before any file is opened (counted)
         for ds in datasets: self.files[ds] = self._infos(ds, counts, verify)
-    def path(self, dataset, file) -> Path: return self.root/dataset/file
+    def _at(self, *parts):
+        "Where `parts` are under the root: a path, or a URI for a URI root (for messages)."
+        return self.root.joinpath(*parts) if self.cache is None else '/'.join([self.root, *parts])
+    def path(self, dataset, file) -> Path:
+        "The local file of `file` of `dataset` (for a URI root, where its checked copy is or will be)."
+        return self.root/dataset/file if self.cache is None else self.cache.path(f"{dataset}/{file}")
     def open(self, dataset, file) -> TokenFile:
         "The open `TokenFile` for `file` of `dataset` (mapped on first use; its count checked against the counts file)."
         key = (dataset, file)
         tf = self._open.get(key)
         if tf is not None: self._open.move_to_end(key); return tf
-        tf = TokenFile(self.path(dataset, file), self.column)
+        while self.cache is not None and len(self._open) >= self.max_open: self._shut(*self._open.popitem(last=False))   # room first
+        tf = TokenFile(self.path(dataset, file) if self.cache is None else self._local(dataset, file), self.column)
         info = next((i for i in self.files.get(dataset, ()) if i.file == file), None)
         if info is not None and (info.docs, info.tokens) != (len(tf), tf.ntokens):
             raise ValueError(f"{tf.path} holds {len(tf)} documents and {tf.ntokens} tokens, but the counts file says "
                              f"{info.docs} and {info.tokens}: the counts are stale; rewrite them (re-run `nanochat-dl tokenize`) "
-                             f"or delete {self.root/META}/*counts*.csv to count from the files")
+                             f"or delete {self._at(META)}/*counts*.csv to count from the files")
         self._open[key] = tf
-        while len(self._open) > self.max_open: self._open.popitem(last=False)[1].close()
+        while len(self._open) > self.max_open: self._shut(*self._open.popitem(last=False))
         return tf
+    def _shut(self, key, tf):
+        tf.close()
+        if self.cache is not None: self.cache.unpin('/'.join(key))
     def doc(self, dataset, file, i) -> np.ndarray:
         "Document `i` of `file` of `dataset`, as a numpy view."
         return self.open(dataset, file).doc(i)
     def close(self):
-        for tf in self._open.values(): tf.close()
+        "Unmap the open files (and for a URI root, release their copies and stop fetching; a later `open` starts again)."
+        for key, tf in list(self._open.items()): self._shut(key, tf)
         self._open.clear()
+        if self.cache is not None: self.cache.close()
     def __enter__(self): return self
     def __exit__(self, *exc): self.close()
     def __repr__(self):
@@ -455,17 +489,18 @@ class TokenRoot:
 @patch
 def _infos(self: TokenRoot, ds, counts, verify) -> list:
     "The `FileInfo`s of dataset `ds`: checked against the manifest and counted by it where it lists `ds`, else by the counts file or the files."
-    rel = dataset_files(self.root, ds)
-    if not rel: raise ValueError(f"dataset {ds!r} ({self.root/ds}) holds no .arrow files")
+    rel = dataset_files(self.root, ds) if self.cache is None else self._remote_files(ds)
+    if not rel: raise ValueError(f"dataset {ds!r} ({self._at(ds)}) holds no .arrow files")
     entry = (self.manifest or {}).get('datasets', {}).get(ds)
     if entry is None: return [FileInfo(ds, f, *counts[(ds, f)]) if (ds, f) in counts else self._counted(ds, f) for f in rel]
-    verify_dataset(self.root, ds, verify, self.manifest)
+    if self.cache is None: verify_dataset(self.root, ds, verify, self.manifest)
+    else: self._check_listing(ds, rel, entry, verify)
     out = []
     for f in rel:
         r = entry['files'][f]
         if counts.get((ds, f), (r['documents'], r['tokens'])) != (r['documents'], r['tokens']):
             raise ValueError(f"the counts file says {ds}/{f} holds {counts[(ds, f)][0]} documents and {counts[(ds, f)][1]} tokens, but "
-                             f"{self.root/META/MANIFEST} records {r['documents']} and {r['tokens']}: rewrite both with {_rebuild(self.root, ds, entry)}")
+                             f"{self._at(META, MANIFEST)} records {r['documents']} and {r['tokens']}: rewrite both with {_rebuild(self.root, ds, entry)}")
         out.append(FileInfo(ds, f, r['documents'], r['tokens']))
     return out
 
@@ -473,6 +508,104 @@ def _infos(self: TokenRoot, ds, counts, verify) -> list:
 def _counted(self: TokenRoot, ds, f) -> FileInfo:
     tf = self.open(ds, f)
     return FileInfo(ds, f, len(tf), tf.ntokens)
+
+# %% ../nbs/12_arrow.ipynb #f650bec1
+@patch
+def _open_cache(self:TokenRoot, root, cache_dir, cache_size, prefetch, fetch):
+    "A URI root: its listing, copies and checks through a `FileCache`."
+    self.root, self._checked = str(root).rstrip('/'), set()
+    self._cache_args = dict(cache_dir=cache_dir, cache_size=cache_size, prefetch=prefetch, **(fetch or {}))
+    self.cache = FileCache(self.root, **self._cache_args)
+
+@patch
+def _live_cache(self:TokenRoot) -> FileCache:
+    "The cache, made again (from its folder: no network) after `close()`."
+    if self.cache.closed: self.cache = FileCache(self.root, **self._cache_args, sha256=self.cache.sha256)
+    return self.cache
+
+@patch
+def _remote_datasets(self:TokenRoot) -> list:
+    "A URI root's dataset folders, from its listing: the first parts of the paths, but `meta` (hidden names are never listed)."
+    return sorted({r.split('/', 1)[0] for r in self.cache.files if '/' in r} - {META})
+
+@patch
+def _remote_files(self:TokenRoot, ds) -> list:
+    return sorted(r[len(ds) + 1:] for r in self.cache.files if r.startswith(ds + '/') and r.endswith('.arrow'))
+
+@patch
+def _remote_manifest(self:TokenRoot):
+    "A URI root's manifest (fetched through the cache), checked; None if it has none."
+    rel = f"{META}/{MANIFEST}"
+    if rel not in self.cache.files: return None
+    with self.cache.pinned(rel) as p: return _parse_manifest(p.read_bytes(), self._at(META, MANIFEST))
+
+@patch
+def _remote_counts(self:TokenRoot, datasets) -> dict:
+    "`read_counts` for a URI root: its `meta/*counts*.csv` fetched through the cache."
+    names = [r for r in sorted(self.cache.files) if r.count('/') == 1 and r.startswith(META + '/') and 'counts' in r.split('/')[1] and r.endswith('.csv')]
+    paths = [self.cache.pin(r) for r in names]
+    try: return _read_counts([(p, self._at(r)) for p, r in zip(paths, names)], datasets)
+    finally:
+        for r in names: self.cache.unpin(r)
+
+@patch
+def _check_listing(self:TokenRoot, ds, have, entry, verify):
+    "A URI root's files of `ds` against the manifest, from the listing: none missing, none extra, each of the size recorded; the copies are then checked against the recorded sha256 as they arrive."
+    if verify == 'off': return
+    mp, listed = self._at(META, MANIFEST), entry['files']
+    for f in sorted(set(listed) - set(have)):
+        raise ValueError(f"{self._at(ds, f)} is listed in {mp} but missing from the store; rebuild it with {_rebuild(self.root, ds, entry)}")
+    for f in sorted(set(have) - set(listed)):
+        raise ValueError(f"{self._at(ds, f)} is not listed in {mp}: remove it, or rebuild the dataset with "
+                         f"{_rebuild(self.root, ds, entry, overwrite=True)} (which removes files that no source shard makes)")
+    for f, r in sorted(listed.items()):
+        n = self.cache.files[f"{ds}/{f}"]
+        if n != r['bytes']: raise ValueError(f"{self._at(ds, f)} changed since {mp} recorded it ({n} bytes in the store, the manifest "
+                                             f"records {r['bytes']}); rebuild it with {_rebuild(self.root, ds, entry)}")
+        self.cache.sha256[f"{ds}/{f}"] = r['sha256']
+
+@patch
+def _fits(self:TokenRoot) -> int:
+    "How many token files may be open (their copies pinned) at once: any that many fit under `cache_size`."
+    if self.cache.cache_size is None: return 1 << 30
+    sizes = sorted((self.cache.files[f"{d}/{f}"] for d in self.datasets for f in self._remote_files(d)), reverse=True)
+    return max(1, int(np.searchsorted(np.cumsum(sizes), self.cache.cache_size, side='right')))
+
+# %% ../nbs/12_arrow.ipynb #a0684522
+@patch
+def _local(self:TokenRoot, ds, f) -> Path:
+    "The checked local copy of `f` of `ds`, pinned until `_shut`: fetched if needed (its sha256 checked); a copy cached before is checked once (`verify`) and fetched again if damaged."
+    rel, cache = f"{ds}/{f}", self._live_cache()
+    p = cache.pin(rel)
+    r = ((self.manifest or {}).get('datasets', {}).get(ds) or {}).get('files', {}).get(f)
+    if rel in self._checked or r is None or self.verify == 'off': return p
+    ok = lambda p: tail_sha256(p) == r['tail_sha256'] if self.verify == 'quick' else _sha256_file(p) == r['sha256']
+    if not ok(p):
+        cache.unpin(rel); cache.discard(rel)
+        p = cache.pin(rel)                                   # fetched again, checked against the sha256
+        if not ok(p):
+            cache.unpin(rel)
+            raise ValueError(f"the cached copy {p} of {self._at(ds, f)} differs from {self._at(META, MANIFEST)} and another "
+                             "process holds it: stop the processes sharing the cache folder, then start again")
+    self._checked.add(rel)
+    return p
+
+@patch
+def want_share(self:TokenRoot, lo:int, hi:int, n:int):
+    "For a URI root: this rank reads logical shards `lo` to `hi` (excluded) of `n` of each dataset, so the cache fetches their files ahead (dataset order, datasets interleaved, round after round). Nothing for a local root."
+    if self.cache is None: return
+    per = []
+    for d in self.datasets:
+        fs = self.files[d]
+        starts = np.cumsum([0] + [i.docs for i in fs])
+        a, b = int(starts[-1]) * lo // n, int(starts[-1]) * hi // n
+        per.append([f"{d}/{i.file}" for i, s, e in zip(fs, starts[:-1], starts[1:]) if s < b and e > a])
+    self._live_cache().want([r for g in itertools.zip_longest(*per) for r in g if r is not None], cycle=True)
+
+@patch
+def cache_stats(self:TokenRoot) -> dict:
+    "For a URI root, the cache's counters as loaders put them in their per-batch metrics (`cache_metrics`); None for a local root."
+    return None if self.cache is None else cache_metrics(self.cache)
 
 # %% ../nbs/12_arrow.ipynb #74e2daba
 def tokenize_shard(src,                # a parquet text shard
@@ -575,6 +708,24 @@ def _source_shards(data_dir, split) -> list:
     if not files: raise FileNotFoundError(f"no .parquet shards in {d}: download shards (`nanochat-dl download`) or write the offline sample (`nanochat-dl sample`) first")
     return files
 
+def _uri_shards(uri, split, cache_dir, cache_size, rank, world) -> tuple:
+    "A URI's parquet shards for `tokenize`: the local paths of their copies, and the `FileCache` that holds them; this rank's copies fetched now and pinned."
+    if split not in SPLIT_CHOICES: raise ValueError(f"split {split!r} is invalid: expected one of {', '.join(SPLIT_CHOICES)}")
+    if split != 'all': files, cache = split_shards(split, uri, cache_dir, cache_size)
+    else:
+        cache = FileCache(uri, cache_dir, cache_size, suffix='.parquet')
+        files = [cache.path(r) for r in sorted(r for r in cache.files if '/' not in r)]
+    try:
+        if not files: raise FileNotFoundError(f"no .parquet shards in {uri}: expected the shards' folder or prefix")
+        cache.want([f.name for f in files[rank::world]])
+        for f in files[rank::world]: cache.pin(f.name)
+    except BaseException: cache.close(); raise
+    return files, cache
+
+def _src_bytes(p, src) -> int:
+    "The size of source shard `src` (for a URI's shards, from the listing: other ranks' copies need not be here)."
+    return p.cache.files[src.name] if getattr(p, 'cache', None) is not None else src.stat().st_size
+
 def _check_text_column(shard, text_column):
     "A text column the first shard lacks is a bad argument; a shard that does not open is left to its worker to report."
     import pyarrow.parquet as pq
@@ -597,9 +748,9 @@ def _rank_world(rank, world_size) -> tuple:
     return rank, world
 
 # %% ../nbs/12_arrow.ipynb #be5b1de8
-def _prepare(data_dir, out, dataset, tokenizer_dir, workers, rank, world_size, split, text_column, overwrite, wait) -> SimpleNamespace:
+def _prepare(data_dir, out, dataset, tokenizer_dir, workers, rank, world_size, split, text_column, overwrite, wait,
+             cache_dir=None, cache_size=None) -> SimpleNamespace:
     "Check everything `tokenize` is asked before any work: a `ValueError` or `FileNotFoundError` says what is wrong."
-    from nanochat_dl.tokenizer import get_tokenizer
     if out is None: raise ValueError("out (--out) is required: the token root that holds one folder per dataset")
     if dataset is None: raise ValueError("dataset (--dataset) is required: the name of the dataset's folder under the token root")
     _check_dataset_name(dataset)
@@ -607,13 +758,23 @@ def _prepare(data_dir, out, dataset, tokenizer_dir, workers, rank, world_size, s
     if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not wait > 0: raise ValueError(f"wait={wait!r} is invalid: expected seconds > 0")
     root = Path(out).expanduser().absolute()
     if (f := file_in_the_way(root/dataset)) is not None: raise ValueError(f"out {root}: {f} is a file; expected folders there (created if missing)")
-    shards = _source_shards(data_dir, split)
-    _check_text_column(shards[0], text_column)
+    uri = data_dir if data_dir is not None else os.environ.get('NANOCHAT_DL_DATA_DIR')
+    if uri is not None and not is_local(uri): shards, cache = _uri_shards(str(uri).rstrip('/'), split, cache_dir, cache_size, rank, world)
+    else: shards, cache = _source_shards(data_dir, split), None
+    where = str(uri).rstrip('/') if cache is not None else str(shards[0].parent.absolute())
+    try: return _prepare_rest(root, dataset, shards, cache, where, workers, rank, world, split, text_column, overwrite, wait, tokenizer_dir)
+    except BaseException:
+        if cache is not None: cache.close()
+        raise
+
+def _prepare_rest(root, dataset, shards, cache, where, workers, rank, world, split, text_column, overwrite, wait, tokenizer_dir) -> SimpleNamespace:
+    from nanochat_dl.tokenizer import get_tokenizer
+    _check_text_column((shards[rank::world] or shards)[0] if cache is not None else shards[0], text_column)   # a URI's: one fetched here
     tok_dir = (get_tokenizer_dir() if tokenizer_dir is None else Path(tokenizer_dir)).expanduser().absolute()
     tok = get_tokenizer(tok_dir)
     p = SimpleNamespace(root=root, dataset=dataset, shards=shards, workers=workers, rank=rank, world=world, text_column=text_column,
-                        overwrite=overwrite, wait=wait, tok_dir=tok_dir, tok=tokenizer_record(tok), manifest=read_manifest(root))
-    p.source = dict(data_dir=str(shards[0].parent.absolute()), split=split, text_column=text_column, tokenizer_dir=str(tok_dir))
+                        overwrite=overwrite, wait=wait, tok_dir=tok_dir, tok=tokenizer_record(tok), manifest=read_manifest(root), cache=cache)
+    p.source = dict(data_dir=where, split=split, text_column=text_column, tokenizer_dir=str(tok_dir))
     _check_target(p)
     return p
 
@@ -648,7 +809,7 @@ def _record_of(p, name) -> dict:
 def _still_valid(p, rec, src, full=False) -> bool:
     "Whether `rec` describes the token file of shard `src` as it is now, made from `src` as it is now with this tokenizer."
     dst = p.root/p.dataset/(src.stem + '.arrow')
-    if rec is None or rec.get('tokenizer') != p.tok['fingerprint'] or rec.get('source') != dict(name=src.name, bytes=src.stat().st_size): return False
+    if rec is None or rec.get('tokenizer') != p.tok['fingerprint'] or rec.get('source') != dict(name=src.name, bytes=_src_bytes(p, src)): return False
     try:
         if dst.stat().st_size != rec['bytes']: return False
         return _sha256_file(dst) == rec['sha256'] if full else tail_sha256(dst) == rec['tail_sha256']
@@ -749,10 +910,72 @@ def tokenize(data_dir=None,        # parquet text shards (else $NANOCHAT_DL_DATA
              wait:float=600,       # rank 0 gives up after this many seconds without another rank finishing a shard
              progress=True,        # a progress bar in documents
              verbose=True,         # print what is done
+             stage_dir=None,       # for a URI `out`: the local folder files are written in before upload (default: one per URI under the base dir)
+             cache_dir=None,       # for a URI `data_dir`: the shards' local copies (this rank's are fetched before it starts)
+             cache_size=None,      # for a URI `data_dir`: bytes those copies may take (None: no cap)
              ) -> TokenizeResult:
-    "One `.arrow` token file per parquet shard of `data_dir` under `out/dataset/`; this rank's shards are i = rank (mod world_size); rank 0 then writes the counts file and the manifest."
-    p = _prepare(data_dir, out, dataset, tokenizer_dir, workers, rank, world_size, split, text_column, overwrite, wait)
-    return _execute(p, progress, print if verbose else lambda *a: None)
+    "One `.arrow` token file per parquet shard of `data_dir` under `out/dataset/`; this rank's shards are i = rank (mod world_size); rank 0 then writes the counts file and the manifest. A URI `out` (`s3://bucket/prefix`, ...) gets each file uploaded once it is finished, the counts file and the manifest last."
+    args = (data_dir, out, dataset, tokenizer_dir, workers, rank, world_size, split, text_column, overwrite, wait)
+    say = print if verbose else lambda *a: None
+    p = _prepare_uri(*args, stage_dir, cache_dir, cache_size) if out is not None and not is_local(out) else _prepare(*args, cache_dir, cache_size)
+    try: return (_execute_uri if hasattr(p, 'uri') else _execute)(p, progress, say)
+    finally:
+        if p.cache is not None: p.cache.close()
+
+# %% ../nbs/12_arrow.ipynb #3a384c82
+def _stage_dir(out) -> Path:
+    "Where `tokenize` writes for URI `out` before uploading: `stage/<name>-<hash>` under the base dir, shared by the ranks of a machine."
+    d = default_cache_dir(out)
+    return d.parent.parent/'stage'/d.name
+
+def _pull_meta(fs, base, stage, out):
+    "The store's counts file and manifest copied into the staging root (or removed there if the store has none), so that `tokenize` adds to them."
+    def read(path):
+        with fs.open_input_stream(path) as f: return f.read()
+    for name in (COUNTS_FILE, MANIFEST):
+        try: data = retry(lambda: read(f"{base}/{META}/{name}"), f"{out}/{META}/{name}")
+        except FileNotFoundError: (stage/META/name).unlink(missing_ok=True); continue
+        _write_meta(stage/META/name, data.decode())
+
+def _prepare_uri(data_dir, out, dataset, tokenizer_dir, workers, rank, world_size, split, text_column, overwrite, wait, stage_dir=None,
+                 cache_dir=None, cache_size=None):
+    "`_prepare` for a URI `out`: the staging root primed with the store's meta files; `.arrow` files in the store that no shard makes refused unless `overwrite`."
+    out = str(out).rstrip('/')
+    fs, base = open_uri(out)
+    stage = Path(stage_dir).expanduser().absolute() if stage_dir is not None else _stage_dir(out)
+    if dataset is not None: _check_dataset_name(dataset)
+    _pull_meta(fs, base, stage, out)
+    p = _prepare(data_dir, stage, dataset, tokenizer_dir, workers, rank, world_size, split, text_column, overwrite, wait, cache_dir, cache_size)
+    p.uri, p.fs, p.base = out, fs, base
+    made = {s.stem + '.arrow' for s in p.shards}
+    p.stored = {f.path: f.size for f in retry(lambda: list_files(f"{base}/{dataset}", '.arrow', fs=fs), f"{out}/{dataset}")}
+    p.remote_extras = sorted(f for f in p.stored if f not in made)
+    if p.remote_extras and not overwrite:
+        if p.cache is not None: p.cache.close()
+        raise ValueError(f"{out}/{dataset} holds {len(p.remote_extras)} .arrow file(s) that no shard of {p.source['data_dir']} makes "
+                         f"({', '.join(p.remote_extras[:3])}{', ...' if len(p.remote_extras) > 3 else ''}): remove them, pass overwrite=True "
+                         "(--overwrite) to have them removed, or choose another dataset")
+    return p
+
+def _upload(p, names, say, force=()):
+    "Upload the token files `names` of the staging root whose size in the store differs (or that are in `force`, written in this run)."
+    for n in names:
+        src = p.root/p.dataset/n
+        if n in force or p.stored.get(n) != src.stat().st_size:
+            p.stored[n] = upload_file(p.fs, src, f"{p.base}/{p.dataset}/{n}", f"{p.uri}/{p.dataset}/{n}")
+
+def _execute_uri(p, progress=True, say=print) -> TokenizeResult:
+    "`_execute` into the staging root, then the uploads: this rank's files; on rank 0 once every shard is done, any file still missing, then the counts file, then the manifest."
+    res = _execute(p, progress, say)
+    _upload(p, res.done + res.skipped, say, force=set(res.done))
+    if res.manifest is None: return res
+    p.stored = {f.path: f.size for f in retry(lambda: list_files(f"{p.base}/{p.dataset}", '.arrow', fs=p.fs), f"{p.uri}/{p.dataset}")}
+    _upload(p, sorted(read_manifest(p.root)['datasets'][p.dataset]['files']), say)
+    for f in p.remote_extras:
+        retry(lambda: p.fs.delete_file(f"{p.base}/{p.dataset}/{f}"), f"{p.uri}/{p.dataset}/{f}"); p.stored.pop(f, None)
+    for name in (COUNTS_FILE, MANIFEST): upload_file(p.fs, p.root/META/name, f"{p.base}/{META}/{name}", f"{p.uri}/{META}/{name}")
+    say(f"uploaded to {p.uri}: {p.dataset}/ ({len(p.stored)} files), {META}/{COUNTS_FILE}, {META}/{MANIFEST}")
+    return res._replace(manifest=f"{p.uri}/{META}/{MANIFEST}")
 
 # %% ../nbs/12_arrow.ipynb #032fe449
 @call_parse
@@ -768,12 +991,20 @@ def tokenize_cli(data_dir:str=None,       # parquet text shards (else $NANOCHAT_
                  overwrite:bool=False,    # replace a dataset of another tokenizer; remove .arrow files no shard makes
                  wait:float=600,          # rank 0 gives up after this many seconds without another rank finishing a shard
                  progress:bool=True,      # progress bar in documents (--no-progress hides it)
+                 stage_dir:str=None,      # for a URI --out (s3://bucket/prefix, ...): the local folder files are written in before upload
+                 cache_dir:str=None,      # for a URI --data-dir: the shards' local copies (this rank's are fetched before it starts)
+                 cache_size:int=None,     # for a URI --data-dir: bytes those copies may take
                 ) -> int:
-    "Tokenize parquet shards into fms-fsdp's arrow layout; exit code 2 for bad arguments, 1 if a shard failed."
+    "Tokenize parquet shards into fms-fsdp's arrow layout, on disk or in object storage (--out s3://...); exit code 2 for bad arguments, 1 if a shard (or an upload) failed."
     err = lambda msg: print(f"nanochat-dl tokenize: error: {msg}", file=sys.stderr)
-    try: p = _prepare(data_dir, out, dataset, tokenizer_dir, Workers, rank, world_size, split, text_column, overwrite, wait)
+    uri = out is not None and not is_local(out)
+    args = (data_dir, out, dataset, tokenizer_dir, Workers, rank, world_size, split, text_column, overwrite, wait)
+    try: p = _prepare_uri(*args, stage_dir, cache_dir, cache_size) if uri else _prepare(*args, cache_dir, cache_size)
     except (ValueError, FileNotFoundError) as e: err(e); return 2
-    try: res = _execute(p, progress and sys.stderr.isatty())
+    except OSError as e: err(e); return 1                       # the store could not be read
+    try: res = (_execute_uri if uri else _execute)(p, progress and sys.stderr.isatty())
     except (OSError, RuntimeError) as e: err(e); return 1
+    finally:
+        if p.cache is not None: p.cache.close()
     for n, why in sorted(res.failed.items()): err(f"{n}: {why}")
     return 1 if res.failed else 0

@@ -47,10 +47,14 @@ def tokenizing_distributed_data_loader_with_state_bos_bestfit(
         tokenizer_batch_size=128,   # documents per slice of a row group
         device="cuda",              # where the batches go ('cuda' falls back to the CPU, with a warning, when there is no CUDA)
         resume_state_dict=None,     # a state this function yielded (exact resume), or nanochat's `{pq_idx, rg_idx, epoch}`
-        buffer_size=1000):          # documents in the packing buffer
+        buffer_size=1000,           # documents in the packing buffer
+        *, data_dir=None,           # the shards: a folder or a URI (`s3://bucket/prefix`, ...); default: $NANOCHAT_DL_DATA_DIR (which may be a URI too)
+        cache_dir=None,             # for a URI: the shards' local copies (default: one folder per URI under the base dir)
+        cache_size=None):           # for a URI: bytes those copies may take (None: no cap)
     "nanochat's loader by name and signature: yields `(inputs, targets, state_dict)` forever, token for token nanochat's batches; `state_dict` resumes exactly."
-    loader = PackedLoader(tokenizer, B, T, split, tokenizer_threads=tokenizer_threads, tokenizer_batch_size=tokenizer_batch_size,
-                          device=_dropin_device(device), resume_state_dict=resume_state_dict, buffer_size=buffer_size)
+    loader = PackedLoader(tokenizer, B, T, split, data_dir, tokenizer_threads=tokenizer_threads, tokenizer_batch_size=tokenizer_batch_size,
+                          device=_dropin_device(device), resume_state_dict=resume_state_dict, buffer_size=buffer_size,
+                          cache_dir=cache_dir, cache_size=cache_size)
     return NanochatStream(loader)
 
 def tokenizing_distributed_data_loader_bos_bestfit(
@@ -62,9 +66,13 @@ def tokenizing_distributed_data_loader_bos_bestfit(
         tokenizer_batch_size=128,   # documents per slice
         device="cuda",              # where the batches go
         resume_state_dict=None,     # a state to resume from
-        buffer_size=1000):          # documents in the packing buffer
+        buffer_size=1000,           # documents in the packing buffer
+        *, data_dir=None,           # the shards: a folder or a URI (default: $NANOCHAT_DL_DATA_DIR)
+        cache_dir=None,             # for a URI: the shards' local copies
+        cache_size=None):           # for a URI: bytes those copies may take (None: no cap)
     "As `tokenizing_distributed_data_loader_with_state_bos_bestfit`, yielding `(inputs, targets)`."
     stream = tokenizing_distributed_data_loader_with_state_bos_bestfit(tokenizer, B, T, split, tokenizer_threads, tokenizer_batch_size,
-                                                                       device, resume_state_dict, buffer_size)
+                                                                       device, resume_state_dict, buffer_size,
+                                                                       data_dir=data_dir, cache_dir=cache_dir, cache_size=cache_size)
     stream.with_state = False
     return stream

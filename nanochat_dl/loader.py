@@ -19,7 +19,8 @@ import numpy as np
 import torch
 from .core import get_dist_info, human_bytes, check_int
 from fastcore.basics import patch
-from .shards import RowGroupReader, RowGroupTexts, Slice, split_files, read_documents, nanochat_state, row_group_plan
+from .shards import RowGroupReader, RowGroupTexts, Slice, split_files, split_shards, read_documents, nanochat_state, open_shard_bytes, row_group_plan
+from .remote import cache_metrics, pin_copies, unpin_copies
 from .stages import Stage, Doc
 from .packing import Packer, ReferencePacker, PackedBatch, FlatDocs, STRATEGIES, position_ids, cu_seqlens
 from .transfer import DeviceTransfer, SingleBufferTransfer, resolve_device
@@ -158,9 +159,12 @@ def _split_docs(docs, counts) -> list:
 
 class _Unit:
     "Slices sent to the encoder in one call; each slice's documents cut out of the answer when first needed."
-    def __init__(self, encoder, handle, counts): self.encoder, self.handle, self.counts, self.parts = encoder, handle, counts, None
+    def __init__(self, encoder, handle, counts, pins=()):   # pins: cached copies the workers read, released with the answer
+        self.encoder, self.handle, self.counts, self.parts, self.pins = encoder, handle, counts, None, pins
     def take(self, j) -> FlatDocs:
-        if self.parts is None: self.parts = _split_docs(self.encoder.result(self.handle), self.counts)
+        if self.parts is None:
+            self.parts = _split_docs(self.encoder.result(self.handle), self.counts)
+            unpin_copies(self.pins); self.pins = ()
         part, self.parts[j] = self.parts[j], None
         return part
 
@@ -201,12 +205,15 @@ class EncodeStage(Stage):
         t0 = time.perf_counter()
         got, src, rd = self._unit(), self.upstream, self.upstream.reader
         slices = [s for s, _ in got]
+        pins = ()
         if self.worker_reads:
-            handle = self.encoder.submit_read([src.request(f, g, rows) for f, g, rows in _runs(slices)], rd.text_column, rd.utf8_errors)
+            reqs = [src.request(f, g, rows) for f, g, rows in _runs(slices)]
+            pins = pin_copies(r.path for r in reqs)      # a cached URI's copies stay until the workers have read them
+            handle = self.encoder.submit_read(reqs, rd.text_column, rd.utf8_errors)
         else:
             if self._texts is None: self._texts = RowGroupTexts(rd.text_column, rd.utf8_errors)
             handle = self.encoder.submit([t for f, g, rows in _runs(slices) for t in self._texts(rd.files[f], g, rows)])
-        unit = _Unit(self.encoder, handle, [s.hi - s.lo for s in slices])
+        unit = _Unit(self.encoder, handle, [s.hi - s.lo for s in slices], pins)
         self.ahead.extend((s, above, unit, j) for j, (s, above) in enumerate(got))
         self.units += 1
         self.send_s += time.perf_counter() - t0
@@ -247,7 +254,9 @@ class EncodeStage(Stage):
                 if runs and runs[-1][:2] == (f, g): runs[-1][2].append(r)
                 else: runs.append((f, g, [r]))
             reqs = [src.request(f, g, rows) for f, g, rows in runs]
-            docs = self.encoder.result(self.encoder.submit_read(reqs, rd.text_column, rd.utf8_errors, spread=True))
+            pins = pin_copies(r.path for r in reqs)
+            try: docs = self.encoder.result(self.encoder.submit_read(reqs, rd.text_column, rd.utf8_errors, spread=True))
+            finally: unpin_copies(pins)
         else: docs = self.encoder([d.tokens for d in src.fetch([(0, *a) for a in uniq])])
         at = {a: i for i, a in enumerate(uniq)}
         return [Doc(a, docs[at[a[1:]]]) for a in addrs]
@@ -346,22 +355,22 @@ _CONFIG_KEYS = ('split', 'B', 'T', 'strategy', 'buffer_size', 'tokenizer_batch_s
                 'shuffle', 'seed', 'text_column', 'pad_id', 'max_docs_per_row')
 _STAGES = ('source', 'encode', 'pack', 'batch', 'transfer')
 
-def _footer_digest(path, size) -> str:
-    "8 hex digits of a hash of the parquet footer of `path` (its row groups, their sizes and offsets, statistics), read from the file's tail; of its last 64 KiB if it has no footer."
-    with open(path, 'rb') as f:
+def _footer_digest(path) -> tuple:
+    "The size of shard `path`, and 8 hex digits of a hash of its parquet footer (its row groups, their sizes and offsets, statistics), read from the file's tail; of its last 64 KiB if it has no footer. A cached URI's shard not fetched yet is read from the store (two ranged reads)."
+    with open_shard_bytes(path) as (size, f):
         f.seek(max(0, size - 8)); tail = f.read(8)
         n = int.from_bytes(tail[:4], 'little') if len(tail) == 8 and tail[4:] == b'PAR1' else -1
         f.seek(size - 8 - n if 0 <= n <= size - 12 else max(0, size - 65536))
-        return hashlib.sha256(f.read()).hexdigest()[:8]
+        return size, hashlib.sha256(f.read()).hexdigest()[:8]
 
 def data_fingerprint(files # the shards, in order
                     ) -> dict:
     "The shards a state belongs to: how many, first and last name, total bytes, a hash of every name and size, and a short hash of each shard's parquet footer (`footers`: 8 hex digits per shard)."
     h, total, footers = hashlib.sha256(), 0, []
     for p in map(Path, files):
-        n = p.stat().st_size
+        n, digest = _footer_digest(p)
         h.update(f"{p.name}\0{n}\n".encode()); total += n
-        footers.append(_footer_digest(p, n))
+        footers.append(digest)
     return dict(files=len(files), first=Path(files[0]).name, last=Path(files[-1]).name, bytes=total, sha=h.hexdigest()[:16],
                 footers=''.join(footers))
 
@@ -651,7 +660,7 @@ class PackedLoader(Stage):
                  B:int,                             # rows per batch
                  T:int,                             # tokens per row (rows hold T+1: inputs and targets)
                  split='train',                     # 'train' or 'val' (nanochat's rule: the last shard is val)
-                 data_dir=None,                     # the shard folder (default: `get_data_dir()`)
+                 data_dir=None,                     # the shard folder or a URI (`s3://bucket/prefix`, ...); default: `get_data_dir()`
                  *, files=None,                     # the shards to read, instead of a split of `data_dir`
                  strategy='bestfit-crop',           # packing strategy (nanochat's is 'bestfit-crop'); see `STRATEGIES`
                  buffer_size:int=1000,              # documents in the packing buffer
@@ -673,7 +682,9 @@ class PackedLoader(Stage):
                  read_ahead:int=2,                  # messages in flight per tokenizer worker (0: one slice at a time, when the packer asks)
                  worker_timeout=(60.0, 1e-5),       # a worker's time per answer: (seconds, seconds per character of text); None: no limit
                  worker_reads:bool=True,            # the tokenizer workers read their own rows (False: this process reads and sends text)
-                 resume_state_dict=None):           # a batch's `state` (exact resume), nanochat's `{pq_idx, rg_idx, epoch}` (approximate), or the list of every rank's state (another world size)
+                 resume_state_dict=None,            # a batch's `state` (exact resume), nanochat's `{pq_idx, rg_idx, epoch}` (approximate), or the list of every rank's state (another world size)
+                 cache_dir=None,                    # for a URI `data_dir`: the shards' local copies (default: one folder per URI under the base dir)
+                 cache_size=None):                  # bytes those copies may take (None: no cap)
         self._closed, self._threads, self._error, self._lock = True, [], None, threading.Lock()
         self.B, self.T = check_int('B', B), check_int('T', T)
         self.prefetch = check_int('prefetch', prefetch, 0)
@@ -688,7 +699,9 @@ class PackedLoader(Stage):
         if isinstance(files, (str, os.PathLike)):   # one path, not a list of them
             if Path(files).is_dir(): raise ValueError(f"files={str(files)!r} is a folder: pass data_dir={str(files)!r}, or a list of shard files")
             files = [files]
-        self.files = [Path(p) for p in (split_files(split, data_dir) if files is None else files)]
+        files, self.cache = split_shards(split, data_dir, cache_dir, cache_size) if files is None else (files, None)
+        self.files = [Path(p) for p in files]
+        if self.cache is not None: weakref.finalize(self, self.cache.close)   # also when this constructor fails
         if not self.files: raise ValueError("PackedLoader needs at least one shard file, got none")
         self.device = resolve_device(device)
         read_ahead = check_int('read_ahead', read_ahead, 0)
@@ -824,7 +837,8 @@ class PackedLoader(Stage):
         m = dict(item.packed.metrics)
         m.update(step=item.state['stages']['batch']['step'], epoch=item.state.get('epoch'), **item.timing, wait_s=t1 - t0, transfer_s=t2 - t1,
                  tokens_per_s=self.B * self.T / item.timing['produce_s'] if item.timing['produce_s'] > 0 else math.inf,
-                 delivered_per_s=self._yielded * self.B * self.T / (t2 - self._t_first))
+                 delivered_per_s=self._yielded * self.B * self.T / (t2 - self._t_first),
+                 cache=None if self.cache is None else cache_metrics(self.cache))
         self._state, self.last_metrics = item.state, m
         return LoaderBatch(x, y, item.state, m, item.packed)
 
@@ -834,6 +848,7 @@ class PackedLoader(Stage):
         self._closed = True
         _LIVE.discard(self)
         self._finalizer()
+        if self.cache is not None: self.cache.close()
 
     def __enter__(self): return self
     def __exit__(self, *exc): self.close()

@@ -1314,7 +1314,8 @@ def data_fingerprint(root,          # a `TokenRoot`
 def stream_config(root, seq_len, *,   # the settings of `StreamingLoader`, documented there
                   datasets=None, weights=None, rank=None, world_size=None, n_logical_shards=1024,
                   shuffle_window=10_000, seed=0, bos_token=None, eos_token=None, sep_token=None, pad_token=0,
-                  pack='concat', max_chunk=None, pack_buffer=1000, tokenizer=None, max_open=None) -> tuple:
+                  pack='concat', max_chunk=None, pack_buffer=1000, tokenizer=None, max_open=None,
+                  cache_dir=None, cache_size=None) -> tuple:
     "Check every setting (the names are `StreamingLoader`'s); returns `(TokenRoot, config, fingerprint)`."
     seq_len = check_int('seq_len', seq_len, 1)
     if pack not in PACKS: raise ValueError(f"pack={pack!r} is invalid: expected one of {list(PACKS)}")
@@ -1332,11 +1333,13 @@ def stream_config(root, seq_len, *,   # the settings of `StreamingLoader`, docum
     if cfg['pad_token'] is None and pack != 'concat': raise ValueError(f"pack={pack!r} pads rows: pad_token must be a token id, not None")
     if tokenizer is not None and not isinstance(tokenizer, str): raise ValueError(f"tokenizer={tokenizer!r} is invalid: expected None or a string (a name or digest)")
     names = None if datasets is None else [datasets] if isinstance(datasets, str) else list(datasets)
-    if not isinstance(root, TokenRoot): root = TokenRoot(root, names, max_open=max_open or 1 << 30)   # default: keep what we read mapped
+    if not isinstance(root, TokenRoot): root = TokenRoot(root, names, max_open=max_open or 1 << 30, cache_dir=cache_dir, cache_size=cache_size)   # default: keep what we read mapped
     elif names is not None and [d for d in names if d not in root.datasets]:
         raise ValueError(f"unknown dataset(s) {[d for d in names if d not in root.datasets]} in {root.root}: expected some of {root.datasets}")
     cfg['datasets'] = list(root.datasets) if names is None else names
     cfg['weights'] = _weights(weights, cfg['datasets'], root)
+    own = owned_shards(cfg['n_logical_shards'], rank, world_size)
+    root.want_share(own.start, own.stop, cfg['n_logical_shards'])   # a URI root fetches this rank's files ahead
     return root, cfg, dict(data=data_fingerprint(root, cfg['datasets']), tokenizer=tokenizer)
 
 def check_resume(state,             # a state from `state_dict()`, or anything a checkpoint file held
@@ -1457,13 +1460,16 @@ class StreamingLoader:
                  tokenizer=None,            # a name or digest of the tokenizer, checked on resume
                  prefetch:int=2,            # batches made ahead in a background thread (0: on demand)
                  slots:int=2, copy:bool=False,   # `DeviceTransfer`'s staging buffers, and whether batches are cloned
-                 max_open=None):            # token files kept mapped (default: all that are read)
+                 max_open=None,             # token files kept mapped (default: all that are read)
+                 cache_dir=None,            # a URI root's local copies (default: one folder per root under the base dir)
+                 cache_size=None):          # bytes those copies may take (None: no cap)
         self._thread, self._closed = None, True
         self.B, self.prefetch = check_int('batch_size', batch_size, 1), check_int('prefetch', prefetch, 0)
         self.root, self.config, self.fingerprint = stream_config(
             root, seq_len, datasets=datasets, weights=weights, rank=rank, world_size=world_size, n_logical_shards=n_logical_shards,
             shuffle_window=shuffle_window, seed=seed, bos_token=bos_token, eos_token=eos_token, sep_token=sep_token,
-            pad_token=pad_token, pack=pack, max_chunk=max_chunk, pack_buffer=pack_buffer, tokenizer=tokenizer, max_open=max_open)
+            pad_token=pad_token, pack=pack, max_chunk=max_chunk, pack_buffer=pack_buffer, tokenizer=tokenizer, max_open=max_open,
+            cache_dir=cache_dir, cache_size=cache_size)
         self.device, c = resolve_device(device), self.config
         self.stream = self.stream_class(self.root, c)
         if self.stream.empty:
@@ -1540,8 +1546,8 @@ def __next__(self:StreamingLoader) -> StreamBatch:
     x, y = self.transfer.put(packed.rows)
     t2 = time.perf_counter()
     self._yielded += 1
-    self._snap, self._state, n = snap, None, self._yielded
-    self._last = StreamBatch(x, y, packed, self.stream, lambda: self._metrics(packed, snap, produce_s, t1 - t0, t2 - t1, t2, n),
+    self._snap, self._state, n, cs = snap, None, self._yielded, self.root.cache_stats()
+    self._last = StreamBatch(x, y, packed, self.stream, lambda: self._metrics(packed, snap, produce_s, t1 - t0, t2 - t1, t2, n, cs),
                              lambda: self._full_state(snap))
     return self._last
 
@@ -1551,7 +1557,7 @@ def last_metrics(self:StreamingLoader) -> dict:
     return None if self._last is None else self._last.metrics
 
 @patch
-def _metrics(self:StreamingLoader, packed, snap, produce_s, wait_s, transfer_s, now, yielded) -> dict:
+def _metrics(self:StreamingLoader, packed, snap, produce_s, wait_s, transfer_s, now, yielded, cache=None) -> dict:
     names, pm, per = self.config['datasets'], packed.metrics, self.stream.doc_tokens(packed)
     doc = sum(per)
     tok, BT = snap[2], self.B * self.config['seq_len']
@@ -1560,7 +1566,7 @@ def _metrics(self:StreamingLoader, packed, snap, produce_s, wait_s, transfer_s, 
                 pad_pct=pm['pad_pct'], delim_pct=100 * (pm['tokens_emitted'] - pm['tokens_padded'] - doc) / pm['tokens_emitted'],
                 docs_per_row=pm['docs_per_row'], shares={d: n / doc if doc else 0.0 for d, n in zip(names, per)},
                 total_shares={d: t / sum(tok) if sum(tok) else 0.0 for d, t in zip(names, tok)},
-                epochs={d: x[-1] for d, x in zip(names, snap[1])})
+                epochs={d: x[-1] for d, x in zip(names, snap[1])}, cache=cache)
 
 @patch
 def __iter__(self:StreamingLoader): return self
@@ -1591,6 +1597,7 @@ class StreamingDataset(torch.utils.data.IterableDataset):
         if bad: raise TypeError(f"StreamingDataset takes no {bad}: the DataLoader batches the rows and moves them")
         _, self.config, self.fingerprint = stream_config(root, seq_len, **kwargs)
         self.root_path, self.max_open = str(root.root if isinstance(root, TokenRoot) else root), kwargs.get('max_open')
+        self.cache = dict(cache_dir=kwargs.get('cache_dir'), cache_size=kwargs.get('cache_size'))
         self._stream, self._pending, self.run = None, None, run_id(self.config, self.fingerprint)
 
     def _ensure(self) -> TokenStream:
@@ -1598,7 +1605,7 @@ class StreamingDataset(torch.utils.data.IterableDataset):
         info = torch.utils.data.get_worker_info()
         w, nw = (0, 1) if info is None else (info.id, info.num_workers)
         if self._stream is None or (self._stream.cfg['worker'], self._stream.cfg['n_workers']) != (w, nw):
-            root = TokenRoot(self.root_path, self.config['datasets'], max_open=self.max_open or 1 << 30)
+            root = TokenRoot(self.root_path, self.config['datasets'], max_open=self.max_open or 1 << 30, **self.cache)
             if data_fingerprint(root, self.config['datasets']) != self.fingerprint['data']:
                 raise RuntimeError(f"the token files under {self.root_path} changed since this dataset was made")
             s = FastTokenStream(root, self.config, w, nw)

@@ -61,7 +61,18 @@ class MotoServer:
     def __exit__(self, *exc): self.kill()
 
 
-_HOP = {'connection', 'keep-alive', 'proxy-authenticate', 'proxy-authorization', 'te', 'trailers', 'transfer-encoding', 'upgrade'}
+def _read_chunked(f) -> bytes:
+    "A request body sent with `Transfer-Encoding: chunked` (as the AWS SDK uploads parts), de-framed; forwarded with a Content-Length."
+    out = bytearray()
+    while True:
+        n = int(f.readline().split(b';')[0].strip() or b'0', 16)
+        if n == 0: break
+        out += f.read(n); f.readline()
+    while f.readline() not in (b'\r\n', b'\n', b''): pass          # trailers, then the blank line
+    return bytes(out)
+
+
+_HOP = {'expect', 'connection', 'keep-alive', 'proxy-authenticate', 'proxy-authorization', 'te', 'trailers', 'transfer-encoding', 'upgrade'}
 ERRORS = {503: ('SlowDown', 'Please reduce your request rate.'), 500: ('InternalError', 'We encountered an internal error.'),
           403: ('AccessDenied', 'Access Denied'), 404: ('NoSuchKey', 'The specified key does not exist.')}
 
@@ -132,7 +143,7 @@ class FaultProxy:
             return f
     def _handle(self, h):
         n = int(h.headers.get('Content-Length') or 0)
-        body = h.rfile.read(n) if n else b''
+        body = _read_chunked(h.rfile) if 'chunked' in (h.headers.get('Transfer-Encoding') or '').lower() else h.rfile.read(n) if n else b''
         if self.down:                                       # the store is gone: every request is reset
             with self.lock: self.log.append((h.command, h.path, 'down', h.headers.get('Range')))
             self._reset(h); return

@@ -1,0 +1,448 @@
+"""The loaders reading from object storage: a moto S3 server (a child process on 127.0.0.1) behind a
+fault-injecting proxy. `StreamingLoader` over an arrow token root in a bucket and `PackedLoader` over
+parquet text shards in a bucket give the batches they give over the same files on local disk; they
+resume exactly, split the data exactly once across ranks, ride out a server killed and restarted
+mid-epoch, refuse objects that are cut short or replaced (naming them), stay under a cache cap smaller
+than the data, and run offline once everything is cached."""
+import itertools, json, re, sys, threading, time
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from s3util import FaultProxy, MotoServer, s3_env
+
+from nanochat_dl.arrow import TokenRoot, file_record, update_counts, update_manifest, write_token_file
+from nanochat_dl.remote import FetchError
+from nanochat_dl.streaming import StreamingLoader
+
+pytest.importorskip('moto')
+pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")
+FAST = dict(backoff=0.01, max_backoff=0.05, timeout=5)
+SPEC = {'web': {'a.arrow': 120, 'b.arrow': 90, 'sub/c.arrow': 70}, 'code': {'x.arrow': 60, 'y.arrow': 40}}
+KW = dict(seq_len=32, batch_size=4, n_logical_shards=16, shuffle_window=20, seed=3, bos_token=1, prefetch=0)
+
+
+def until(cond, timeout=60.0, what='condition'):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if cond(): return
+        time.sleep(0.02)
+    raise AssertionError(f"{what} not reached in {timeout}s")
+
+
+def token_root(path, spec=SPEC, seed=0):
+    "Datasets `{name: {file: documents}}` with counts and a manifest; token = uid << 12 | position (each names its document)."
+    rng, uid = np.random.default_rng(seed), 2
+    for ds, files in spec.items():
+        recs = {}
+        for f, n in files.items():
+            L = rng.integers(0, 80, n)
+            write_token_file(Path(path)/ds/f, [(np.int64(uid + i) << 12) | (np.arange(l) & 0xFFF) for i, l in enumerate(L)])
+            recs[f] = file_record(Path(path)/ds/f)
+            uid += n
+        update_counts(path, ds, {f: (r.documents, r.tokens) for f, r in recs.items()})
+        update_manifest(path, ds, recs)
+    return Path(path)
+
+
+def objects(root, prefix):
+    "Every file under `root` as `{prefix/relpath: bytes}` (hidden names skipped, as a sync tool would)."
+    return {f"{prefix}/{p.relative_to(root).as_posix()}": p.read_bytes() for p in sorted(Path(root).rglob('*'))
+            if p.is_file() and not any(s.startswith('.') for s in p.relative_to(root).parts)}
+
+
+def arrow_bytes(root): return sum(p.stat().st_size for p in Path(root).rglob('*.arrow'))
+
+
+def cache_bytes(d): return sum(p.stat().st_size for p in (Path(d)/'files').rglob('*') if p.is_file())
+
+
+@pytest.fixture(scope='module')
+def moto():
+    with MotoServer() as m: yield m
+
+
+@pytest.fixture(scope='module')
+def local(tmp_path_factory):
+    return token_root(tmp_path_factory.mktemp('s3l')/'root')
+
+
+@pytest.fixture
+def proxy(moto):
+    with FaultProxy(moto.port) as px: yield px
+
+
+@pytest.fixture
+def bucket(moto, proxy, monkeypatch, request):
+    "A fresh bucket name; the environment points at the proxy in front of moto."
+    for k, v in s3_env(proxy.endpoint).items(): monkeypatch.setenv(k, v)
+    monkeypatch.delenv('AWS_ENDPOINT_URL_S3', raising=False)
+    return 'b-' + re.sub(r'[^a-z0-9]+', '-', request.node.name.lower())[:50].strip('-')
+
+
+@pytest.fixture
+def s3root(moto, bucket, local):
+    "The local token root uploaded under `s3://bucket/tokens`."
+    moto.put(bucket, objects(local, 'tokens'))
+    return f's3://{bucket}/tokens'
+
+
+def batches(ld, n):
+    "`n` batches' rows and states (JSON round trip), then the loader closed."
+    try:
+        out = []
+        for b in itertools.islice(ld, n): out.append((b.rows.copy(), json.loads(json.dumps(b.state))))
+        return out
+    finally: ld.close()
+
+
+def open_epochs(state):
+    "Per dataset, the lowest epoch that may still have tokens to deliver on this rank (as in test_streaming)."
+    runs = lambda rle: [v for v, c in rle for _ in range(c)]
+    out = {}
+    for d, s in state['datasets'].items():
+        eps = runs(s['epoch']) + ([s['cut'][1]] if s['cut'] else []) + (runs(s['shuffle']['epoch']) if 'shuffle' in s else [])
+        eps += [e[2] for e in state['packer']['entries'] if state['config']['datasets'][e[0]] == d]
+        out[d] = min(eps)
+    return out
+
+
+def same(a, b):
+    assert len(a) == len(b)
+    for (r0, s0), (r1, s1) in zip(a, b):
+        assert np.array_equal(r0, r1) and s0 == s1
+
+
+# ---- StreamingLoader over an arrow root in a bucket -----------------------------------------------------
+
+def test_stream_from_s3_equals_local(local, s3root, tmp_path):
+    want = batches(StreamingLoader(local, **KW), 40)
+    ld = StreamingLoader(s3root, **KW, cache_dir=tmp_path/'c')
+    got, ms = [], []
+    for b in itertools.islice(ld, 40): got.append((b.rows.copy(), json.loads(json.dumps(b.state)))); ms.append(b.metrics['cache'])
+    ld.close()
+    same(got, want)
+    m = ms[-1]
+    assert m['fetched_bytes'] >= arrow_bytes(local) and m['misses'] + m['waits'] + m['prefetched'] >= 5
+    assert m['cached_bytes'] == cache_bytes(tmp_path/'c') and m['retries'] == 0
+    assert [x['fetched_bytes'] for x in ms] == sorted(x['fetched_bytes'] for x in ms)   # counters, per batch
+    assert not list((tmp_path/'c'/'.tmp').iterdir())
+
+
+def test_local_metrics_have_no_cache(local):
+    ld = StreamingLoader(local, **KW)
+    assert next(ld).metrics['cache'] is None
+    ld.close()
+
+
+def test_resume_from_s3_is_exact(local, s3root, tmp_path):
+    full = batches(StreamingLoader(s3root, **KW, cache_dir=tmp_path/'c'), 30)
+    ld = StreamingLoader(s3root, **KW, cache_dir=tmp_path/'c2')                # a fresh cache: everything fetched again
+    ld.load_state_dict(full[11][1])
+    same(batches(ld, 18), full[12:])
+    ld = StreamingLoader(local, **KW)                                            # and a state saved over S3 resumes on the local copy
+    ld.load_state_dict(full[19][1])
+    same(batches(ld, 10), full[20:])
+
+
+def test_exactly_once_across_ranks(local, s3root, tmp_path):
+    "Two ranks reading the bucket (sharing one cache folder): each rank's batches are its local batches, and together they deliver every token of epoch 1 once."
+    seen = defaultdict(list)
+    for rank in range(2):
+        kw = dict(KW, rank=rank, world_size=2)
+        want = batches(StreamingLoader(local, **kw), 5)
+        ld = StreamingLoader(s3root, **kw, cache_dir=tmp_path/'c')
+        for i in range(1000):
+            if min(open_epochs(ld.state_dict()).values()) > 1: break
+            b = next(ld)
+            if i < 5: assert np.array_equal(b.rows, want[i][0])
+            for r, row in enumerate(b.segments):
+                for s in row:
+                    if s.key.epoch == 1: seen[(s.key.dataset, s.key.file, s.key.doc)].append((s.offset, s.length))
+        ld.close()
+    tr = TokenRoot(local)
+    for ds in tr.datasets:
+        for fi in tr.files[ds]:
+            for i, L in enumerate(tr.open(ds, fi.file).lens.tolist()):
+                pieces, at = sorted(seen.get((ds, fi.file, i), [])), 0
+                for off, n in pieces: assert off == at, (ds, fi.file, i, pieces); at += n
+                assert at == L, (ds, fi.file, i, L, pieces)
+    tr.close()
+
+
+def test_cap_smaller_than_the_data(local, s3root, tmp_path):
+    want = batches(StreamingLoader(local, **KW), 120)
+    sizes = sorted((p.stat().st_size for p in local.rglob('*.arrow')), reverse=True)
+    cap = sizes[0] + sizes[1] + 100                                   # two token files' worth, of five
+    tr = TokenRoot(s3root, cache_dir=tmp_path/'c', cache_size=cap, fetch=FAST)
+    assert tr.max_open == 2
+    ld = StreamingLoader(tr, **KW)
+    got, peak = [], 0
+    for b in itertools.islice(ld, 120):
+        got.append((b.rows.copy(), json.loads(json.dumps(b.state))))
+        peak = max(peak, cache_bytes(tmp_path/'c'))
+    m = b.metrics['cache']
+    ld.close()
+    same(got, want)
+    assert peak <= cap and m['evictions'] > 0 and m['fetched_bytes'] > arrow_bytes(local)
+    assert tr.cache.stats()['over_cap'] == 0
+
+
+def test_offline_after_a_full_pass(local, moto, tmp_path, monkeypatch):
+    px = FaultProxy(moto.port).start()
+    for k, v in s3_env(px.endpoint).items(): monkeypatch.setenv(k, v)
+    moto.put('offline-arrow', objects(local, 'tokens'))
+    want = batches(StreamingLoader('s3://offline-arrow/tokens', **KW, cache_dir=tmp_path/'c'), 60)   # touches every file
+    px.stop()
+    tr = TokenRoot('s3://offline-arrow/tokens', cache_dir=tmp_path/'c', fetch=dict(FAST, attempts=1))
+    got = batches(StreamingLoader(tr, **KW), 60)
+    same(got, want)
+    s = tr.cache.stats()
+    assert (s['misses'], s['fetched_bytes'], s['retries']) == (0, 0, 0)
+
+
+def test_server_killed_and_restarted_mid_epoch(local, tmp_path, monkeypatch):
+    "Under a cap that keeps the loader fetching, the server dies mid-epoch: the loader waits, retrying, and continues once it is back; the batches are the local ones, none lost or repeated."
+    want = batches(StreamingLoader(local, **KW), 80)
+    sizes = sorted((p.stat().st_size for p in local.rglob('*.arrow')), reverse=True)
+    objs = objects(local, 'tokens')
+    with MotoServer() as m, FaultProxy(m.port) as px:
+        for k, v in s3_env(px.endpoint).items(): monkeypatch.setenv(k, v)
+        m.put('restart', objs)
+        tr = TokenRoot('s3://restart/tokens', cache_dir=tmp_path/'c', cache_size=sizes[0] + sizes[1] + 100, prefetch=0,
+                       fetch=dict(FAST, attempts=100_000))
+        ld = StreamingLoader(tr, **KW)
+        got = [(b.rows.copy(), json.loads(json.dumps(b.state))) for b in itertools.islice(ld, 20)]
+        px.down = True; m.kill()                                     # the proxy resets connections, as a dead server does
+        out, err = [], []
+        def rest():
+            try: out.extend((b.rows.copy(), json.loads(json.dumps(b.state))) for b in itertools.islice(ld, 60))
+            except BaseException as e: err.append(e)
+        t = threading.Thread(target=rest, daemon=True); t.start()
+        until(lambda: tr.cache.stats()['retries'] >= 5, what='retries while the server is down')
+        assert t.is_alive() and not err
+        m.start(); m.put('restart', objs); px.down = False          # moto forgets: the store would still have them
+        t.join(120)
+        assert not t.is_alive() and not err, err
+        ld.close()
+    same(got + out, want)
+    assert not list((tmp_path/'c'/'.tmp').iterdir())
+
+
+def test_truncated_object_is_refused(local, moto, bucket, tmp_path):
+    objs = objects(local, 'tokens')
+    k = 'tokens/web/b.arrow'
+    objs[k] = objs[k][:-100]
+    moto.put(bucket, objs)
+    n = (local/'web'/'b.arrow').stat().st_size
+    with pytest.raises(ValueError, match=re.escape(f"s3://{bucket}/tokens/web/b.arrow changed since s3://{bucket}/tokens/meta/manifest.json "
+                                                   f"recorded it ({n - 100} bytes in the store, the manifest records {n})")):
+        StreamingLoader(f's3://{bucket}/tokens', **KW, cache_dir=tmp_path/'c')
+
+
+def test_object_cut_after_listing_is_refused(local, moto, bucket, tmp_path):
+    "The listing (cached) says one size, the store now holds fewer bytes: the fetch refuses it, naming the object."
+    moto.put(bucket, objects(local, 'tokens'))
+    tr = TokenRoot(f's3://{bucket}/tokens', cache_dir=tmp_path/'c', prefetch=0, fetch=FAST)
+    moto.put(bucket, {'tokens/code/x.arrow': (local/'code'/'x.arrow').read_bytes()[:-10]})
+    with pytest.raises(FetchError, match=re.escape(f"s3://{bucket}/tokens/code/x.arrow: the store has")):
+        tr.open('code', 'x.arrow')
+    assert not tr.path('code', 'x.arrow').exists()
+    tr.close()
+
+
+def test_object_replaced_is_refused_by_the_manifest_hash(local, moto, bucket, tmp_path):
+    objs = objects(local, 'tokens')
+    k = 'tokens/web/a.arrow'
+    b = bytearray(objs[k]); b[len(b) // 3] ^= 0xFF; objs[k] = bytes(b)          # same size, other bytes
+    moto.put(bucket, objs)
+    ld = StreamingLoader(f's3://{bucket}/tokens', **KW, cache_dir=tmp_path/'c')
+    with pytest.raises(FetchError, match=re.escape(f"s3://{bucket}/tokens/web/a.arrow: sha256 ")):
+        for _ in range(50): next(ld)
+    ld.close()
+    assert not (tmp_path/'c'/'files'/'web'/'a.arrow').exists()
+
+
+def test_damaged_cached_copy_is_fetched_again(local, s3root, tmp_path):
+    "A copy damaged on local disk after it was cached (its end rewritten) is never read: the next start checks it and fetches it again."
+    want = batches(StreamingLoader(s3root, **KW, cache_dir=tmp_path/'c'), 30)
+    p = tmp_path/'c'/'files'/'web'/'a.arrow'
+    b = bytearray(p.read_bytes()); b[-20] ^= 0xFF; p.write_bytes(bytes(b))
+    tr = TokenRoot(s3root, cache_dir=tmp_path/'c', fetch=FAST)
+    same(batches(StreamingLoader(tr, **KW), 30), want)
+    assert tr.cache.stats()['fetched_bytes'] == (local/'web'/'a.arrow').stat().st_size
+    assert p.read_bytes() == (local/'web'/'a.arrow').read_bytes()
+
+
+# ---- PackedLoader over parquet text shards in a bucket -----------------------------------------------------
+
+def words(f, g, r): return ' '.join([f"w{f}{g}{r}x"] * (1 + (7 * f + 3 * g + 5 * r) % 23))
+
+
+@pytest.fixture(scope='module')
+def text(tmp_path_factory):
+    "Six toy shards (five train, one val) and a small tokenizer trained on the sample shards."
+    from nanochat_dl.dataset import make_sample_shards
+    from nanochat_dl.testing import write_toy_shards
+    from nanochat_dl.tokenizer import train_tokenizer
+    d = tmp_path_factory.mktemp('s3text')
+    make_sample_shards(d/'sample')
+    tok = train_tokenizer(d/'sample', vocab_size=512, out_dir=d/'tok', progress=False)
+    write_toy_shards(d/'shards', [[6, 5, 7], [4, 8, 3, 5], [9, 2], [5, 5, 5], [7, 6, 4], [3, 3]], text_fn=words)
+    return d/'shards', tok
+
+
+PKW = dict(B=3, T=24, tokenizer_batch_size=4, buffer_size=8, device='cpu', tokenizer_threads=2, prefetch=0)
+
+
+def packed(ld, n):
+    try: return [(b.inputs.clone(), b.targets.clone(), json.loads(json.dumps(b.state)), b.metrics['cache']) for b in itertools.islice(ld, n)]
+    finally: ld.close()
+
+
+def same_packed(a, b):
+    assert len(a) == len(b)
+    for x, y in zip(a, b): assert torch.equal(x[0], y[0]) and torch.equal(x[1], y[1]) and x[2] == y[2]
+
+
+@pytest.fixture
+def s3text(moto, bucket, text):
+    moto.put(bucket, objects(text[0], 'text'))
+    return f's3://{bucket}/text'
+
+
+@pytest.mark.parametrize('tokenize_in', ['processes', 'threads'])
+def test_packed_loader_from_s3_equals_local(text, s3text, tmp_path, tokenize_in):
+    from nanochat_dl.loader import PackedLoader
+    shards, tok = text
+    want = packed(PackedLoader(tok, data_dir=shards, tokenize_in=tokenize_in, **PKW), 40)
+    got = packed(PackedLoader(tok, data_dir=s3text, cache_dir=tmp_path/'c', tokenize_in=tokenize_in, **PKW), 40)
+    same_packed(got, want)                                       # states too: same shards, same fingerprint
+    assert want[-1][3] is None
+    m = got[-1][3]
+    train = sum(p.stat().st_size for p in sorted(shards.glob('*.parquet'))[:-1])
+    assert m['fetched_bytes'] == train and m['misses'] + m['waits'] + m['prefetched'] == 5 and m['retries'] == 0
+    assert sorted(p.name for p in (tmp_path/'c'/'files').iterdir()) == sorted(p.name for p in shards.glob('*.parquet'))[:-1]
+
+
+def test_packed_loader_resume_from_s3(text, s3text, tmp_path):
+    from nanochat_dl.loader import PackedLoader
+    shards, tok = text
+    full = packed(PackedLoader(tok, data_dir=s3text, cache_dir=tmp_path/'c', **PKW), 40)
+    again = packed(PackedLoader(tok, data_dir=s3text, cache_dir=tmp_path/'c2', resume_state_dict=full[14][2], **PKW), 25)
+    same_packed(again, full[15:])
+    local = packed(PackedLoader(tok, data_dir=shards, resume_state_dict=full[29][2], **PKW), 10)   # a state saved over S3 resumes on local files
+    same_packed(local, full[30:])
+
+
+def test_packed_loader_cap_smaller_than_the_data(text, s3text, tmp_path):
+    from nanochat_dl.loader import PackedLoader
+    shards, tok = text
+    sizes = sorted((p.stat().st_size for p in shards.glob('*.parquet')), reverse=True)
+    cap = sizes[0] + sizes[1] + 10
+    # the files in flight are pinned: with read-ahead, a message of >= 256 documents spans all of these tiny shards (real
+    # shards hold thousands of documents, a message spans one or two); read_ahead=0 keeps one slice in flight
+    kw = dict(PKW, read_ahead=0)
+    want = packed(PackedLoader(tok, data_dir=shards, **kw), 60)     # past the end of the first epoch
+    ld = PackedLoader(tok, data_dir=s3text, cache_dir=tmp_path/'c', cache_size=cap, **kw)
+    got, peak = [], 0
+    for b in itertools.islice(ld, 60):
+        got.append((b.inputs.clone(), b.targets.clone(), json.loads(json.dumps(b.state)), b.metrics['cache']))
+        peak = max(peak, cache_bytes(tmp_path/'c'))
+    over = ld.cache.stats()['over_cap']
+    ld.close()
+    same_packed(got, want)
+    m = got[-1][3]
+    assert peak <= cap and over == 0 and m['evictions'] > 0 and got[-1][2]['stages']['source']['cursor']['epoch'] >= 2
+
+
+# ---- nanochat-dl tokenize --out s3://... ----------------------------------------------------------------------------
+
+def listing(moto, bucket, prefix):
+    "`{key under prefix: bytes}` of the objects in the bucket under `prefix/` (hidden names included; not the empty folder markers pyarrow leaves)."
+    c, out = moto.client(), {}
+    for o in c.list_objects_v2(Bucket=bucket, Prefix=prefix + '/').get('Contents', []):
+        if o['Key'].endswith('/') and o['Size'] == 0: continue
+        out[o['Key'][len(prefix) + 1:]] = c.get_object(Bucket=bucket, Key=o['Key'])['Body'].read()
+    return out
+
+
+def test_tokenize_to_s3(text, moto, bucket, tmp_path):
+    "`tokenize --out s3://...` puts in the bucket the files a local `--out` gets, byte for byte; the loader reads them back."
+    from nanochat_dl.arrow import tokenize
+    from nanochat_dl.cli import main
+    shards, tok = text
+    tok_dir = shards.parent/'tok'
+    moto.put(bucket, {})
+    res = tokenize(shards, tmp_path/'local', 'toy', tok_dir, workers=2, progress=False, verbose=False)
+    assert main(['tokenize', '--data-dir', str(shards), '--out', f's3://{bucket}/tok', '--dataset', 'toy', '--tokenizer-dir', str(tok_dir),
+                 '-w', '2', '--no-progress', '--stage-dir', str(tmp_path/'stage')]) == 0
+    got = listing(moto, bucket, 'tok')
+    assert sorted(got) == ['meta/combined_counts.csv', 'meta/manifest.json'] + [f'toy/{n}' for n in res.done]
+    local = tmp_path/'local'
+    for k, v in got.items():
+        if k.startswith('toy/'): assert v == (local/k).read_bytes(), k
+    assert json.loads(got['meta/manifest.json'])['datasets']['toy']['files'] == read_json(local/'meta'/'manifest.json')['datasets']['toy']['files']
+    assert got['meta/combined_counts.csv'] == (local/'meta'/'combined_counts.csv').read_bytes()
+    same(batches(StreamingLoader(f's3://{bucket}/tok', **KW, cache_dir=tmp_path/'c'), 10), batches(StreamingLoader(local, **KW), 10))
+    # a second dataset into the same bucket root keeps the first one's entries
+    r2 = tokenize(shards, f's3://{bucket}/tok', 'again', tok_dir, workers=1, split='val', progress=False, verbose=False,
+                  stage_dir=tmp_path/'stage2')
+    assert r2.manifest == f's3://{bucket}/tok/meta/manifest.json'
+    m = json.loads(listing(moto, bucket, 'tok')['meta/manifest.json'])
+    assert sorted(m['datasets']) == ['again', 'toy']
+
+
+def read_json(p): return json.loads(Path(p).read_text())
+
+
+def test_tokenize_to_s3_never_shows_half_a_file(text, moto, bucket, proxy, tmp_path):
+    "Uploads cut by resets and 503s are retried; one the store refuses (403) fails the run: no manifest, no partial object, nothing hidden left over."
+    from nanochat_dl.arrow import tokenize
+    from nanochat_dl.remote import FetchError
+    shards, tok = text
+    moto.put(bucket, {})
+    proxy.add('status', path='.part', method='PUT', count=2, status=503)
+    proxy.add('reset', path='.part', method='PUT', count=1, after=0)
+    res = tokenize(shards, f's3://{bucket}/ok', 'toy', shards.parent/'tok', workers=1, progress=False, verbose=False, stage_dir=tmp_path/'s1')
+    got = listing(moto, bucket, 'ok')
+    assert sorted(got) == ['meta/combined_counts.csv', 'meta/manifest.json'] + [f'toy/{n}' for n in res.done]
+    assert len([k for k in proxy.requests('.part', 'PUT') if k is not None]) == 3
+    proxy.add('status', path='shard_00003.arrow', method='PUT', count=1, status=403)
+    with pytest.raises(FetchError, match=re.escape(f"s3://{bucket}/bad/toy/shard_00003.arrow: OSError")):
+        tokenize(shards, f's3://{bucket}/bad', 'toy', shards.parent/'tok', workers=1, progress=False, verbose=False, stage_dir=tmp_path/'s2')
+    got = listing(moto, bucket, 'bad')
+    assert 'meta/manifest.json' not in got and 'toy/shard_00003.arrow' not in got and not [k for k in got if '/.' in '/' + k]
+
+
+def test_dropin_reads_a_bucket(text, s3text, tmp_path, monkeypatch):
+    "nanochat's function names read a bucket given as `data_dir=` or as $NANOCHAT_DL_DATA_DIR, with nanochat's batches."
+    from nanochat_dl.dataloader import tokenizing_distributed_data_loader_bos_bestfit as dropin
+    shards, tok = text
+    kw = dict(tokenizer_threads=1, tokenizer_batch_size=4, device='cpu', buffer_size=8)
+    w = dropin(tok, 2, 16, 'train', data_dir=shards, **kw)
+    want = [b for b in itertools.islice(w, 12)]; w.close()
+    a = dropin(tok, 2, 16, 'train', data_dir=s3text, cache_dir=tmp_path/'c', **kw)
+    got = [b for b in itertools.islice(a, 12)]; a.close()
+    monkeypatch.setenv('NANOCHAT_DL_DATA_DIR', s3text)
+    b = dropin(tok, 2, 16, 'train', cache_dir=tmp_path/'c2', cache_size=10**6, **kw)
+    env = [x for x in itertools.islice(b, 12)]
+    assert b.loader.cache.cache_size == 10**6; b.close()
+    for (x0, y0), (x1, y1), (x2, y2) in zip(want, got, env): assert torch.equal(x0, x1) and torch.equal(y0, y1) and torch.equal(x0, x2)
+
+
+def test_tokenize_from_s3_shards(text, s3text, moto, tmp_path):
+    "`tokenize --data-dir s3://...` reads the shards through the cache: the token files are those of the local shards, the manifest names the URI."
+    from nanochat_dl.arrow import read_manifest, tokenize
+    from nanochat_dl.cli import main
+    shards, tok = text
+    tokenize(shards, tmp_path/'local', 'toy', shards.parent/'tok', workers=1, progress=False, verbose=False)
+    assert main(['tokenize', '--data-dir', s3text, '--out', str(tmp_path/'remote'), '--dataset', 'toy', '--tokenizer-dir', str(shards.parent/'tok'),
+                 '-w', '1', '--no-progress', '--cache-dir', str(tmp_path/'c'), '--cache-size', '1000000']) == 0
+    for p in sorted((tmp_path/'local'/'toy').glob('*.arrow')): assert p.read_bytes() == (tmp_path/'remote'/'toy'/p.name).read_bytes()
+    assert read_manifest(tmp_path/'remote')['datasets']['toy']['source']['data_dir'] == s3text
+    assert sorted(p.name for p in (tmp_path/'c'/'files').iterdir()) == sorted(p.name for p in shards.glob('*.parquet'))
