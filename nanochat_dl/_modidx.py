@@ -1162,6 +1162,7 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                        'nanochat_dl.streaming._Pieces.fetch': ('streaming.html#_pieces.fetch', 'nanochat_dl/streaming.py'),
                                        'nanochat_dl.streaming._Shards': ('streaming.html#_shards', 'nanochat_dl/streaming.py'),
                                        'nanochat_dl.streaming._concat_segs': ('streaming.html#_concat_segs', 'nanochat_dl/streaming.py'),
+                                       'nanochat_dl.streaming._content': ('streaming.html#_content', 'nanochat_dl/streaming.py'),
                                        'nanochat_dl.streaming._field': ('streaming.html#_field', 'nanochat_dl/streaming.py'),
                                        'nanochat_dl.streaming._int': ('streaming.html#_int', 'nanochat_dl/streaming.py'),
                                        'nanochat_dl.streaming._load_window': ('streaming.html#_load_window', 'nanochat_dl/streaming.py'),

@@ -20,7 +20,8 @@ import torch
 from fastcore.basics import patch
 from .core import check_int, get_dist_info
 from .stages import Stage, Doc, ShuffleBuffer, check_state, mix64, mix64s
-from .arrow import TokenRoot
+from pathlib import Path
+from .arrow import TokenRoot, tail_sha256
 from .packing import Packer, FlatDocs, Segment, PackedBatch, position_ids, cu_seqlens, _PackerBase
 from .transfer import DeviceTransfer, resolve_device
 
@@ -1299,14 +1300,20 @@ def _weights(weights, datasets, root) -> list:
     if not any(w): raise ValueError(f"weights={list(weights)} are all zero: at least one dataset needs a positive weight")
     return [int(x) if x == int(x) else x for x in w]
 
+def _content(root, ds, f) -> str:
+    "File `f` of `ds`'s content hash: the manifest's sha256, else (a local root) its quick hash, else nothing."
+    r = ((root.manifest or {}).get('datasets', {}).get(ds) or {}).get('files', {}).get(f)
+    if r is not None: return r['sha256']
+    return tail_sha256(Path(root.root)/ds/f) if root.cache is None else ''
+
 def data_fingerprint(root,          # a `TokenRoot`
                      datasets,      # the dataset names
                      ) -> dict:
-    "Per dataset: its files, documents and tokens, and a digest of every file's name and counts."
+    "Per dataset: its files, documents and tokens, and a digest of every file's name, counts and content hash (`_content`)."
     out = {}
     for d in datasets:
         fs = root.files[d]
-        h = hashlib.sha1('\n'.join(f"{i.file}\t{i.docs}\t{i.tokens}" for i in fs).encode()).hexdigest()[:16]
+        h = hashlib.sha1('\n'.join(f"{i.file}\t{i.docs}\t{i.tokens}\t{_content(root, d, i.file)}" for i in fs).encode()).hexdigest()[:16]
         out[d] = dict(files=len(fs), docs=sum(i.docs for i in fs), tokens=sum(i.tokens for i in fs), digest=h)
     return out
 
@@ -1333,7 +1340,7 @@ def stream_config(root, seq_len, *,   # the settings of `StreamingLoader`, docum
     if cfg['pad_token'] is None and pack != 'concat': raise ValueError(f"pack={pack!r} pads rows: pad_token must be a token id, not None")
     if tokenizer is not None and not isinstance(tokenizer, str): raise ValueError(f"tokenizer={tokenizer!r} is invalid: expected None or a string (a name or digest)")
     names = None if datasets is None else [datasets] if isinstance(datasets, str) else list(datasets)
-    if not isinstance(root, TokenRoot): root = TokenRoot(root, names, max_open=max_open or 1 << 30, cache_dir=cache_dir, cache_size=cache_size)   # default: keep what we read mapped
+    if not isinstance(root, TokenRoot): root = TokenRoot(root, names, max_open=1 << 30 if max_open is None else max_open, cache_dir=cache_dir, cache_size=cache_size)   # default: keep what we read mapped
     elif names is not None and [d for d in names if d not in root.datasets]:
         raise ValueError(f"unknown dataset(s) {[d for d in names if d not in root.datasets]} in {root.root}: expected some of {root.datasets}")
     cfg['datasets'] = list(root.datasets) if names is None else names
@@ -1605,7 +1612,7 @@ class StreamingDataset(torch.utils.data.IterableDataset):
         info = torch.utils.data.get_worker_info()
         w, nw = (0, 1) if info is None else (info.id, info.num_workers)
         if self._stream is None or (self._stream.cfg['worker'], self._stream.cfg['n_workers']) != (w, nw):
-            root = TokenRoot(self.root_path, self.config['datasets'], max_open=self.max_open or 1 << 30, **self.cache)
+            root = TokenRoot(self.root_path, self.config['datasets'], max_open=1 << 30 if self.max_open is None else self.max_open, **self.cache)
             if data_fingerprint(root, self.config['datasets']) != self.fingerprint['data']:
                 raise RuntimeError(f"the token files under {self.root_path} changed since this dataset was made")
             s = FastTokenStream(root, self.config, w, nw)
@@ -1635,7 +1642,7 @@ class StreamingDataset(torch.utils.data.IterableDataset):
     def load_state_dict(self, state):   # this worker's state, or the list of every rank's and worker's
         "Continue from this worker's `state` (checked, and loaded, when the worker builds its stream); or, given the list of the states of every rank and worker of a run (`StatefulDataLoader` states too) at any world size and number of workers, continue that run (`nanochat_dl.elastic`)."
         if isinstance(state, (list, tuple)):
-            state, root = list(state), TokenRoot(self.root_path, self.config['datasets'], max_open=self.max_open or 1 << 30)
+            state, root = list(state), TokenRoot(self.root_path, self.config['datasets'], max_open=1 << 30 if self.max_open is None else self.max_open)
             try: self._world(state, root)                  # a bad list is refused here, not in a worker
             finally: root.close()
         elif not isinstance(state, dict): raise TypeError(f"state is {type(state).__name__}: expected a dict from state_dict(), or a list of them")

@@ -597,7 +597,8 @@ def test_dataset_refuses_loader_arguments(root):
     (dict(weights='abc'), "weights='abc' is invalid"), (dict(n_logical_shards=0), 'n_logical_shards=0 is invalid'),
     (dict(shuffle_window=-1), 'shuffle_window=-1 is invalid'), (dict(max_chunk=0), 'max_chunk=0 is invalid'),
     (dict(eos_token=2**32), 'eos_token=4294967296 is invalid'), (dict(tokenizer=3), 'tokenizer=3 is invalid'),
-    (dict(device='tpu'), "device='tpu' is not a device"), (dict(prefetch=-1), 'prefetch=-1 is invalid')])
+    (dict(device='tpu'), "device='tpu' is not a device"), (dict(prefetch=-1), 'prefetch=-1 is invalid'),
+    (dict(max_open=0), 'max_open=0 is invalid')])
 def test_bad_settings_are_named(root, kw, msg):
     args = dict(dict(seq_len=8, batch_size=2), **kw)
     with pytest.raises((ValueError, RuntimeError)) as e: StreamingLoader(root, args.pop('seq_len'), args.pop('batch_size'), **args)
