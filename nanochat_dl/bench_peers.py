@@ -55,6 +55,7 @@ def _fresh(path, make):
 
 def import_mosaic():
     "Mosaic streaming, imported; its `streaming.vision` (torchvision datasets, unused here) is left out when torchvision cannot load (the registry's torchvision is a CUDA build that a CPU torch cannot load)."
+    if not available('mosaic'): raise ImportError("mosaicml-streaming is not installed (pip install -e '.[bench]')")
     try: import torchvision  # noqa: F401
     except (ImportError, RuntimeError, OSError):
         sys.modules.setdefault('streaming.vision', types.ModuleType('streaming.vision'))
@@ -116,7 +117,9 @@ def peer_data(T:int=2048,     # tokens per input row
     d = dict(root=str(root), plain=str(write_plain(rows, base/f'plain_{T}')), rows=len(rows), T=T)
     for k, w in (('mosaic', write_mds), ('litdata', write_litdata)):
         try: d[k] = str(w(rows, base/f'{k}_{T}'))
-        except ImportError as e: d[k] = None; out(f"  {k}: not installed ({e})")
+        except ImportError as e:
+            d[k] = None
+            if out: out(f"  {k}: not installed ({e})")
     return d
 
 # %% ../nbs/16_bench_peers.ipynb #d9f127e0
