@@ -18,6 +18,7 @@ COMMANDS = {
     'demo':            ('nanochat_dl.demo',       'demo_cli',            'the main job: sample data, tokenizer, stream batches, check resume'),
     'bench':           ('nanochat_dl.bench',      'bench_cli',           'benchmark the loaders against the reference'),
     'bench-stream':    ('nanochat_dl.bench_stream', 'bench_stream_cli',  'benchmark the pre-tokenized loader against a per-document reader'),
+    'bench-peers':     ('nanochat_dl.bench_peers', 'bench_peers_cli',    "benchmark the pre-tokenized loader against Mosaic streaming, LitData and torchdata (the 'bench' extra)"),
 }
 
 def _usage():

@@ -1,0 +1,25 @@
+"""The peer benchmark's harness on each peer that is installed (the `bench` extra), on a tiny data set: each loader
+reads back the rows its writer wrote, resumes to the same next batches on 1 and 2 ranks, and its measurements come
+back complete. Peers that are not installed are skipped; ours always runs."""
+import numpy as np
+import pytest
+
+from nanochat_dl.bench_peers import PEERS, available, bench_peer, peer_data, peer_table
+
+
+@pytest.fixture(scope='module')
+def data(tmp_path_factory):
+    return peer_data(32, tmp_path_factory.mktemp('peers'), datasets={'web': (2, 20)}, out=None)
+
+
+@pytest.mark.parametrize('peer', ['mosaic', 'litdata', 'torchdata', 'ours-concat'])
+def test_peer(peer, data, tmp_path):
+    if not available(peer): pytest.skip(f"{peer} is not installed (pip install -e '.[bench]')")
+    r = bench_peer(peer, data, B=4, T=32, window=30, work=tmp_path, out=None)
+    assert r['exact_1'] and r['exact_2'], r                      # the next batches after a resume, on 1 and 2 ranks
+    assert r['state_bytes_1'] > 0 and r['tokens_per_s_1'] > 0 and r['peak_mib_1'] >= r['rss0_mib_1']
+    assert r['epoch']['unknown'] == 0 and r['epoch']['total'] == (data['rows'] if peer in ('mosaic', 'litdata', 'torchdata') else 40)
+    if peer.startswith('ours'): assert r['epoch']['once'], r['epoch']    # one uninterrupted epoch: every document once
+    rs = r['rescale']
+    assert rs['supported'] is False or rs['unknown'] == 0
+    assert peer_table(dict(results=[r])).count('\n') == 2
