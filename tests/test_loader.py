@@ -748,3 +748,19 @@ def test_time_allowed_for_rows_counts_their_bytes_from_the_footer(env):
         assert enc._allowed(amount) == pytest.approx(5.0 + 1e-3 * amount)
         assert len(enc.result([0])) == 96
     finally: enc.close()
+
+
+@pytest.mark.parametrize('worker_reads', [True, False])
+def test_workers_with_file_descriptors_above_1023(env, worker_reads):
+    """A training process that already holds over a thousand open files: the workers' pipes get descriptors above 1023
+    (past select()'s FD_SETSIZE), and the processes give the batches of the threads."""
+    held = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+    try:
+        assert max(held) > 1024
+        kw = dict(files=env['toy'], B=2, T=16, tokenizer_batch_size=2, buffer_size=4, device='cpu', tokenizer_threads=2)
+        procs = _stream(env['tok'], 12, tokenize_in='processes', worker_reads=worker_reads, **kw)
+        threads = _stream(env['tok'], 12, tokenize_in='threads', **kw)
+        assert len(procs) == len(threads) == 12
+        assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) and a[2] == b[2] for a, b in zip(procs, threads))
+    finally:
+        for fd in held: os.close(fd)
