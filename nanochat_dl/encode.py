@@ -255,11 +255,14 @@ def _check_ready(w, answer):
             raise RuntimeError(f"tokenizer worker {w.i} (pid {w.proc.pid}) imported {m} from {answer[1].get(m)}, but this process "
                                f"uses {mine}: the workers must run the same code (see `worker_cmd`)")
 
+_BUSY_GRACE = 0.5   # seconds a closing encoder waits for a worker still busy with messages nobody will read, then kills it
+
 def _close_workers(workers, timeout):
     if not workers: return                            # closed already
     for w in workers: w.hang_up()                      # all of them first: they exit side by side
-    deadline = time.monotonic() + timeout
-    for w in workers: w.close(deadline)
+    now = time.monotonic()
+    deadline, busy = now + timeout, now + min(timeout, _BUSY_GRACE)   # an idle worker exits at once; a busy one holds nothing worth waiting for
+    for w in workers: w.close(busy if w.pending else deadline)
     workers.clear()
 
 _RERAISED = {'ValueError': ValueError, 'FileNotFoundError': FileNotFoundError}   # a shard missing, broken, or not UTF-8
@@ -387,8 +390,8 @@ class ProcessEncoder:
 
     def __call__(self, texts) -> FlatDocs: return self.result(self.submit(texts))
 
-    def close(self, timeout=10.0): # seconds to wait for the workers to exit before killing them
-        "Hang up on the workers; wait for them to exit (kill those left after `timeout`). Idempotent."
+    def close(self, timeout=10.0): # seconds to wait for idle workers to exit before killing them
+        "Hang up on the workers; wait for them to exit (kill those left after `timeout`, and those still busy with messages nobody will read after half a second). Idempotent."
         _close_workers(self._w, timeout)
 
     def kill(self):

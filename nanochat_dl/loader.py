@@ -74,7 +74,9 @@ def pipeline_state(stage # the last stage of a chain (each stage's `upstream` is
     if hasattr(stage, 'above_state'): out = dict(stage.above_state())   # a stage that works ahead: what it recorded
     elif stage.upstream is not None: out = pipeline_state(stage.upstream)
     else: out = {}
-    out[_stage_name(stage)] = stage.state_dict()
+    name = _stage_name(stage)
+    if name in out: raise ValueError(f"two stages of the chain are named {name!r}: their states would share one key; give one of them another `name`")
+    out[name] = stage.state_dict()
     return out
 
 def load_pipeline_state(stage,  # the last stage of a chain
@@ -87,7 +89,13 @@ def load_pipeline_state(stage,  # the last stage of a chain
 
 class Chain(Stage):
     "A chain of stages given by its last one (a stage without a `name` is keyed by its class name): iterating it iterates that stage; its state is `pipeline_state`, loaded by `load_pipeline_state`."
-    def __init__(self, last): self.upstream = self.last = last   # the last stage
+    def __init__(self, last):   # the last stage
+        self.upstream = self.last = last
+        seen, s = set(), last
+        while s is not None:    # every stage's state needs a key of its own
+            name = _stage_name(s)
+            if name in seen: raise ValueError(f"two stages of the chain are named {name!r}: their states would share one key; give one of them another `name`")
+            seen.add(name); s = s.upstream
     def __next__(self): return next(self.last)
     def state_dict(self) -> dict: return pipeline_state(self.last)
     def load_state_dict(self, state): # `{name: state}` from `state_dict()`
@@ -602,16 +610,17 @@ def _run(produce, q, stop):
 
 _LIVE = weakref.WeakSet()   # loaders with a running thread, stopped at interpreter exit
 
-_JOIN_TIMEOUT = 10.0   # seconds a closing loader waits for its thread (then kills unresponsive workers, and waits again)
+_JOIN_GRACE = 1.0      # seconds a closing loader waits for the thread making a batch before it kills the workers keeping it
+_JOIN_TIMEOUT = 10.0   # seconds it then waits for that thread (after that it warns and leaves the stages open)
 
 def _shutdown(last, encoder, threads, q, stop, timeout=None):
-    "Stop the background thread (killing workers that keep it waiting), empty the queue, close the stages."
+    "Stop the background thread (killing workers that keep it waiting: they hold nothing worth keeping), empty the queue, close the stages."
     stop.set()
     timeout = _JOIN_TIMEOUT if timeout is None else timeout
     thread = threads[0] if threads else None
     if thread is not None and thread is not threading.current_thread():
-        thread.join(timeout)
-        if thread.is_alive() and hasattr(encoder, 'kill'):   # waiting on a worker that does not answer
+        thread.join(min(_JOIN_GRACE, timeout))
+        if thread.is_alive() and hasattr(encoder, 'kill'):   # waiting on workers busy with a batch nobody will take
             encoder.kill(); thread.join(timeout)
         if thread.is_alive():
             warnings.warn(f"the loader's background thread did not stop within {timeout:.0f} s"); return
@@ -674,7 +683,7 @@ class PackedLoader(Stage):
                  worker_timeout=(60.0, 1e-5),       # a worker's time per answer: (seconds, seconds per character of text); None: no limit
                  worker_reads:bool=True,            # the tokenizer workers read their own rows (False: this process reads and sends text)
                  resume_state_dict=None):           # a batch's `state` (exact resume), nanochat's `{pq_idx, rg_idx, epoch}` (approximate), or the list of every rank's state (another world size)
-        self._closed, self._threads, self._error, self._lock = True, [], None, threading.Lock()
+        self._closed, self._threads, self._error, self._lock = True, [], None, threading.RLock()
         self.B, self.T = check_int('B', B), check_int('T', T)
         self.prefetch = check_int('prefetch', prefetch, 0)
         if strategy not in STRATEGIES: raise ValueError(f"unknown strategy {strategy!r}: expected one of {list(STRATEGIES)}")
@@ -789,7 +798,11 @@ class PackedLoader(Stage):
             _LIVE.add(self)
 
     def _get(self) -> _Produced:
-        if not self.prefetch: return self._producer.produce()
+        if not self.prefetch:
+            try: return self._producer.produce()
+            except Exception as e:
+                if self._closed: raise RuntimeError("this loader was closed while it made a batch") from e   # by `close()` from another thread
+                raise
         self._start()
         thread = self._threads[0]
         while True:
@@ -815,7 +828,7 @@ class PackedLoader(Stage):
         if self._t_first is None: self._t_first = t0
         try: item = self._get()
         except BaseException as e:
-            if self._error is None: self._error = e
+            if self._error is None and not self._closed: self._error = e   # (closed from another thread: not an error of the data)
             self.close(); raise
         t1 = time.perf_counter()
         x, y = self.transfer.put(item.packed)
@@ -833,7 +846,15 @@ class PackedLoader(Stage):
         if self._closed: return
         self._closed = True
         _LIVE.discard(self)
-        self._finalizer()
+        # a `next()` in another thread finishes first (its stages must not be closed under it); one waiting on busy workers
+        # is freed by killing them, and gets an error saying the loader was closed
+        if not self._lock.acquire(timeout=_JOIN_GRACE):
+            if hasattr(self.encoder, 'kill'): self.encoder.kill()
+            if not self._lock.acquire(timeout=_JOIN_TIMEOUT):
+                warnings.warn(f"a next() in another thread did not return within {_JOIN_TIMEOUT:.0f} s of close(): the loader's stages close when it is collected")
+                return
+        try: self._finalizer()
+        finally: self._lock.release()
 
     def __enter__(self): return self
     def __exit__(self, *exc): self.close()

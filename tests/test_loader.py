@@ -764,3 +764,35 @@ def test_workers_with_file_descriptors_above_1023(env, worker_reads):
         assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) and a[2] == b[2] for a, b in zip(procs, threads))
     finally:
         for fd in held: os.close(fd)
+
+
+@linux_only
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize('prefetch', [0, 2])
+def test_close_from_another_thread_with_busy_workers(env, monkeypatch, prefetch):
+    """`close()` from another thread while the consumer waits in `next()` on workers that do not answer (stopped, with no
+    time limit): the busy workers are killed without waiting the join timeout, and the consumer gets a clear error
+    (never an `OSError` from pipes closed under it)."""
+    import signal, threading
+    from nanochat_dl import loader
+    monkeypatch.setattr(loader, '_JOIN_TIMEOUT', 3600.0)   # a close that waits for the join timeout hangs the test
+    ld = PackedLoader(env['tok'], 4, 256, files=split_files('train', env['data']), device='cpu', tokenizer_threads=2,
+                      tokenize_in='processes', buffer_size=20, prefetch=prefetch, worker_timeout=None)
+    procs = list(ld.encoder._procs)
+    for p in procs: os.kill(p.pid, signal.SIGSTOP)
+    got = {}
+    def consume():
+        try:
+            for _ in range(10_000): next(ld)
+        except BaseException as e: got['error'] = e
+    th = threading.Thread(target=consume, daemon=True); th.start()
+    th.join(1.0)
+    assert th.is_alive()                                   # waiting on the stopped workers
+    ld.close()
+    th.join(60)
+    assert not th.is_alive()
+    e = got['error']
+    assert type(e) is RuntimeError and 'closed' in str(e), repr(e)
+    assert all(p.poll() is not None for p in procs)
+    assert ld._thread is None or not ld._thread.is_alive()
+    with pytest.raises(RuntimeError, match='is closed'): next(ld)
