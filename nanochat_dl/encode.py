@@ -401,8 +401,13 @@ class ProcessEncoder:
     def __repr__(self): return f"ProcessEncoder(workers={self.workers}, bos={self.bos})"
 
 # %% ../nbs/05_encode.ipynb #694fddcd
+def _usable_cpus() -> int:
+    "The CPUs this process may run on (its affinity mask: taskset, Slurm, cpusets), else all of the machine's."
+    try: return len(os.sched_getaffinity(0)) or 1
+    except AttributeError: return os.cpu_count() or 1   # no affinity masks here (macOS, Windows)
+
 def make_encoder(tokenizer,                # the tokenizer
-                 workers:int=4,            # worker processes or threads (processes: at most one per CPU)
+                 workers:int=4,            # worker processes or threads (processes: at most one per usable CPU)
                  tokenize_in='auto',       # 'auto' (processes for a tiktoken core on POSIX, else threads), 'processes' or 'threads'
                  timeout=(60.0, 1e-5)):    # a worker's time limit per answer (`ProcessEncoder`'s `timeout`)
     "A `ProcessEncoder` or a `DocEncoder` for `tokenizer`."
@@ -410,5 +415,5 @@ def make_encoder(tokenizer,                # the tokenizer
         raise ValueError(f"tokenize_in={tokenize_in!r}: expected 'auto', 'processes' or 'threads'")
     workers = check_int('tokenizer_threads', workers)
     if tokenize_in == 'processes' or (tokenize_in == 'auto' and _tiktoken_core(tokenizer) is not None and os.name == 'posix'):
-        return ProcessEncoder(tokenizer, min(workers, os.cpu_count() or workers), timeout=timeout)
+        return ProcessEncoder(tokenizer, min(workers, _usable_cpus()), timeout=timeout)
     return DocEncoder(tokenizer, workers)

@@ -697,7 +697,7 @@ class PackedLoader(Stage):
         if isinstance(files, (str, os.PathLike)):   # one path, not a list of them
             if Path(files).is_dir(): raise ValueError(f"files={str(files)!r} is a folder: pass data_dir={str(files)!r}, or a list of shard files")
             files = [files]
-        self.files = [Path(p) for p in (split_files(split, data_dir) if files is None else files)]
+        self.files = [Path(p).absolute() for p in (split_files(split, data_dir) if files is None else files)]   # a later chdir must not lose them
         if not self.files: raise ValueError("PackedLoader needs at least one shard file, got none")
         self.device = resolve_device(device)
         read_ahead = check_int('read_ahead', read_ahead, 0)

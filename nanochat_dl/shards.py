@@ -191,7 +191,7 @@ class RowGroupReader:
                  text_column='text',        # the string column with one document per row
                  balanced=False,            # stride over the whole split instead of file by file
                  utf8_errors='strict'):     # 'strict': text that is not UTF-8 stops the run, naming the row; 'replace': U+FFFD
-        self.files = [Path(p) for p in files]
+        self.files = [Path(p).absolute() for p in files]   # absolute: a later chdir (of the training script) must not lose them
         if not self.files: raise ValueError("RowGroupReader needs at least one shard file, got none")
         for name, v, lo in (('world_size', world_size, 1), ('batch_size', batch_size, 1), ('seed', seed, 0)): check_int(name, v, lo)
         if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) or not 0 <= rank < world_size:

@@ -796,3 +796,35 @@ def test_close_from_another_thread_with_busy_workers(env, monkeypatch, prefetch)
     assert all(p.poll() is not None for p in procs)
     assert ld._thread is None or not ld._thread.is_alive()
     with pytest.raises(RuntimeError, match='is closed'): next(ld)
+
+
+@pytest.mark.parametrize('tokenize_in', ['threads', 'processes'])
+def test_relative_shard_paths_survive_a_chdir(env, monkeypatch, tokenize_in):
+    """Shards given by paths relative to the working directory, which the training script changes after building the
+    loader (as logging or config code does): the loader still reads them, the batches of absolute paths."""
+    kw = dict(B=2, T=16, tokenizer_batch_size=2, buffer_size=4, device='cpu', tokenizer_threads=1, tokenize_in=tokenize_in)
+    want = _stream(env['tok'], 200, files=env['toy'], **kw)   # several epochs: every shard opened again
+    monkeypatch.chdir(env['toy'][0].parent)
+    with PackedLoader(env['tok'], files=[Path(p.name) for p in env['toy']], **kw) as ld:
+        take = lambda b: (b.inputs.clone(), b.targets.clone(), json.loads(json.dumps(b.state)))
+        got = [take(next(ld))]
+        monkeypatch.chdir(env['dir'])
+        got += [take(next(ld)) for _ in range(199)]
+    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) and a[2] == b[2] for a, b in zip(got, want))
+
+
+@linux_only
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason='needs a machine with two CPUs or more')
+def test_worker_count_follows_the_cpu_affinity(env):
+    """Under an affinity mask of one CPU (taskset, Slurm's --cpus-per-task, cpusets), `make_encoder` starts one worker
+    process, not one per CPU of the machine."""
+    code = textwrap.dedent(f"""
+        import os
+        os.sched_setaffinity(0, {{sorted(os.sched_getaffinity(0))[0]}})
+        from nanochat_dl.encode import make_encoder
+        from nanochat_dl.tokenizer import Tokenizer
+        e = make_encoder(Tokenizer.load({str(env['tok_dir'])!r}), 4, 'processes')
+        print(e.workers); e.close()""")
+    out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ['1']
