@@ -9,7 +9,7 @@ __all__ = ['STATE_FORMAT', 'reference_loader', 'pipeline_state', 'load_pipeline_
            'data_fingerprint', 'LoaderBatch', 'PackedLoader', 'metrics_table', 'ColumnPlan']
 
 # %% ../nbs/08_loader.ipynb #e4b83b8c
-import atexit, bisect, hashlib, zlib, json, math, os, queue, struct, threading, time, warnings, weakref
+import atexit, bisect, hashlib, zlib, json, math, os, pickle, queue, struct, threading, time, warnings, weakref
 from collections import deque
 from operator import itemgetter
 from dataclasses import dataclass
@@ -557,7 +557,8 @@ class _Failure(NamedTuple):
 
 class _Produced(NamedTuple):
     packed: PackedBatch
-    state: dict
+    state: dict      # the batch's, handed out with it
+    saved: bytes     # the same, pickled: the loader's own copy (`state_dict()` unpickles it), whatever the caller does to the batch's
     timing: dict
 
 class _Producer:
@@ -588,9 +589,10 @@ class _Producer:
         packed = next(self.batch)
         c1 = time.thread_time()
         state = self.state_of({**pipeline_state(self.batch), 'transfer': self.transfer.state_dict()})
+        saved = pickle.dumps(state, protocol=pickle.HIGHEST_PROTOCOL)   # here, in the background thread, not in `next()`
         dt, read, tok, sc = time.perf_counter() - t0, e.send_s - s0, e.wait_s - w0, time.thread_time() - c1
         self.state_cpu_s += sc
-        return _Produced(packed, state, dict(produce_s=dt, read_s=read, tokenize_s=tok, pack_s=dt - read - tok,
+        return _Produced(packed, state, saved, dict(produce_s=dt, read_s=read, tokenize_s=tok, pack_s=dt - read - tok,
                                              pack_cpu_s=p.pack_cpu_s - p0, state_cpu_s=sc))
 
 def _put(q, item, stop) -> bool:
@@ -724,7 +726,7 @@ class PackedLoader(Stage):
         self.resumed = None
         try:
             if resume_state_dict is not None: self._resume(resume_state_dict)
-            self._state = self._producer.state()
+            self._state = pickle.dumps(self._producer.state())   # the loader's own copy: `state_dict()` hands out unpickled ones
         except BaseException:
             self.transfer.close(); raise
         self._q, self._stop = queue.Queue(maxsize=max(1, self.prefetch)), threading.Event()
@@ -747,8 +749,8 @@ class PackedLoader(Stage):
     def packer(self) -> Packer: return self.pack.packer
 
     def state_dict(self) -> dict:
-        "The state after the last batch handed out (before the first one: the starting state)."
-        return self._state
+        "The state after the last batch handed out (before the first one: the starting state): a copy of its own, like each batch's `state`."
+        return pickle.loads(self._state)
 
     def load_state_dict(self, state): # a batch's `state`, nanochat's `{pq_idx, rg_idx, epoch}`, or the list of every rank's state
         """Continue from `state` (as `resume_state_dict` does); only before the first batch is handed out. A list of the states
@@ -756,7 +758,7 @@ class PackedLoader(Stage):
         nanochat's (token for token) only at the same world size, where the list resumes this rank's own state exactly."""
         if self._threads or self._yielded: raise RuntimeError("load_state_dict works before the first batch: build a new loader with resume_state_dict=...")
         self._resume(state)
-        self._state = self._producer.state()
+        self._state = pickle.dumps(self._producer.state())
         return self
 
     def _resume(self, sd):
@@ -838,7 +840,7 @@ class PackedLoader(Stage):
         m.update(step=item.state['stages']['batch']['step'], epoch=item.state.get('epoch'), **item.timing, wait_s=t1 - t0, transfer_s=t2 - t1,
                  tokens_per_s=self.B * self.T / item.timing['produce_s'] if item.timing['produce_s'] > 0 else math.inf,
                  delivered_per_s=self._yielded * self.B * self.T / (t2 - self._t_first))
-        self._state, self.last_metrics = item.state, m
+        self._state, self.last_metrics = item.saved, m
         return LoaderBatch(x, y, item.state, m, item.packed)
 
     def close(self):

@@ -828,3 +828,18 @@ def test_worker_count_follows_the_cpu_affinity(env):
     out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ['1']
+
+
+def test_states_handed_out_are_copies(env):
+    """A batch's `state` and `state_dict()` are the caller's own: changing one (adding a field before saving it, say)
+    changes neither the loader's state nor the other."""
+    with PackedLoader(env['tok'], 2, 16, files=env['toy'], device='cpu', tokenizer_threads=1, tokenize_in='threads', buffer_size=4) as ld:
+        start = json.dumps(ld.state_dict())
+        ld.state_dict()['stages']['batch']['step'] = 99
+        assert json.dumps(ld.state_dict()) == start
+        b = next(ld); saved = json.dumps(b.state)
+        assert json.dumps(ld.state_dict()) == saved
+        b.state['stages']['batch']['step'] = 99; b.state['mine'] = 1
+        assert json.dumps(ld.state_dict()) == saved
+        sd = ld.state_dict(); sd['config']['B'] = 7
+        assert json.dumps(ld.state_dict()) == saved and json.loads(saved)['config']['B'] == 2
