@@ -690,7 +690,8 @@ class PackedLoader(Stage):
         self.prefetch = check_int('prefetch', prefetch, 0)
         if strategy not in STRATEGIES: raise ValueError(f"unknown strategy {strategy!r}: expected one of {list(STRATEGIES)}")
         tokenizer_batch_size = check_int('tokenizer_batch_size', tokenizer_batch_size)
-        if not isinstance(shuffle, (bool, np.bool_)): raise ValueError(f"shuffle={shuffle!r} is invalid: expected True or False")
+        for name, v in (('shuffle', shuffle), ('copy', copy), ('worker_reads', worker_reads)):   # 'no' must not mean True
+            if not isinstance(v, (bool, np.bool_)): raise ValueError(f"{name}={v!r} is invalid: expected True or False")
         if pad_id is not None:
             vocab = int(tokenizer.get_vocab_size())
             if isinstance(pad_id, bool) or not isinstance(pad_id, (int, np.integer)) or not 0 <= pad_id < vocab:

@@ -843,3 +843,12 @@ def test_states_handed_out_are_copies(env):
         assert json.dumps(ld.state_dict()) == saved
         sd = ld.state_dict(); sd['config']['B'] = 7
         assert json.dumps(ld.state_dict()) == saved and json.loads(saved)['config']['B'] == 2
+
+
+@pytest.mark.parametrize('name', ['shuffle', 'copy', 'worker_reads'])
+@pytest.mark.parametrize('value', ['no', 0, None])
+def test_switches_must_be_bools(env, name, value):
+    """A switch given a string, a number or None (`copy='no'` would be taken as True) is refused, naming it and the value,
+    before any worker starts."""
+    with pytest.raises(ValueError, match=re.escape(f"{name}={value!r} is invalid: expected True or False")):
+        PackedLoader(env['tok'], 2, 16, files=env['toy'], device='cpu', tokenizer_threads=1, **{name: value})
