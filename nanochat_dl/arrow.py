@@ -23,7 +23,7 @@ from fastcore.basics import patch
 from fastcore.script import call_parse
 from .core import check_int, file_in_the_way, folder_lock, get_data_dir, get_dist_info, get_tokenizer_dir
 from .dataset import list_parquet_files
-from .shards import split_files, _open_shard, _read_group
+from .shards import split_files, _open_shard, _read_group, check_utf8_errors
 
 # %% ../nbs/12_arrow.ipynb #319519f0
 TOKENS = 'tokens'                          # the column fms-fsdp reads
@@ -480,13 +480,14 @@ def tokenize_shard(src,                # a parquet text shard
                    tokenizer,          # a `Tokenizer` or its `tiktoken.Encoding`
                    text_column='text', # the column of documents
                    on_progress=None,   # called with (documents, characters) after each row group
+                   utf8_errors='strict', # 'strict': text that is not UTF-8 fails the shard, naming the row; 'replace': U+FFFD
                    ) -> dict:
     "Tokenize `src` into `dst` row group by row group: one record batch per document, ids as `encode_ordinary` gives them, no BOS; returns the file's record."
     src, enc = Path(src), getattr(tokenizer, 'enc', tokenizer)
     size = src.stat().st_size
     with _open_shard(src, text_column) as pf, TokenWriter(dst) as w:
         for g in range(pf.num_row_groups):
-            texts = _read_group(pf, src, g, text_column)
+            texts = _read_group(pf, src, g, text_column, utf8_errors)
             for t in texts: w.write(enc.encode_to_numpy(t, disallowed_special=()))   # special tokens in the text stay text
             if on_progress is not None: on_progress(len(texts), sum(map(len, texts)))
     return dict(w.record._asdict(), source=dict(name=src.name, bytes=size))
@@ -502,7 +503,7 @@ def _serve_tokenize(tokenizer_dir):
     send(ready=True)
     for line in sys.stdin:
         t = json.loads(line)
-        try: send(done=tokenize_shard(t['src'], t['dst'], enc, t['text_column'], lambda d, c: send(progress=[d, c])))
+        try: send(done=tokenize_shard(t['src'], t['dst'], enc, t['text_column'], lambda d, c: send(progress=[d, c]), t['utf8_errors']))
         except Exception as e: send(error=str(e) if t['src'] in str(e) else f"{t['src']}: {type(e).__name__}: {e}")
 
 # %% ../nbs/12_arrow.ipynb #9cae1f59
@@ -522,9 +523,9 @@ class _Worker:
     def _pump(self, answers):
         for line in self.proc.stdout: answers.put((self, json.loads(line)))
         answers.put((self, None))
-    def give(self, task, text_column):
+    def give(self, task, text_column, utf8_errors='strict'):
         self.task = task
-        try: self.proc.stdin.write(json.dumps(dict(src=str(task[0]), dst=str(task[1]), text_column=text_column)) + '\n'); self.proc.stdin.flush()
+        try: self.proc.stdin.write(json.dumps(dict(src=str(task[0]), dst=str(task[1]), text_column=text_column, utf8_errors=utf8_errors)) + '\n'); self.proc.stdin.flush()
         except OSError: pass   # it died: its end of output says so
     def stderr(self) -> str:
         self.err.seek(0)
@@ -538,7 +539,7 @@ class _Worker:
         self.err.close()
 
 # %% ../nbs/12_arrow.ipynb #31b0eebc
-def _run_tasks(tasks, tokenizer_dir, workers, text_column='text', on_progress=None) -> dict:
+def _run_tasks(tasks, tokenizer_dir, workers, text_column='text', on_progress=None, utf8_errors='strict') -> dict:
     "Tokenize `tasks` (`[(src, dst)]`) in up to `workers` worker processes; `{dst name: its record, or an error message}`."
     todo, out, answers, pool = list(tasks), {}, queue.Queue(), []
     with tempfile.TemporaryDirectory(prefix='nanochat-dl-tokenize-') as cwd:
@@ -558,7 +559,7 @@ def _run_tasks(tasks, tokenizer_dir, workers, text_column='text', on_progress=No
                 else:
                     if 'ready' in m: w.ready = True
                     else: out[w.task[1].name], w.task = m.get('done', m.get('error')), None
-                    if todo: w.give(todo.pop(0), text_column)
+                    if todo: w.give(todo.pop(0), text_column, utf8_errors)
                     else: w.proc.stdin.close()
         finally:
             for w in pool: w.close()
@@ -597,7 +598,7 @@ def _rank_world(rank, world_size) -> tuple:
     return rank, world
 
 # %% ../nbs/12_arrow.ipynb #be5b1de8
-def _prepare(data_dir, out, dataset, tokenizer_dir, workers, rank, world_size, split, text_column, overwrite, wait) -> SimpleNamespace:
+def _prepare(data_dir, out, dataset, tokenizer_dir, workers, rank, world_size, split, text_column, overwrite, wait, utf8_errors='strict') -> SimpleNamespace:
     "Check everything `tokenize` is asked before any work: a `ValueError` or `FileNotFoundError` says what is wrong."
     from nanochat_dl.tokenizer import get_tokenizer
     if out is None: raise ValueError("out (--out) is required: the token root that holds one folder per dataset")
@@ -613,6 +614,7 @@ def _prepare(data_dir, out, dataset, tokenizer_dir, workers, rank, world_size, s
     tok = get_tokenizer(tok_dir)
     p = SimpleNamespace(root=root, dataset=dataset, shards=shards, workers=workers, rank=rank, world=world, text_column=text_column,
                         overwrite=overwrite, wait=wait, tok_dir=tok_dir, tok=tokenizer_record(tok), manifest=read_manifest(root))
+    p.utf8_errors = check_utf8_errors(utf8_errors)
     p.source = dict(data_dir=str(shards[0].parent.absolute()), split=split, text_column=text_column, tokenizer_dir=str(tok_dir))
     _check_target(p)
     return p
@@ -680,7 +682,7 @@ def _execute(p, progress=True, say=print) -> TokenizeResult:
     say(f"tokenize: {len(p.shards[p.rank::p.world])} of {len(p.shards)} shards of {p.source['data_dir']} -> {p.root/p.dataset} "
         f"(rank {p.rank} of {p.world}, {p.workers} workers): {len(todo)} to do, {len(skipped)} finished before")
     bar = tqdm(total=sum(_rows(s) for s, _ in todo), unit='doc', desc=f'tokenize {p.dataset}', disable=not progress or not todo)
-    try: res = _run_tasks(todo, p.tok_dir, p.workers, p.text_column, lambda d, c: bar.update(d)) if todo else {}
+    try: res = _run_tasks(todo, p.tok_dir, p.workers, p.text_column, lambda d, c: bar.update(d), p.utf8_errors) if todo else {}
     finally: bar.close()
     failed = {n: r for n, r in res.items() if isinstance(r, str)}
     for n, r in res.items():
@@ -749,9 +751,10 @@ def tokenize(data_dir=None,        # parquet text shards (else $NANOCHAT_DL_DATA
              wait:float=600,       # rank 0 gives up after this many seconds without another rank finishing a shard
              progress=True,        # a progress bar in documents
              verbose=True,         # print what is done
+             utf8_errors='strict', # 'strict': text that is not UTF-8 fails its shard, naming the row; 'replace': U+FFFD
              ) -> TokenizeResult:
     "One `.arrow` token file per parquet shard of `data_dir` under `out/dataset/`; this rank's shards are i = rank (mod world_size); rank 0 then writes the counts file and the manifest."
-    p = _prepare(data_dir, out, dataset, tokenizer_dir, workers, rank, world_size, split, text_column, overwrite, wait)
+    p = _prepare(data_dir, out, dataset, tokenizer_dir, workers, rank, world_size, split, text_column, overwrite, wait, utf8_errors)
     return _execute(p, progress, print if verbose else lambda *a: None)
 
 # %% ../nbs/12_arrow.ipynb #032fe449
@@ -768,10 +771,11 @@ def tokenize_cli(data_dir:str=None,       # parquet text shards (else $NANOCHAT_
                  overwrite:bool=False,    # replace a dataset of another tokenizer; remove .arrow files no shard makes
                  wait:float=600,          # rank 0 gives up after this many seconds without another rank finishing a shard
                  progress:bool=True,      # progress bar in documents (--no-progress hides it)
+                 utf8_errors:str='strict', # strict (text that is not UTF-8 fails its shard) or replace (U+FFFD)
                 ) -> int:
     "Tokenize parquet shards into fms-fsdp's arrow layout; exit code 2 for bad arguments, 1 if a shard failed."
     err = lambda msg: print(f"nanochat-dl tokenize: error: {msg}", file=sys.stderr)
-    try: p = _prepare(data_dir, out, dataset, tokenizer_dir, Workers, rank, world_size, split, text_column, overwrite, wait)
+    try: p = _prepare(data_dir, out, dataset, tokenizer_dir, Workers, rank, world_size, split, text_column, overwrite, wait, utf8_errors)
     except (ValueError, FileNotFoundError) as e: err(e); return 2
     try: res = _execute(p, progress and sys.stderr.isatty())
     except (OSError, RuntimeError) as e: err(e); return 1

@@ -105,7 +105,7 @@ def column_texts(col,                 # a string column (Arrow array or chunked 
         except UnicodeDecodeError as e:
             r = i if rows is None else rows[i]
             raise ValueError(f"{path}: row group {g}, row {r}: {text_column!r} is not valid UTF-8 ({e.reason} at byte {e.start}: "
-                             f"{b[max(0, e.start - 12):e.end + 12]!r}); pass utf8_errors='replace' (train-tokenizer: --utf8-errors "
+                             f"{b[max(0, e.start - 12):e.end + 12]!r}); pass utf8_errors='replace' (train-tokenizer, tokenize: --utf8-errors "
                              "replace) to read it with U+FFFD for the undecodable bytes") from None
     raise AssertionError("unreachable: Arrow could not decode a column whose every value is UTF-8")
 
