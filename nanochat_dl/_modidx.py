@@ -477,6 +477,7 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                     'nanochat_dl.encode._failure': ('encode.html#_failure', 'nanochat_dl/encode.py'),
                                     'nanochat_dl.encode._proc_state': ('encode.html#_proc_state', 'nanochat_dl/encode.py'),
                                     'nanochat_dl.encode._tiktoken_core': ('encode.html#_tiktoken_core', 'nanochat_dl/encode.py'),
+                                    'nanochat_dl.encode._usable_cpus': ('encode.html#_usable_cpus', 'nanochat_dl/encode.py'),
                                     'nanochat_dl.encode._widen_pipe': ('encode.html#_widen_pipe', 'nanochat_dl/encode.py'),
                                     'nanochat_dl.encode.make_encoder': ('encode.html#make_encoder', 'nanochat_dl/encode.py')},
             'nanochat_dl.loader': { 'nanochat_dl.loader.BatchStage': ('loader.html#batchstage', 'nanochat_dl/loader.py'),

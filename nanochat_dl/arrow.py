@@ -23,7 +23,7 @@ from fastcore.basics import patch
 from fastcore.script import call_parse
 from .core import check_int, file_in_the_way, folder_lock, get_data_dir, get_dist_info, get_tokenizer_dir
 from .dataset import list_parquet_files
-from .shards import split_files, split_shards, _open_shard, _read_group
+from .shards import split_files, split_shards, _open_shard, _read_group, check_utf8_errors
 from .remote import FileCache, cache_metrics, default_cache_dir, is_local, list_files, open_uri, retry, upload_file
 
 # %% ../nbs/12_arrow.ipynb #319519f0
@@ -613,13 +613,14 @@ def tokenize_shard(src,                # a parquet text shard
                    tokenizer,          # a `Tokenizer` or its `tiktoken.Encoding`
                    text_column='text', # the column of documents
                    on_progress=None,   # called with (documents, characters) after each row group
+                   utf8_errors='strict', # 'strict': text that is not UTF-8 fails the shard, naming the row; 'replace': U+FFFD
                    ) -> dict:
     "Tokenize `src` into `dst` row group by row group: one record batch per document, ids as `encode_ordinary` gives them, no BOS; returns the file's record."
     src, enc = Path(src), getattr(tokenizer, 'enc', tokenizer)
     size = src.stat().st_size
     with _open_shard(src, text_column) as pf, TokenWriter(dst) as w:
         for g in range(pf.num_row_groups):
-            texts = _read_group(pf, src, g, text_column)
+            texts = _read_group(pf, src, g, text_column, utf8_errors)
             for t in texts: w.write(enc.encode_to_numpy(t, disallowed_special=()))   # special tokens in the text stay text
             if on_progress is not None: on_progress(len(texts), sum(map(len, texts)))
     return dict(w.record._asdict(), source=dict(name=src.name, bytes=size))
@@ -635,7 +636,7 @@ def _serve_tokenize(tokenizer_dir):
     send(ready=True)
     for line in sys.stdin:
         t = json.loads(line)
-        try: send(done=tokenize_shard(t['src'], t['dst'], enc, t['text_column'], lambda d, c: send(progress=[d, c])))
+        try: send(done=tokenize_shard(t['src'], t['dst'], enc, t['text_column'], lambda d, c: send(progress=[d, c]), t['utf8_errors']))
         except Exception as e: send(error=str(e) if t['src'] in str(e) else f"{t['src']}: {type(e).__name__}: {e}")
 
 # %% ../nbs/12_arrow.ipynb #9cae1f59
@@ -655,9 +656,9 @@ class _Worker:
     def _pump(self, answers):
         for line in self.proc.stdout: answers.put((self, json.loads(line)))
         answers.put((self, None))
-    def give(self, task, text_column):
+    def give(self, task, text_column, utf8_errors='strict'):
         self.task = task
-        try: self.proc.stdin.write(json.dumps(dict(src=str(task[0]), dst=str(task[1]), text_column=text_column)) + '\n'); self.proc.stdin.flush()
+        try: self.proc.stdin.write(json.dumps(dict(src=str(task[0]), dst=str(task[1]), text_column=text_column, utf8_errors=utf8_errors)) + '\n'); self.proc.stdin.flush()
         except OSError: pass   # it died: its end of output says so
     def stderr(self) -> str:
         self.err.seek(0)
@@ -671,7 +672,7 @@ class _Worker:
         self.err.close()
 
 # %% ../nbs/12_arrow.ipynb #31b0eebc
-def _run_tasks(tasks, tokenizer_dir, workers, text_column='text', on_progress=None) -> dict:
+def _run_tasks(tasks, tokenizer_dir, workers, text_column='text', on_progress=None, utf8_errors='strict') -> dict:
     "Tokenize `tasks` (`[(src, dst)]`) in up to `workers` worker processes; `{dst name: its record, or an error message}`."
     todo, out, answers, pool = list(tasks), {}, queue.Queue(), []
     with tempfile.TemporaryDirectory(prefix='nanochat-dl-tokenize-') as cwd:
@@ -691,7 +692,7 @@ def _run_tasks(tasks, tokenizer_dir, workers, text_column='text', on_progress=No
                 else:
                     if 'ready' in m: w.ready = True
                     else: out[w.task[1].name], w.task = m.get('done', m.get('error')), None
-                    if todo: w.give(todo.pop(0), text_column)
+                    if todo: w.give(todo.pop(0), text_column, utf8_errors)
                     else: w.proc.stdin.close()
         finally:
             for w in pool: w.close()
@@ -749,7 +750,7 @@ def _rank_world(rank, world_size) -> tuple:
 
 # %% ../nbs/12_arrow.ipynb #be5b1de8
 def _prepare(data_dir, out, dataset, tokenizer_dir, workers, rank, world_size, split, text_column, overwrite, wait,
-             cache_dir=None, cache_size=None) -> SimpleNamespace:
+             cache_dir=None, cache_size=None, utf8_errors='strict') -> SimpleNamespace:
     "Check everything `tokenize` is asked before any work: a `ValueError` or `FileNotFoundError` says what is wrong."
     if out is None: raise ValueError("out (--out) is required: the token root that holds one folder per dataset")
     if dataset is None: raise ValueError("dataset (--dataset) is required: the name of the dataset's folder under the token root")
@@ -774,6 +775,7 @@ def _prepare_rest(root, dataset, shards, cache, where, workers, rank, world, spl
     tok = get_tokenizer(tok_dir)
     p = SimpleNamespace(root=root, dataset=dataset, shards=shards, workers=workers, rank=rank, world=world, text_column=text_column,
                         overwrite=overwrite, wait=wait, tok_dir=tok_dir, tok=tokenizer_record(tok), manifest=read_manifest(root), cache=cache)
+    p.utf8_errors = check_utf8_errors(utf8_errors)
     p.source = dict(data_dir=where, split=split, text_column=text_column, tokenizer_dir=str(tok_dir))
     _check_target(p)
     return p
@@ -841,7 +843,7 @@ def _execute(p, progress=True, say=print) -> TokenizeResult:
     say(f"tokenize: {len(p.shards[p.rank::p.world])} of {len(p.shards)} shards of {p.source['data_dir']} -> {p.root/p.dataset} "
         f"(rank {p.rank} of {p.world}, {p.workers} workers): {len(todo)} to do, {len(skipped)} finished before")
     bar = tqdm(total=sum(_rows(s) for s, _ in todo), unit='doc', desc=f'tokenize {p.dataset}', disable=not progress or not todo)
-    try: res = _run_tasks(todo, p.tok_dir, p.workers, p.text_column, lambda d, c: bar.update(d)) if todo else {}
+    try: res = _run_tasks(todo, p.tok_dir, p.workers, p.text_column, lambda d, c: bar.update(d), p.utf8_errors) if todo else {}
     finally: bar.close()
     failed = {n: r for n, r in res.items() if isinstance(r, str)}
     for n, r in res.items():
@@ -913,11 +915,12 @@ def tokenize(data_dir=None,        # parquet text shards (else $NANOCHAT_DL_DATA
              stage_dir=None,       # for a URI `out`: the local folder files are written in before upload (default: one per URI under the base dir)
              cache_dir=None,       # for a URI `data_dir`: the shards' local copies (this rank's are fetched before it starts)
              cache_size=None,      # for a URI `data_dir`: bytes those copies may take (None: no cap)
+             utf8_errors='strict', # 'strict': text that is not UTF-8 fails its shard, naming the row; 'replace': U+FFFD
              ) -> TokenizeResult:
     "One `.arrow` token file per parquet shard of `data_dir` under `out/dataset/`; this rank's shards are i = rank (mod world_size); rank 0 then writes the counts file and the manifest. A URI `out` (`s3://bucket/prefix`, ...) gets each file uploaded once it is finished, the counts file and the manifest last."
     args = (data_dir, out, dataset, tokenizer_dir, workers, rank, world_size, split, text_column, overwrite, wait)
     say = print if verbose else lambda *a: None
-    p = _prepare_uri(*args, stage_dir, cache_dir, cache_size) if out is not None and not is_local(out) else _prepare(*args, cache_dir, cache_size)
+    p = _prepare_uri(*args, stage_dir, cache_dir, cache_size, utf8_errors) if out is not None and not is_local(out) else _prepare(*args, cache_dir, cache_size, utf8_errors)
     try: return (_execute_uri if hasattr(p, 'uri') else _execute)(p, progress, say)
     finally:
         if p.cache is not None: p.cache.close()
@@ -938,14 +941,14 @@ def _pull_meta(fs, base, stage, out):
         _write_meta(stage/META/name, data.decode())
 
 def _prepare_uri(data_dir, out, dataset, tokenizer_dir, workers, rank, world_size, split, text_column, overwrite, wait, stage_dir=None,
-                 cache_dir=None, cache_size=None):
+                 cache_dir=None, cache_size=None, utf8_errors='strict'):
     "`_prepare` for a URI `out`: the staging root primed with the store's meta files; `.arrow` files in the store that no shard makes refused unless `overwrite`."
     out = str(out).rstrip('/')
     fs, base = open_uri(out)
     stage = Path(stage_dir).expanduser().absolute() if stage_dir is not None else _stage_dir(out)
     if dataset is not None: _check_dataset_name(dataset)
     _pull_meta(fs, base, stage, out)
-    p = _prepare(data_dir, stage, dataset, tokenizer_dir, workers, rank, world_size, split, text_column, overwrite, wait, cache_dir, cache_size)
+    p = _prepare(data_dir, stage, dataset, tokenizer_dir, workers, rank, world_size, split, text_column, overwrite, wait, cache_dir, cache_size, utf8_errors)
     p.uri, p.fs, p.base = out, fs, base
     made = {s.stem + '.arrow' for s in p.shards}
     p.stored = {f.path: f.size for f in retry(lambda: list_files(f"{base}/{dataset}", '.arrow', fs=fs), f"{out}/{dataset}")}
@@ -994,12 +997,13 @@ def tokenize_cli(data_dir:str=None,       # parquet text shards (else $NANOCHAT_
                  stage_dir:str=None,      # for a URI --out (s3://bucket/prefix, ...): the local folder files are written in before upload
                  cache_dir:str=None,      # for a URI --data-dir: the shards' local copies (this rank's are fetched before it starts)
                  cache_size:int=None,     # for a URI --data-dir: bytes those copies may take
+                 utf8_errors:str='strict', # strict (text that is not UTF-8 fails its shard) or replace (U+FFFD)
                 ) -> int:
     "Tokenize parquet shards into fms-fsdp's arrow layout, on disk or in object storage (--out s3://...); exit code 2 for bad arguments, 1 if a shard (or an upload) failed."
     err = lambda msg: print(f"nanochat-dl tokenize: error: {msg}", file=sys.stderr)
     uri = out is not None and not is_local(out)
     args = (data_dir, out, dataset, tokenizer_dir, Workers, rank, world_size, split, text_column, overwrite, wait)
-    try: p = _prepare_uri(*args, stage_dir, cache_dir, cache_size) if uri else _prepare(*args, cache_dir, cache_size)
+    try: p = _prepare_uri(*args, stage_dir, cache_dir, cache_size, utf8_errors) if uri else _prepare(*args, cache_dir, cache_size, utf8_errors)
     except (ValueError, FileNotFoundError) as e: err(e); return 2
     except OSError as e: err(e); return 1                       # the store could not be read
     try: res = (_execute_uri if uri else _execute)(p, progress and sys.stderr.isatty())

@@ -8,7 +8,7 @@ without helper threads; and the measurement that chooses between threads and pro
 __all__ = ['Request', 'DocEncoder', 'ProcessEncoder', 'make_encoder']
 
 # %% ../nbs/05_encode.ipynb #01bb30ea
-import itertools, math, os, pickle, select, struct, subprocess, tempfile, threading, time, weakref
+import itertools, math, os, pickle, selectors, struct, subprocess, tempfile, threading, time, weakref
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -142,6 +142,8 @@ def _check_timeout(name, v):
     if not ok: raise ValueError(f"{name}={v!r} is invalid: expected None or (seconds, seconds per character), e.g. (60.0, 1e-05)")
     return None if v is None else (float(v[0]), float(v[1]))
 
+_Poller = getattr(selectors, 'PollSelector', selectors.DefaultSelector)   # poll(): no limit on descriptor numbers, unlike select()
+
 class _Worker:
     "One worker process and the two ends of its pipes, driven without helper threads."
     def __init__(self, i):
@@ -150,6 +152,9 @@ class _Worker:
         self.wfd, self.rfd = self.proc.stdin.fileno(), self.proc.stdout.fileno()
         _widen_pipe(self.wfd); _widen_pipe(self.rfd)
         os.set_blocking(self.wfd, False)
+        self.rsel, self.rwsel = _Poller(), _Poller()   # watching its output; its output and input
+        self.rsel.register(self.rfd, selectors.EVENT_READ)
+        self.rwsel.register(self.rfd, selectors.EVENT_READ); self.rwsel.register(self.wfd, selectors.EVENT_WRITE)
         self.inbuf, self.frames, self.eof = bytearray(), deque(), False
         self.pending = deque()   # (documents, amount, unit, time sent) of each message not answered yet, oldest first
         self.hung = False        # it did not answer in the time allowed: closing kills it without waiting
@@ -191,7 +196,8 @@ class _Worker:
         view, idle = memoryview(struct.pack('<Q', len(data)) + data), 0.0
         while view:
             t0 = time.monotonic()
-            r, w, _ = select.select([self.rfd], [self.wfd], [], 1.0)
+            ready = [k.fd for k, _ in self.rwsel.select(1.0)]
+            r, w = self.rfd in ready, self.wfd in ready
             if r:
                 self.pump()
                 if self.eof: raise self.gone("closed its output")
@@ -214,8 +220,7 @@ class _Worker:
         while not self.frames:
             if self.eof: raise self.gone("exited")
             t0 = time.monotonic()
-            r, _, _ = select.select([self.rfd], [], [], 0.5)
-            if r: self.pump()
+            if self.rsel.select(0.5): self.pump()
             else:
                 waited += _awake(t0, 0.5)
                 if allowed is not None and waited > allowed:
@@ -238,7 +243,7 @@ class _Worker:
         self.hang_up()
         try: self.proc.wait(max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired: self.proc.kill(); self.proc.wait()
-        self.err.close()
+        self.err.close(); self.rsel.close(); self.rwsel.close()
 
 def _check_ready(w, answer):
     "A worker's first answer must be 'ready', with its modules (numpy, pyarrow, tiktoken, the shards module) from the files this process uses."
@@ -250,11 +255,14 @@ def _check_ready(w, answer):
             raise RuntimeError(f"tokenizer worker {w.i} (pid {w.proc.pid}) imported {m} from {answer[1].get(m)}, but this process "
                                f"uses {mine}: the workers must run the same code (see `worker_cmd`)")
 
+_BUSY_GRACE = 0.5   # seconds a closing encoder waits for a worker still busy with messages nobody will read, then kills it
+
 def _close_workers(workers, timeout):
     if not workers: return                            # closed already
     for w in workers: w.hang_up()                      # all of them first: they exit side by side
-    deadline = time.monotonic() + timeout
-    for w in workers: w.close(deadline)
+    now = time.monotonic()
+    deadline, busy = now + timeout, now + min(timeout, _BUSY_GRACE)   # an idle worker exits at once; a busy one holds nothing worth waiting for
+    for w in workers: w.close(busy if w.pending else deadline)
     workers.clear()
 
 _RERAISED = {'ValueError': ValueError, 'FileNotFoundError': FileNotFoundError}   # a shard missing, broken, or not UTF-8
@@ -382,8 +390,8 @@ class ProcessEncoder:
 
     def __call__(self, texts) -> FlatDocs: return self.result(self.submit(texts))
 
-    def close(self, timeout=10.0): # seconds to wait for the workers to exit before killing them
-        "Hang up on the workers; wait for them to exit (kill those left after `timeout`). Idempotent."
+    def close(self, timeout=10.0): # seconds to wait for idle workers to exit before killing them
+        "Hang up on the workers; wait for them to exit (kill those left after `timeout`, and those still busy with messages nobody will read after half a second). Idempotent."
         _close_workers(self._w, timeout)
 
     def kill(self):
@@ -393,8 +401,13 @@ class ProcessEncoder:
     def __repr__(self): return f"ProcessEncoder(workers={self.workers}, bos={self.bos})"
 
 # %% ../nbs/05_encode.ipynb #694fddcd
+def _usable_cpus() -> int:
+    "The CPUs this process may run on (its affinity mask: taskset, Slurm, cpusets), else all of the machine's."
+    try: return len(os.sched_getaffinity(0)) or 1
+    except AttributeError: return os.cpu_count() or 1   # no affinity masks here (macOS, Windows)
+
 def make_encoder(tokenizer,                # the tokenizer
-                 workers:int=4,            # worker processes or threads (processes: at most one per CPU)
+                 workers:int=4,            # worker processes or threads (processes: at most one per usable CPU)
                  tokenize_in='auto',       # 'auto' (processes for a tiktoken core on POSIX, else threads), 'processes' or 'threads'
                  timeout=(60.0, 1e-5)):    # a worker's time limit per answer (`ProcessEncoder`'s `timeout`)
     "A `ProcessEncoder` or a `DocEncoder` for `tokenizer`."
@@ -402,5 +415,5 @@ def make_encoder(tokenizer,                # the tokenizer
         raise ValueError(f"tokenize_in={tokenize_in!r}: expected 'auto', 'processes' or 'threads'")
     workers = check_int('tokenizer_threads', workers)
     if tokenize_in == 'processes' or (tokenize_in == 'auto' and _tiktoken_core(tokenizer) is not None and os.name == 'posix'):
-        return ProcessEncoder(tokenizer, min(workers, os.cpu_count() or workers), timeout=timeout)
+        return ProcessEncoder(tokenizer, min(workers, _usable_cpus()), timeout=timeout)
     return DocEncoder(tokenizer, workers)

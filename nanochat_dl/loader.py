@@ -9,7 +9,7 @@ __all__ = ['STATE_FORMAT', 'reference_loader', 'pipeline_state', 'load_pipeline_
            'data_fingerprint', 'LoaderBatch', 'PackedLoader', 'metrics_table', 'ColumnPlan']
 
 # %% ../nbs/08_loader.ipynb #e4b83b8c
-import atexit, bisect, hashlib, zlib, json, math, os, queue, struct, threading, time, warnings, weakref
+import atexit, bisect, hashlib, zlib, json, math, os, pickle, queue, struct, threading, time, warnings, weakref
 from collections import deque
 from operator import itemgetter
 from dataclasses import dataclass
@@ -75,7 +75,9 @@ def pipeline_state(stage # the last stage of a chain (each stage's `upstream` is
     if hasattr(stage, 'above_state'): out = dict(stage.above_state())   # a stage that works ahead: what it recorded
     elif stage.upstream is not None: out = pipeline_state(stage.upstream)
     else: out = {}
-    out[_stage_name(stage)] = stage.state_dict()
+    name = _stage_name(stage)
+    if name in out: raise ValueError(f"two stages of the chain are named {name!r}: their states would share one key; give one of them another `name`")
+    out[name] = stage.state_dict()
     return out
 
 def load_pipeline_state(stage,  # the last stage of a chain
@@ -88,7 +90,13 @@ def load_pipeline_state(stage,  # the last stage of a chain
 
 class Chain(Stage):
     "A chain of stages given by its last one (a stage without a `name` is keyed by its class name): iterating it iterates that stage; its state is `pipeline_state`, loaded by `load_pipeline_state`."
-    def __init__(self, last): self.upstream = self.last = last   # the last stage
+    def __init__(self, last):   # the last stage
+        self.upstream = self.last = last
+        seen, s = set(), last
+        while s is not None:    # every stage's state needs a key of its own
+            name = _stage_name(s)
+            if name in seen: raise ValueError(f"two stages of the chain are named {name!r}: their states would share one key; give one of them another `name`")
+            seen.add(name); s = s.upstream
     def __next__(self): return next(self.last)
     def state_dict(self) -> dict: return pipeline_state(self.last)
     def load_state_dict(self, state): # `{name: state}` from `state_dict()`
@@ -558,7 +566,8 @@ class _Failure(NamedTuple):
 
 class _Produced(NamedTuple):
     packed: PackedBatch
-    state: dict
+    state: dict      # the batch's, handed out with it
+    saved: bytes     # the same, pickled: the loader's own copy (`state_dict()` unpickles it), whatever the caller does to the batch's
     timing: dict
 
 class _Producer:
@@ -589,9 +598,10 @@ class _Producer:
         packed = next(self.batch)
         c1 = time.thread_time()
         state = self.state_of({**pipeline_state(self.batch), 'transfer': self.transfer.state_dict()})
+        saved = pickle.dumps(state, protocol=pickle.HIGHEST_PROTOCOL)   # here, in the background thread, not in `next()`
         dt, read, tok, sc = time.perf_counter() - t0, e.send_s - s0, e.wait_s - w0, time.thread_time() - c1
         self.state_cpu_s += sc
-        return _Produced(packed, state, dict(produce_s=dt, read_s=read, tokenize_s=tok, pack_s=dt - read - tok,
+        return _Produced(packed, state, saved, dict(produce_s=dt, read_s=read, tokenize_s=tok, pack_s=dt - read - tok,
                                              pack_cpu_s=p.pack_cpu_s - p0, state_cpu_s=sc))
 
 def _put(q, item, stop) -> bool:
@@ -611,16 +621,17 @@ def _run(produce, q, stop):
 
 _LIVE = weakref.WeakSet()   # loaders with a running thread, stopped at interpreter exit
 
-_JOIN_TIMEOUT = 10.0   # seconds a closing loader waits for its thread (then kills unresponsive workers, and waits again)
+_JOIN_GRACE = 1.0      # seconds a closing loader waits for the thread making a batch before it kills the workers keeping it
+_JOIN_TIMEOUT = 10.0   # seconds it then waits for that thread (after that it warns and leaves the stages open)
 
 def _shutdown(last, encoder, threads, q, stop, timeout=None):
-    "Stop the background thread (killing workers that keep it waiting), empty the queue, close the stages."
+    "Stop the background thread (killing workers that keep it waiting: they hold nothing worth keeping), empty the queue, close the stages."
     stop.set()
     timeout = _JOIN_TIMEOUT if timeout is None else timeout
     thread = threads[0] if threads else None
     if thread is not None and thread is not threading.current_thread():
-        thread.join(timeout)
-        if thread.is_alive() and hasattr(encoder, 'kill'):   # waiting on a worker that does not answer
+        thread.join(min(_JOIN_GRACE, timeout))
+        if thread.is_alive() and hasattr(encoder, 'kill'):   # waiting on workers busy with a batch nobody will take
             encoder.kill(); thread.join(timeout)
         if thread.is_alive():
             warnings.warn(f"the loader's background thread did not stop within {timeout:.0f} s"); return
@@ -685,12 +696,13 @@ class PackedLoader(Stage):
                  resume_state_dict=None,            # a batch's `state` (exact resume), nanochat's `{pq_idx, rg_idx, epoch}` (approximate), or the list of every rank's state (another world size)
                  cache_dir=None,                    # for a URI `data_dir`: the shards' local copies (default: one folder per URI under the base dir)
                  cache_size=None):                  # bytes those copies may take (None: no cap)
-        self._closed, self._threads, self._error, self._lock = True, [], None, threading.Lock()
+        self._closed, self._threads, self._error, self._lock = True, [], None, threading.RLock()
         self.B, self.T = check_int('B', B), check_int('T', T)
         self.prefetch = check_int('prefetch', prefetch, 0)
         if strategy not in STRATEGIES: raise ValueError(f"unknown strategy {strategy!r}: expected one of {list(STRATEGIES)}")
         tokenizer_batch_size = check_int('tokenizer_batch_size', tokenizer_batch_size)
-        if not isinstance(shuffle, (bool, np.bool_)): raise ValueError(f"shuffle={shuffle!r} is invalid: expected True or False")
+        for name, v in (('shuffle', shuffle), ('copy', copy), ('worker_reads', worker_reads)):   # 'no' must not mean True
+            if not isinstance(v, (bool, np.bool_)): raise ValueError(f"{name}={v!r} is invalid: expected True or False")
         if pad_id is not None:
             vocab = int(tokenizer.get_vocab_size())
             if isinstance(pad_id, bool) or not isinstance(pad_id, (int, np.integer)) or not 0 <= pad_id < vocab:
@@ -700,7 +712,7 @@ class PackedLoader(Stage):
             if Path(files).is_dir(): raise ValueError(f"files={str(files)!r} is a folder: pass data_dir={str(files)!r}, or a list of shard files")
             files = [files]
         files, self.cache = split_shards(split, data_dir, cache_dir, cache_size) if files is None else (files, None)
-        self.files = [Path(p) for p in files]
+        self.files = [Path(p) if self.cache is not None else Path(p).absolute() for p in files]   # a later chdir must not lose them
         if self.cache is not None: weakref.finalize(self, self.cache.close)   # also when this constructor fails
         if not self.files: raise ValueError("PackedLoader needs at least one shard file, got none")
         self.device = resolve_device(device)
@@ -728,7 +740,7 @@ class PackedLoader(Stage):
         self.resumed = None
         try:
             if resume_state_dict is not None: self._resume(resume_state_dict)
-            self._state = self._producer.state()
+            self._state = pickle.dumps(self._producer.state())   # the loader's own copy: `state_dict()` hands out unpickled ones
         except BaseException:
             self.transfer.close(); raise
         self._q, self._stop = queue.Queue(maxsize=max(1, self.prefetch)), threading.Event()
@@ -751,8 +763,8 @@ class PackedLoader(Stage):
     def packer(self) -> Packer: return self.pack.packer
 
     def state_dict(self) -> dict:
-        "The state after the last batch handed out (before the first one: the starting state)."
-        return self._state
+        "The state after the last batch handed out (before the first one: the starting state): a copy of its own, like each batch's `state`."
+        return pickle.loads(self._state)
 
     def load_state_dict(self, state): # a batch's `state`, nanochat's `{pq_idx, rg_idx, epoch}`, or the list of every rank's state
         """Continue from `state` (as `resume_state_dict` does); only before the first batch is handed out. A list of the states
@@ -760,7 +772,7 @@ class PackedLoader(Stage):
         nanochat's (token for token) only at the same world size, where the list resumes this rank's own state exactly."""
         if self._threads or self._yielded: raise RuntimeError("load_state_dict works before the first batch: build a new loader with resume_state_dict=...")
         self._resume(state)
-        self._state = self._producer.state()
+        self._state = pickle.dumps(self._producer.state())
         return self
 
     def _resume(self, sd):
@@ -802,7 +814,11 @@ class PackedLoader(Stage):
             _LIVE.add(self)
 
     def _get(self) -> _Produced:
-        if not self.prefetch: return self._producer.produce()
+        if not self.prefetch:
+            try: return self._producer.produce()
+            except Exception as e:
+                if self._closed: raise RuntimeError("this loader was closed while it made a batch") from e   # by `close()` from another thread
+                raise
         self._start()
         thread = self._threads[0]
         while True:
@@ -828,7 +844,7 @@ class PackedLoader(Stage):
         if self._t_first is None: self._t_first = t0
         try: item = self._get()
         except BaseException as e:
-            if self._error is None: self._error = e
+            if self._error is None and not self._closed: self._error = e   # (closed from another thread: not an error of the data)
             self.close(); raise
         t1 = time.perf_counter()
         x, y = self.transfer.put(item.packed)
@@ -839,7 +855,7 @@ class PackedLoader(Stage):
                  tokens_per_s=self.B * self.T / item.timing['produce_s'] if item.timing['produce_s'] > 0 else math.inf,
                  delivered_per_s=self._yielded * self.B * self.T / (t2 - self._t_first),
                  cache=None if self.cache is None else cache_metrics(self.cache))
-        self._state, self.last_metrics = item.state, m
+        self._state, self.last_metrics = item.saved, m
         return LoaderBatch(x, y, item.state, m, item.packed)
 
     def close(self):
@@ -847,8 +863,17 @@ class PackedLoader(Stage):
         if self._closed: return
         self._closed = True
         _LIVE.discard(self)
-        self._finalizer()
-        if self.cache is not None: self.cache.close()
+        # a `next()` in another thread finishes first (its stages must not be closed under it); one waiting on busy workers
+        # is freed by killing them, and gets an error saying the loader was closed
+        if not self._lock.acquire(timeout=_JOIN_GRACE):
+            if hasattr(self.encoder, 'kill'): self.encoder.kill()
+            if not self._lock.acquire(timeout=_JOIN_TIMEOUT):
+                warnings.warn(f"a next() in another thread did not return within {_JOIN_TIMEOUT:.0f} s of close(): the loader's stages close when it is collected")
+                return
+        try:
+            self._finalizer()
+            if self.cache is not None: self.cache.close()
+        finally: self._lock.release()
 
     def __enter__(self): return self
     def __exit__(self, *exc): self.close()

@@ -139,7 +139,7 @@ def column_texts(col,                 # a string column (Arrow array or chunked 
         except UnicodeDecodeError as e:
             r = i if rows is None else rows[i]
             raise ValueError(f"{path}: row group {g}, row {r}: {text_column!r} is not valid UTF-8 ({e.reason} at byte {e.start}: "
-                             f"{b[max(0, e.start - 12):e.end + 12]!r}); pass utf8_errors='replace' (train-tokenizer: --utf8-errors "
+                             f"{b[max(0, e.start - 12):e.end + 12]!r}); pass utf8_errors='replace' (train-tokenizer, tokenize: --utf8-errors "
                              "replace) to read it with U+FFFD for the undecodable bytes") from None
     raise AssertionError("unreachable: Arrow could not decode a column whose every value is UTF-8")
 
@@ -225,7 +225,7 @@ class RowGroupReader:
                  text_column='text',        # the string column with one document per row
                  balanced=False,            # stride over the whole split instead of file by file
                  utf8_errors='strict'):     # 'strict': text that is not UTF-8 stops the run, naming the row; 'replace': U+FFFD
-        self.files = [Path(p) for p in files]
+        self.files = [Path(p).absolute() for p in files]   # absolute: a later chdir (of the training script) must not lose them
         if not self.files: raise ValueError("RowGroupReader needs at least one shard file, got none")
         for name, v, lo in (('world_size', world_size, 1), ('batch_size', batch_size, 1), ('seed', seed, 0)): check_int(name, v, lo)
         if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) or not 0 <= rank < world_size:

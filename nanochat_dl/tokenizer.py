@@ -394,12 +394,13 @@ _PROBE = "Tokenizer probe: Hello, world! 12345 \u00fcber na\u00efve \u65e5\u672c
 
 def tokenizer_fingerprint(tokenizer,  # a `Tokenizer`, or anything with `encode`, `get_vocab_size` and `get_bos_token_id`
                          ) -> dict:
-    "Vocabulary size, BOS id and a hash of the merges (of a probe text's ids for tokenizers without a tiktoken core)."
+    "Vocabulary size, BOS id and a hash of the split pattern, merges and special tokens (of a probe text's ids for tokenizers without a tiktoken core)."
     h = hashlib.sha256()
     ranks = getattr(getattr(tokenizer, 'enc', None), '_mergeable_ranks', None)
     if isinstance(ranks, dict):
         for tok_bytes, r in sorted(ranks.items(), key=lambda kv: kv[1]): h.update(len(tok_bytes).to_bytes(2, 'little') + tok_bytes)
         specials = getattr(tokenizer.enc, '_special_tokens', {})
         h.update(json.dumps(sorted(specials.items())).encode())
+        h.update(str(getattr(tokenizer.enc, '_pat_str', '')).encode())   # the pattern cuts the text: another one gives other ids
     else: h.update(json.dumps([int(i) for i in tokenizer.encode(_PROBE)]).encode())
     return dict(vocab_size=int(tokenizer.get_vocab_size()), bos_id=int(tokenizer.get_bos_token_id()), sha=h.hexdigest()[:16])

@@ -748,3 +748,107 @@ def test_time_allowed_for_rows_counts_their_bytes_from_the_footer(env):
         assert enc._allowed(amount) == pytest.approx(5.0 + 1e-3 * amount)
         assert len(enc.result([0])) == 96
     finally: enc.close()
+
+
+@pytest.mark.parametrize('worker_reads', [True, False])
+def test_workers_with_file_descriptors_above_1023(env, worker_reads):
+    """A training process that already holds over a thousand open files: the workers' pipes get descriptors above 1023
+    (past select()'s FD_SETSIZE), and the processes give the batches of the threads."""
+    held = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+    try:
+        assert max(held) > 1024
+        kw = dict(files=env['toy'], B=2, T=16, tokenizer_batch_size=2, buffer_size=4, device='cpu', tokenizer_threads=2)
+        procs = _stream(env['tok'], 12, tokenize_in='processes', worker_reads=worker_reads, **kw)
+        threads = _stream(env['tok'], 12, tokenize_in='threads', **kw)
+        assert len(procs) == len(threads) == 12
+        assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) and a[2] == b[2] for a, b in zip(procs, threads))
+    finally:
+        for fd in held: os.close(fd)
+
+
+@linux_only
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize('prefetch', [0, 2])
+def test_close_from_another_thread_with_busy_workers(env, monkeypatch, prefetch):
+    """`close()` from another thread while the consumer waits in `next()` on workers that do not answer (stopped, with no
+    time limit): the busy workers are killed without waiting the join timeout, and the consumer gets a clear error
+    (never an `OSError` from pipes closed under it)."""
+    import signal, threading
+    from nanochat_dl import loader
+    monkeypatch.setattr(loader, '_JOIN_TIMEOUT', 3600.0)   # a close that waits for the join timeout hangs the test
+    ld = PackedLoader(env['tok'], 4, 256, files=split_files('train', env['data']), device='cpu', tokenizer_threads=2,
+                      tokenize_in='processes', buffer_size=20, prefetch=prefetch, worker_timeout=None)
+    procs = list(ld.encoder._procs)
+    for p in procs: os.kill(p.pid, signal.SIGSTOP)
+    got = {}
+    def consume():
+        try:
+            for _ in range(10_000): next(ld)
+        except BaseException as e: got['error'] = e
+    th = threading.Thread(target=consume, daemon=True); th.start()
+    th.join(1.0)
+    assert th.is_alive()                                   # waiting on the stopped workers
+    ld.close()
+    th.join(60)
+    assert not th.is_alive()
+    e = got['error']
+    assert type(e) is RuntimeError and 'closed' in str(e), repr(e)
+    assert all(p.poll() is not None for p in procs)
+    assert ld._thread is None or not ld._thread.is_alive()
+    with pytest.raises(RuntimeError, match='is closed'): next(ld)
+
+
+@pytest.mark.parametrize('tokenize_in', ['threads', 'processes'])
+def test_relative_shard_paths_survive_a_chdir(env, monkeypatch, tokenize_in):
+    """Shards given by paths relative to the working directory, which the training script changes after building the
+    loader (as logging or config code does): the loader still reads them, the batches of absolute paths."""
+    kw = dict(B=2, T=16, tokenizer_batch_size=2, buffer_size=4, device='cpu', tokenizer_threads=1, tokenize_in=tokenize_in)
+    want = _stream(env['tok'], 200, files=env['toy'], **kw)   # several epochs: every shard opened again
+    monkeypatch.chdir(env['toy'][0].parent)
+    with PackedLoader(env['tok'], files=[Path(p.name) for p in env['toy']], **kw) as ld:
+        take = lambda b: (b.inputs.clone(), b.targets.clone(), json.loads(json.dumps(b.state)))
+        got = [take(next(ld))]
+        monkeypatch.chdir(env['dir'])
+        got += [take(next(ld)) for _ in range(199)]
+    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) and a[2] == b[2] for a, b in zip(got, want))
+
+
+@linux_only
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason='needs a machine with two CPUs or more')
+def test_worker_count_follows_the_cpu_affinity(env):
+    """Under an affinity mask of one CPU (taskset, Slurm's --cpus-per-task, cpusets), `make_encoder` starts one worker
+    process, not one per CPU of the machine."""
+    code = textwrap.dedent(f"""
+        import os
+        os.sched_setaffinity(0, {{sorted(os.sched_getaffinity(0))[0]}})
+        from nanochat_dl.encode import make_encoder
+        from nanochat_dl.tokenizer import Tokenizer
+        e = make_encoder(Tokenizer.load({str(env['tok_dir'])!r}), 4, 'processes')
+        print(e.workers); e.close()""")
+    out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ['1']
+
+
+def test_states_handed_out_are_copies(env):
+    """A batch's `state` and `state_dict()` are the caller's own: changing one (adding a field before saving it, say)
+    changes neither the loader's state nor the other."""
+    with PackedLoader(env['tok'], 2, 16, files=env['toy'], device='cpu', tokenizer_threads=1, tokenize_in='threads', buffer_size=4) as ld:
+        start = json.dumps(ld.state_dict())
+        ld.state_dict()['stages']['batch']['step'] = 99
+        assert json.dumps(ld.state_dict()) == start
+        b = next(ld); saved = json.dumps(b.state)
+        assert json.dumps(ld.state_dict()) == saved
+        b.state['stages']['batch']['step'] = 99; b.state['mine'] = 1
+        assert json.dumps(ld.state_dict()) == saved
+        sd = ld.state_dict(); sd['config']['B'] = 7
+        assert json.dumps(ld.state_dict()) == saved and json.loads(saved)['config']['B'] == 2
+
+
+@pytest.mark.parametrize('name', ['shuffle', 'copy', 'worker_reads'])
+@pytest.mark.parametrize('value', ['no', 0, None])
+def test_switches_must_be_bools(env, name, value):
+    """A switch given a string, a number or None (`copy='no'` would be taken as True) is refused, naming it and the value,
+    before any worker starts."""
+    with pytest.raises(ValueError, match=re.escape(f"{name}={value!r} is invalid: expected True or False")):
+        PackedLoader(env['tok'], 2, 16, files=env['toy'], device='cpu', tokenizer_threads=1, **{name: value})

@@ -221,3 +221,27 @@ def test_rank0_writes_counts_and_manifest_under_the_folder_lock(corpus, tmp_path
     assert read_manifest(root) is None and not (root / 'meta' / 'combined_counts.csv').exists()
     tokenize(corpus / 'src', root, 'web', corpus / 'tok', workers=1, progress=False, verbose=False)   # the lock is free again
     _same_as_reference(root, corpus)
+
+
+def test_text_that_is_not_utf8(corpus, tmp_path, capsys):
+    """A shard with a row that is not UTF-8: the shard fails naming its row and the option that reads it, the others are
+    written; `--utf8-errors replace` (`utf8_errors='replace'`) tokenizes it with U+FFFD for the undecodable bytes."""
+    from nanochat_dl.arrow import TokenFile
+    src = tmp_path / 'src'; src.mkdir()
+    bad = pa.array([b'alpha beta', b'caf\xe9 au lait', b'gamma'], pa.binary()).view(pa.string())
+    pq.write_table(pa.table({'text': bad}), src / 'shard_00000.parquet')
+    pq.write_table(pa.table({'text': ['delta epsilon', 'zeta']}), src / 'shard_00001.parquet')
+    base = ['tokenize', '--data-dir', str(src), '--dataset', 'web', '--tokenizer-dir', str(corpus / 'tok'), '--no-progress']
+    assert main(base + ['--out', str(tmp_path / 'a')]) == 1
+    err = capsys.readouterr().err
+    assert f"shard_00000.arrow: {src / 'shard_00000.parquet'}: row group 0, row 1: 'text' is not valid UTF-8" in err, err
+    assert "tokenize: --utf8-errors replace" in err, err
+    assert os.listdir(tmp_path / 'a' / 'web') == ['shard_00001.arrow']
+    assert main(base + ['--out', str(tmp_path / 'b'), '--utf8-errors', 'bogus']) == 2
+    assert "utf8_errors='bogus' is invalid" in capsys.readouterr().err
+    assert main(base + ['--out', str(tmp_path / 'b'), '--utf8-errors', 'replace']) == 0, capsys.readouterr().err
+    tok = Tokenizer.load(corpus / 'tok')
+    with TokenFile(tmp_path / 'b' / 'web' / 'shard_00000.arrow') as tf:
+        assert [tok.decode(tf.doc(i)) for i in range(len(tf))] == ['alpha beta', 'caf\ufffd au lait', 'gamma']
+    res = tokenize(src, tmp_path / 'c', 'web', corpus / 'tok', workers=1, progress=False, verbose=False, utf8_errors='replace')
+    assert not res.failed and (tmp_path / 'c' / 'web' / 'shard_00000.arrow').read_bytes() == (tmp_path / 'b' / 'web' / 'shard_00000.arrow').read_bytes()
