@@ -756,6 +756,7 @@ def _prepare(data_dir, out, dataset, tokenizer_dir, workers, rank, world_size, s
     if dataset is None: raise ValueError("dataset (--dataset) is required: the name of the dataset's folder under the token root")
     _check_dataset_name(dataset)
     workers, (rank, world) = check_int('workers', workers, 1), _rank_world(rank, world_size)
+    utf8_errors = check_utf8_errors(utf8_errors)
     if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not wait > 0: raise ValueError(f"wait={wait!r} is invalid: expected seconds > 0")
     root = Path(out).expanduser().absolute()
     if (f := file_in_the_way(root/dataset)) is not None: raise ValueError(f"out {root}: {f} is a file; expected folders there (created if missing)")
@@ -763,7 +764,10 @@ def _prepare(data_dir, out, dataset, tokenizer_dir, workers, rank, world_size, s
     if uri is not None and not is_local(uri): shards, cache = _uri_shards(str(uri).rstrip('/'), split, cache_dir, cache_size, rank, world)
     else: shards, cache = _source_shards(data_dir, split), None
     where = str(uri).rstrip('/') if cache is not None else str(shards[0].parent.absolute())
-    try: return _prepare_rest(root, dataset, shards, cache, where, workers, rank, world, split, text_column, overwrite, wait, tokenizer_dir)
+    try:
+        p = _prepare_rest(root, dataset, shards, cache, where, workers, rank, world, split, text_column, overwrite, wait, tokenizer_dir)
+        p.utf8_errors = utf8_errors
+        return p
     except BaseException:
         if cache is not None: cache.close()
         raise
@@ -775,7 +779,6 @@ def _prepare_rest(root, dataset, shards, cache, where, workers, rank, world, spl
     tok = get_tokenizer(tok_dir)
     p = SimpleNamespace(root=root, dataset=dataset, shards=shards, workers=workers, rank=rank, world=world, text_column=text_column,
                         overwrite=overwrite, wait=wait, tok_dir=tok_dir, tok=tokenizer_record(tok), manifest=read_manifest(root), cache=cache)
-    p.utf8_errors = check_utf8_errors(utf8_errors)
     p.source = dict(data_dir=where, split=split, text_column=text_column, tokenizer_dir=str(tok_dir))
     _check_target(p)
     return p
