@@ -44,14 +44,7 @@ def root(tmp_path_factory):
 def runs(rle): return [v for v, c in rle for _ in range(c)]   # a trusted state's runs, expanded
 
 
-def open_epochs(state):
-    "Per dataset, the lowest epoch that may still have tokens to deliver on this rank (or worker)."
-    out = {}
-    for d, s in state['datasets'].items():
-        eps = runs(s['epoch']) + ([s['cut'][1]] if s['cut'] else []) + (runs(s['shuffle']['epoch']) if 'shuffle' in s else [])
-        eps += [e[2] for e in state['packer']['entries'] if state['config']['datasets'][e[0]] == d]
-        out[d] = min(eps)
-    return out
+from nanochat_dl.bench_peers import open_epochs   # per dataset, the lowest epoch that may still have tokens on a rank
 
 
 def coverage(loaders, tr, epochs):
