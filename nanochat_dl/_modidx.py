@@ -890,6 +890,7 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                    'nanochat_dl/stages.py'),
                                     'nanochat_dl.stages.ShuffleBuffer.__next__': ( 'stages.html#shufflebuffer.__next__',
                                                                                    'nanochat_dl/stages.py'),
+                                    'nanochat_dl.stages.ShuffleBuffer.draw': ('stages.html#shufflebuffer.draw', 'nanochat_dl/stages.py'),
                                     'nanochat_dl.stages.ShuffleBuffer.load_state_dict': ( 'stages.html#shufflebuffer.load_state_dict',
                                                                                           'nanochat_dl/stages.py'),
                                     'nanochat_dl.stages.ShuffleBuffer.snapshot': ( 'stages.html#shufflebuffer.snapshot',

@@ -127,10 +127,12 @@ class ShuffleBuffer(Stage):
         self._hs, self._h0 = [], 0                        # mix64(hash ^ k) for k in [h0, h0 + len(hs)), made in blocks
         self._copy, self._log = [], []                    # the window at some moment, and every change since
     def __next__(self):
-        if self.window == 0: return next(self.upstream)
+        return next(self.upstream) if self.window == 0 else self.draw(self.upstream.__next__)
+    def draw(self, pull):  # `() -> item`, raising StopIteration at the end: what fills the window (the upstream's next, or a faster path to it)
+        "Fill the window from `pull` (a window holding more than its slots, after a rescale, draws without refilling), then hand out a random slot."
         buf, log = self.buf, self._log
         while len(buf) < self.window and not self.done:
-            try: x = next(self.upstream)
+            try: x = pull()
             except StopIteration: self.done = True; break
             buf.append(x); log.append(x)
         if not buf: raise StopIteration

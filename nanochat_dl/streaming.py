@@ -933,23 +933,9 @@ class _Pieces(Stage):
 
 @patch
 def __next__(self:Feed) -> tuple:
-    "The next piece out of the shuffle window: `ShuffleBuffer.__next__`, over `_piece`."
+    "The next piece out of the shuffle window (`ShuffleBuffer.draw`, filled by `_piece`), or of the source when there is none."
     sh = self.shuffle
-    if sh is None: return self._next()
-    buf, log, window = sh.buf, sh._log, sh.window
-    while len(buf) < window and not sh.done:
-        try: x = self._next()
-        except StopIteration: sh.done = True; break
-        buf.append(x); log.append(x)
-    if not buf: raise StopIteration
-    k = sh.drawn - sh._h0
-    if not 0 <= k < len(sh._hs): sh._hs, sh._h0, k = mix64s(sh._hash, sh.drawn, 1024), sh.drawn, 0
-    j = (sh._hs[k] * len(buf)) >> 64
-    sh.drawn += 1
-    item, buf[j] = buf[j], buf[-1]          # the last slot moves into the hole
-    buf.pop(); log.append(j)
-    if len(log) > 2 * window + 64: sh._copy, sh._log = list(buf), []
-    return item
+    return self._next() if sh is None else sh.draw(self._next)
 
 @patch
 def load_state_dict(self:Feed, state):

@@ -182,3 +182,25 @@ class FaultProxy:
         self.released.set(); self.server.shutdown(); self.server.server_close()
     def __enter__(self): return self.start()
     def __exit__(self, *exc): self.stop()
+
+
+# The fixtures both S3 test files use: import them into a test module (`from s3util import moto, proxy`).
+import pytest, re
+
+@pytest.fixture(scope='module')
+def moto():
+    "One moto server on 127.0.0.1 for the module."
+    with MotoServer() as m: yield m
+
+
+@pytest.fixture
+def proxy(moto):
+    "A fault-injecting proxy in front of it, per test."
+    with FaultProxy(moto.port) as px: yield px
+
+
+def use_proxy(proxy, monkeypatch, request) -> str:
+    "Point the AWS environment at `proxy`; return a bucket name of the test's own."
+    for k, v in s3_env(proxy.endpoint).items(): monkeypatch.setenv(k, v)
+    monkeypatch.delenv('AWS_ENDPOINT_URL_S3', raising=False)
+    return 'b-' + re.sub(r'[^a-z0-9]+', '-', request.node.name.lower())[:50].strip('-')

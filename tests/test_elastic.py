@@ -87,6 +87,13 @@ def deliver(u, tr, cov, n=None, epochs=1, log=None):
     return k
 
 
+def ranks_after(tr, W, n, **kw) -> list:
+    "`W` ranks (no workers), each having delivered `n` batches."
+    units = [Unit(tr, r, W, 0, 1, **kw) for r in range(W)]
+    for u in units: deliver(u, tr, defaultdict(list), n)
+    return units
+
+
 def chain(tr, worlds, steps, kw, cov=None, direct=True):
     """Run a chain of worlds, `worlds[j] = (ranks, workers per rank)`: world j takes `steps[j]` batches per unit and saves;
     world j+1 resumes from the list of all those states; the last world runs until epoch 1 is closed everywhere.
@@ -176,8 +183,7 @@ def test_list_load_equals_the_world_deal(root):
     # a rank given the list computes the same state as World.states_for does for every rank at once
     tr = TokenRoot(root)
     kw = dict(KW, pack='bestfit')
-    units = [Unit(tr, r, 3, 0, 1, **kw) for r in range(3)]
-    for u in units: deliver(u, tr, defaultdict(list), 4)
+    units = ranks_after(tr, 3, 4, **kw)
     states = [u.state() for u in units]
     ld = StreamingLoader(tr, T, B, rank=2, world_size=5, prefetch=0, **kw)
     dealt = World(states, tr, ld.config, ld.fingerprint).states_for(5)
@@ -191,8 +197,7 @@ def test_list_load_equals_the_world_deal(root):
 def test_mix_counters_carry_over(root):
     tr = TokenRoot(root)
     kw = dict(KW, pack='bestfit')
-    units = [Unit(tr, r, 3, 0, 1, **kw) for r in range(3)]
-    for u in units: deliver(u, tr, defaultdict(list), 5)
+    units = ranks_after(tr, 3, 5, **kw)
     old = [u.state() for u in units]
     new = World(old, tr, units[0].ld.config, units[0].ld.fingerprint).states_for(7)
     for d in old[0]['datasets']:
@@ -288,8 +293,7 @@ def test_states_of_two_runs_or_steps_are_refused(root):
 def test_save_and_load_loader_states(root, tmp_path):
     tr = TokenRoot(root)
     kw = dict(KW, pack='bestfit')
-    units = [Unit(tr, r, 3, 0, 1, **kw) for r in range(3)]
-    for u in units: deliver(u, tr, defaultdict(list), 2)
+    units = ranks_after(tr, 3, 2, **kw)
     states = [u.state() for u in units]
     for r, s in enumerate(states): save_loader_states(tmp_path/'step2', s, 2, rank=r, world_size=3)
     assert sorted(p.name for p in (tmp_path/'step2').iterdir()) == [loader_state_path('.', r, 3).name for r in range(3)]

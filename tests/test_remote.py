@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from s3util import FaultProxy, MotoServer, s3_env, wait_port
+from s3util import FaultProxy, MotoServer, moto, proxy, s3_env, use_proxy, wait_port   # noqa: F401 (moto, proxy: fixtures)
 
 from nanochat_dl.remote import FetchError, FileCache, RemoteFile, is_transient, list_files, open_uri
 
@@ -45,22 +45,10 @@ def finished(cache_dir):
 def temps(cache_dir): return sorted(p.name for p in (Path(cache_dir)/'.tmp').iterdir())
 
 
-@pytest.fixture(scope='module')
-def moto():
-    with MotoServer() as m: yield m
-
-
-@pytest.fixture
-def proxy(moto):
-    with FaultProxy(moto.port) as px: yield px
-
-
 @pytest.fixture
 def s3(moto, proxy, monkeypatch, request):
     "A fresh bucket holding `blobs()` under `data/`; the environment points at the proxy. Returns (root URI, {rel: bytes})."
-    for k, v in s3_env(proxy.endpoint).items(): monkeypatch.setenv(k, v)
-    monkeypatch.delenv('AWS_ENDPOINT_URL_S3', raising=False)
-    bucket = 'b-' + re.sub(r'[^a-z0-9]+', '-', request.node.name.lower())[:50].strip('-')
+    bucket = use_proxy(proxy, monkeypatch, request)
     objs = blobs()
     moto.put(bucket, objs)
     return f's3://{bucket}/data', {k.removeprefix('data/'): v for k, v in objs.items()}

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from s3util import FaultProxy, MotoServer, s3_env
+from s3util import FaultProxy, MotoServer, moto, proxy, s3_env, use_proxy   # noqa: F401 (moto, proxy: fixtures)
 
 from nanochat_dl.arrow import TokenRoot, file_record, update_counts, update_manifest, write_token_file
 from nanochat_dl.remote import FetchError
@@ -62,26 +62,14 @@ def cache_bytes(d): return sum(p.stat().st_size for p in (Path(d)/'files').rglob
 
 
 @pytest.fixture(scope='module')
-def moto():
-    with MotoServer() as m: yield m
-
-
-@pytest.fixture(scope='module')
 def local(tmp_path_factory):
     return token_root(tmp_path_factory.mktemp('s3l')/'root')
 
 
 @pytest.fixture
-def proxy(moto):
-    with FaultProxy(moto.port) as px: yield px
-
-
-@pytest.fixture
 def bucket(moto, proxy, monkeypatch, request):
     "A fresh bucket name; the environment points at the proxy in front of moto."
-    for k, v in s3_env(proxy.endpoint).items(): monkeypatch.setenv(k, v)
-    monkeypatch.delenv('AWS_ENDPOINT_URL_S3', raising=False)
-    return 'b-' + re.sub(r'[^a-z0-9]+', '-', request.node.name.lower())[:50].strip('-')
+    return use_proxy(proxy, monkeypatch, request)
 
 
 @pytest.fixture
