@@ -74,9 +74,12 @@ def compare_strategies(tokenizer,                 # the tokenizer all strategies
                       ) -> list:
     "Each strategy on the same document stream: over `batches` batches after `warmup`, its crop, pad and waste and documents per row; at the end, the documents longer than a row still waiting in its buffer."
     warmup, batches = check_int('warmup', warmup), check_int('batches', batches)
+    if 'prefetch' in loader_kw:
+        raise ValueError(f"compare_strategies got prefetch={loader_kw['prefetch']!r}: it makes each batch in the caller's thread (prefetch=0), "
+                         "so that what waits in the buffer is read as it is at the last batch counted")
     out = []
     for s in strategies:
-        with PackedLoader(tokenizer, B, T, strategy=s, **loader_kw) as ld:
+        with PackedLoader(tokenizer, B, T, strategy=s, prefetch=0, **loader_kw) as ld:   # no thread packing ahead of the count
             ms = [b.metrics for b in itertools.islice(ld, warmup + batches)]
             waiting = ld.packer.buffer_lengths()
         waiting = waiting[waiting > T + 1]

@@ -31,7 +31,7 @@ def unit_states(states) -> list:
             ws = _field(s['_snapshot'], '_worker_snapshots', dict, f"states[{j}]['_snapshot']")
             out += [_field(w, 'dataset_state', dict, f"states[{j}]['_snapshot']['_worker_snapshots'][{k!r}]") for k, w in ws.items()]
         elif 'dataset_state' in s: out.append(_field(s, 'dataset_state', dict, f"states[{j}]"))   # one without workers
-        else: raise ValueError(f"states[{j}] has keys {sorted(s)[:8]}: expected a state from state_dict() (a loader's, a dataset's or a StatefulDataLoader's)")
+        else: raise ValueError(f"states[{j}] has no 'format' (its keys: {sorted(s)[:8]}): expected a state from state_dict() (a loader's, a dataset's or a StatefulDataLoader's)")
     return out
 
 # %% ../nbs/15_elastic.ipynb #e1000003
@@ -62,7 +62,7 @@ class World:
 def _unit(c, j) -> tuple:
     "`(rank, world_size, worker, n_workers)` of the config of `states[j]`, checked."
     r, W, w, nw = (_int(f"states[{j}]['config'][{k!r}]", c.get(k), lo) for k, lo in (('rank', 0), ('world_size', 1), ('worker', 0), ('n_workers', 1)))
-    if r >= W or w >= nw: raise ValueError(f"states[{j}] says it is {_unit_name(c)}: no such unit")
+    if r >= W or w >= nw: raise ValueError(f"states[{j}]['config'] says rank {r} of {W}, worker {w} of {nw}: no such unit")
     return r, W, w, nw
 
 def _first_other(xs):

@@ -501,7 +501,7 @@ def _check_buffer(cols, cfg, reader, cursor, elastic=None):
 def _check_source(src, cfg, reader, present, sd) -> tuple:
     "The source stage's state: the reader's cursor, and the last slice (nanochat's three fields, also at the top); the cursor's place in reading order."
     S = ('stages', 'source')
-    _as_dict(src, S, ('cursor', 'last') + (('elastic',) if 'elastic' in src else ()))
+    _as_dict(src, S, ('cursor', 'last') + (('elastic',) if isinstance(src, dict) and 'elastic' in src else ()))
     rd = _as_dict(src['cursor'], S + ('cursor',), _READER_KEYS)
     try: e, f, g, r = reader.check_state(rd)
     except ValueError as err: raise ValueError(f"{_name(S + ('cursor',))}: {err}") from None

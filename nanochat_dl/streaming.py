@@ -90,6 +90,7 @@ def shard_key(seed:int,        # the run's seed
               epoch:int        # the pass over it (from 1)
               ) -> int:
     "The key of logical `shard`'s order in `epoch`: a hash of the four (the dataset by name, so adding another leaves it alone)."
+    seed, shard, epoch = int(seed), int(shard), int(epoch)     # Python ints: numpy's wrap or overflow in `mix64`
     return mix64(mix64(mix64(seed ^ mix64(zlib.crc32(dataset.encode()))) ^ shard) ^ epoch)
 
 # %% ../nbs/13_streaming.ipynb #b2737e90
@@ -675,7 +676,7 @@ def _parse_metrics(self:TokenStream, pk, items) -> dict:
 @patch
 def _check_once(self:TokenStream, ds, items):
     "Refuse a state that buffers a piece twice (shuffle window, packer; two `concat` entries in one max_chunk piece overlap), or a piece of a document being cut beyond the cut."
-    pieces = [(i, g, e, a, 0, None) for i, d in enumerate(ds) for g, e, a in (d['shuffle'] or (0, []))[1]]
+    pieces = [(i, g, e, a, 0, j) for i, d in enumerate(ds) for j, (g, e, a) in enumerate((d['shuffle'] or (0, []))[1])]
     pieces += [(i, g, e, a, 1, j) for j, (i, g, e, a, *_) in enumerate(items)]
     docs = Counter(p[:3] for p in pieces)
     cuts = {(i, *d['cut'][:2]) for i, d in enumerate(ds) if d['cut'] is not None}
@@ -685,7 +686,7 @@ def _check_once(self:TokenStream, ds, items):
     for i, g, e, a, k, j in pieces:
         if (i, g, e) in many:
             c = a - a % self.mc if self.mc else 0
-            seen[(i, g, e)].append((c, a, k, f"the shuffle window of {self.names[i]!r}" if k == 0 else f"state['packer']['entries'][{j}]"))
+            seen[(i, g, e)].append((c, a, k, f"state['datasets'][{self.names[i]!r}]['shuffle'] piece {j}" if k == 0 else f"state['packer']['entries'][{j}]"))
     for (i, g, e), ps in seen.items():
         ps.sort()
         for (c0, a0, k0, w0), (c1, a1, k1, w1) in zip(ps, ps[1:]):
@@ -1254,7 +1255,7 @@ def _check_window(self:FastTokenStream, i, doc, ep, at, cur, w, first=0):
     bad |= (A >= U) | ((A % mc != 0) if mc else (A != 0))
     if bad.any():
         j = int(np.argmax(bad))
-        TokenStream._check_window(self, i, doc[j:j + 1], ep[j:j + 1], at[j:j + 1], cur, w, j)
+        TokenStream._check_window(self, i, *(np.asarray(x[j:j + 1]).tolist() for x in (doc, ep, at)), cur, w, j)   # Python ints, as a state holds
         raise AssertionError(f"{w} piece {j}: refused in bulk but not alone")    # (cannot happen: the two checks agree)
 
 # %% ../nbs/13_streaming.ipynb #ebf13e75
@@ -1355,6 +1356,7 @@ def check_resume(state,             # a state from `state_dict()`, or anything a
             raise ValueError(f"state was saved over other data: dataset {ds!r} differs ({diff}): exact resume needs the same files")
     if 'run' in state and not (isinstance(state['run'], str) and 0 < len(state['run']) <= 64):
         raise ValueError(f"state['run']={str(state['run'])[:60]!r} is invalid: expected the run's id, a string of 1 to 64 characters")
+    if lacks := [k for k in _CONFIG if k not in c]: raise ValueError(f"state['config'] lacks {lacks}: expected a state from StreamingLoader.state_dict()")
     for k in _CONFIG[:-len(_UNIT)]:
         if c.get(k) != config[k]:
             raise ValueError(f"state was saved with {k}={c.get(k)!r}, this loader has {k}={config[k]!r}: exact resume needs the same {k}")

@@ -673,6 +673,35 @@ def test_mutated_states_are_refused_or_resume_exactly(env, runs, monkeypatch, st
             assert torch.equal(b.inputs, x0) and torch.equal(b.targets, y0) and json.loads(json.dumps(b.state)) == s0
 
 
+def test_every_field_replaced_by_a_value_of_another_kind_is_refused_naming_it(env, runs, monkeypatch):
+    """The sweep behind the property test above, done exhaustively for one state: every field (and every list item) of a
+    valid state replaced by each of a set of values of other kinds, or deleted. Each such state is refused with a
+    ValueError or TypeError whose message starts with the field of `resume_state_dict` at fault, before reading a
+    document (no other exception, no message without the field, no edit accepted)."""
+    full, sd = runs['bestfit-crop']
+    reads, wrong, accepted = Reads(monkeypatch), [], []
+    for path in [p for p in _paths(sd) if p]:
+        for v in (None, 0, -1, True, 1.5, 'x', [], {}, [None], {'a': 1}, _DELETE):
+            bad = json.loads(json.dumps(sd))
+            parent = bad
+            for k in path[:-1]: parent = parent[k]
+            if v is not _DELETE: parent[path[-1]] = v
+            elif isinstance(parent, dict): del parent[path[-1]]
+            else: continue
+            if json.dumps(bad) == json.dumps(sd): continue     # the same state (the field held that value)
+            n = reads.n
+            try: PackedLoader(env['tok'], files=env['toy'], strategy='bestfit-crop', **TOYKW, resume_state_dict=bad).close()
+            except (ValueError, TypeError) as e:
+                if not FIELD.match(str(e)) or reads.n > n: wrong.append((path, v, repr(e), reads.n - n))
+            except Exception as e: wrong.append((path, v, repr(e)))
+            else: accepted.append((path, v))
+    assert not wrong, wrong[:5]
+    assert not accepted, accepted[:5]       # the checksum refuses any edit that passes the other checks
+
+
+_DELETE = object()
+
+
 # -- the tokenizer workers read their own rows ----------------------------------------------------------------------------
 
 def _stream(tok, n, **kw):

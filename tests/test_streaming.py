@@ -394,6 +394,37 @@ def test_garbage_states_are_refused_cleanly(root, data):
     fresh.close()
 
 
+def test_every_field_edited_is_refused_naming_it_alone_and_in_a_list(root):
+    """The sweep behind the property test above, done exhaustively for one state: every field and list item replaced by
+    each of a set of values of other kinds, or deleted, and loaded alone and as a one-rank list (the path of a rescale).
+    Each is refused with a ValueError or TypeError whose message speaks of the state and names a key on the way to the
+    edited field (a setting's name, a dataset's, a stage's), or loads; no other exception."""
+    with StreamingLoader(root, 12, 2, **GARBAGE_KW) as ld:
+        for _ in range(7): next(ld)
+        sd = json.loads(json.dumps(ld.state_dict()))
+    wrong = []
+    for p in leaf_paths(sd)[1:]:
+        for junk in (None, -1, 0, 1, 2**64, 'x', [], {}, 1.5, True, _DELETE):
+            if junk is _DELETE:
+                bad = json.loads(json.dumps(sd)); x = bad
+                for k in p[:-1]: x = x[k]
+                if not isinstance(x, dict): continue
+                del x[p[-1]]
+            else: bad = replaced(sd, p, junk)
+            if json.dumps(bad) == json.dumps(sd): continue
+            for form in (bad, [bad]):
+                fresh = StreamingLoader(root, 12, 2, **GARBAGE_KW)
+                try: fresh.load_state_dict(form); next(fresh)
+                except (ValueError, TypeError) as e:
+                    if not ('state' in str(e) and any(isinstance(k, str) and k in str(e) for k in p)): wrong.append((p, junk, type(form).__name__, str(e)[:300]))
+                except Exception as e: wrong.append((p, junk, type(form).__name__, repr(e)[:200]))
+                finally: fresh.close()
+    assert not wrong, wrong[:5]
+
+
+_DELETE = object()
+
+
 # every leaf of a valid state set to 10**9 in turn, in a process whose address space is capped: a clean refusal naming the field,
 # never a MemoryError; only counters that may be that large load
 PROBE = r"""
