@@ -4,7 +4,7 @@ back complete. Peers that are not installed are skipped; ours always runs."""
 import numpy as np
 import pytest
 
-from nanochat_dl.bench_peers import PEERS, available, bench_peer, peer_data, peer_table
+from nanochat_dl.bench_peers import PEERS, REFERENCE, available, bench_peer, bench_peers, peer_data, peer_table
 
 
 @pytest.fixture(scope='module')
@@ -23,3 +23,13 @@ def test_peer(peer, data, tmp_path):
     rs = r['rescale']
     assert rs['supported'] is False or rs['unknown'] == 0
     assert peer_table(dict(results=[r])).count('\n') == 2
+
+
+def test_a_peer_chosen_alone_is_compared_with_ours(tmp_path):
+    "`--peers perdoc` still measures the reference (ours-concat) on the same tokens, and the table gives the ratio to it."
+    r = bench_peers(['perdoc', 'perdoc'], B=4, T=32, window=30, path=tmp_path, datasets={'web': (2, 20)}, out=None)
+    assert [x['peer'] for x in r['results']] == ['perdoc', REFERENCE]
+    ref, other = r['results'][1]['tokens_per_s_1'], r['results'][0]['tokens_per_s_1']
+    rows = peer_table(r).splitlines()
+    assert rows[0].split(' | ')[2] == f'/ {REFERENCE}'
+    assert rows[2].split(' | ')[2] == f'{other / ref:.2f}x' and rows[3].split(' | ')[2] == '1.00x'
