@@ -10,7 +10,7 @@ from unittest import mock
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, example, given, settings, strategies as st
 
 from nanochat_dl.arrow import TokenRoot
 from nanochat_dl.elastic import World, load_loader_states, loader_state_path, save_loader_states, unit_states
@@ -229,6 +229,7 @@ def test_1_to_1024_to_7_ranks(big):
        shards=st.integers(8, 30), seed=st.integers(0, 3),
        worlds=st.lists(st.tuples(st.integers(1, 6), st.sampled_from([1, 1, 2, 3])), min_size=2, max_size=4),
        steps=st.lists(st.integers(0, 25), min_size=3, max_size=3))
+@example(pack='pad', window=0, max_chunk=17, shards=29, seed=1, worlds=[(3, 1), (6, 3)], steps=[23, 6, 7])   # a unit owning only an empty shard of 'books'
 def test_exactly_once_over_random_chains_hypothesis(root, pack, window, max_chunk, shards, seed, worlds, steps):
     worlds = [(W, nw) for W, nw in worlds if W * nw <= shards] or [(1, 1), (2, 1)]
     if len(worlds) < 2: worlds.append((1, 1))

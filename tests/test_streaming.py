@@ -99,6 +99,18 @@ def test_exactly_once_plain_and_more_ranks_than_shards(root):
     assert_tiles(coverage(lds, tr, 1), tr, 1)
 
 
+def test_an_empty_logical_shard_does_not_hold_an_epoch_open(root):
+    """'books' has 25 documents in 29 logical shards, so some shards hold none: rank 0 of 18 owns only shard 0 of
+    'books', which is empty. Nothing of 'books' can come from it, so epoch 1 of 'books' is over on that rank from the
+    start (found by hypothesis: the epoch never closed and the chain ran forever); every other rank's epochs close too."""
+    tr = TokenRoot(root)
+    kw = dict(n_logical_shards=29, shuffle_window=0, prefetch=0, world_size=18, max_chunk=17, pack='pad', eos_token=2)
+    with StreamingLoader(root, 24, 3, rank=0, **kw) as ld:
+        assert ld.state_dict()['datasets']['books']['shards'] == [[0, 1]] and tr.files['books'][0].docs == 25
+        assert open_epochs(ld.state_dict())['books'] > 1
+    assert_tiles(coverage([StreamingLoader(root, 24, 3, rank=r, **kw) for r in range(18)], tr, 1), tr, 1)
+
+
 def test_two_loaders_split_an_epoch(root):
     tr = TokenRoot(root)
     kw = dict(datasets='web', n_logical_shards=6, shuffle_window=0, prefetch=0, world_size=2)
