@@ -8,7 +8,7 @@ of an epoch is still delivered exactly once."""
 __all__ = ['CHECKPOINT_FORMAT', 'unit_states', 'World', 'loader_state_path', 'save_loader_states', 'load_loader_states']
 
 # %% ../nbs/15_elastic.ipynb #e1000001
-import hashlib, json, re
+import hashlib, itertools, json, re
 from collections import Counter, defaultdict
 from pathlib import Path
 from typing import NamedTuple
@@ -79,18 +79,21 @@ def _units(self:World, states):
         except (ValueError, TypeError) as e: raise type(e)(f"states[{j}] ({_unit_name(s['config'])}): {e}") from None
         units.append(u)
     Ws = sorted({u[1] for u in units})
-    if len(Ws) > 1: raise ValueError(f"states are from world sizes {Ws}: expected the states of every rank of one save")
+    if len(Ws) > 1:
+        j = next(j for j, u in enumerate(units) if u[1] != units[0][1])
+        raise ValueError(f"states are from world sizes {Ws}: states[{j}] is of world size {units[j][1]}, states[0] of world size "
+                         f"{units[0][1]}: expected the states of every rank of one save")
     W = Ws[0]
     for j, (r, _, w, nw) in enumerate(units):
         if nws.setdefault(r, nw) != nw: raise ValueError(f"states[{j}] is worker {w} of {nw} of rank {r}, whose other states say {nws[r]} workers")
         if (r, w) in seen: raise ValueError(f"states[{seen[r, w]}] and states[{j}] are both {_unit_name(states[j]['config'])}: a unit's state twice")
         seen[r, w] = j
-    missing = [(r, w) for r in range(W) for w in range(nws.get(r, 1)) if (r, w) not in seen]
-    if missing:
-        r, w = missing[0]
+    n = sum(nws.values()) + W - len(nws)   # units in the world (W and the worker counts may be any int: nothing counted one by one)
+    if len(seen) < n:
+        r, w = next((r, w) for r in range(W) for w in range(nws.get(r, 1)) if (r, w) not in seen)   # among the first len(seen) + 1
         raise ValueError(f"the state of {_unit_name(dict(rank=r, world_size=W, worker=w, n_workers=nws.get(r, 1)))} is missing "
-                         f"({len(missing)} missing in all): expected the state of every rank (and DataLoader worker) of the run")
-    runs, steps = [s.get('run') for s in states], [s['step'] for s in states]
+                         f"({n - len(seen)} missing in all): expected the state of every rank (and DataLoader worker) of the run")
+    runs, steps = [s.get('run') for s in states], [_int(f"states[{j}]['step']", s.get('step')) for j, s in enumerate(states)]
     if (j := _first_other(runs)) is not None:
         raise ValueError(f"states[{j}] is of run {runs[j]!r}, states[0] of run {runs[0]!r}: the states of two runs mixed")
     if all(nw == 1 for nw in nws.values()) and (j := _first_other(steps)) is not None:   # (DataLoader workers count their own rows)
@@ -315,6 +318,7 @@ def _read_header(p) -> dict:
     if not m: raise ValueError(f"{p}: not a loader state file name, expected loader_state.rank00000-of-00002.json")
     try: h = json.loads(p.read_text())
     except (OSError, UnicodeDecodeError, ValueError) as e: raise ValueError(f"{p} is not a JSON loader state: {e}") from None
+    except RecursionError: raise ValueError(f"{p} is not a JSON loader state: its JSON is nested too deep") from None
     if not isinstance(h, dict) or h.get('format') != CHECKPOINT_FORMAT:
         raise ValueError(f"{p}: format={(h.get('format') if isinstance(h, dict) else None)!r}, expected {CHECKPOINT_FORMAT!r} (a file from save_loader_states)")
     r, W = _int(f"{p}: rank", h.get('rank')), _int(f"{p}: world_size", h.get('world_size'), 1)
@@ -327,16 +331,20 @@ def load_loader_states(folder,           # the checkpoint's folder
                        step=None,        # the step they must be of (default: any, as long as it is one)
                        ) -> list:
     "Every rank's loader state in `folder`, ordered by rank: refused, naming the file, unless they are all the ranks of one world, of one run, at one step. Pass the list to `load_state_dict` at any world size."
-    folder = Path(folder)
+    folder, step = Path(folder), None if step is None else check_int('step', step, 0)
     if not folder.is_dir(): raise FileNotFoundError(f"{folder} is not a folder: expected a checkpoint folder holding loader_state.rank*.json files")
     files = sorted(p for p in folder.iterdir() if p.name.startswith('loader_state.') and p.name.endswith('.json'))
     if not files: raise FileNotFoundError(f"{folder} holds no loader_state.rank*.json file: no loader state was saved there")
     heads = {p: _read_header(p) for p in files}
     Ws = sorted({h['world_size'] for h in heads.values()})
     if len(Ws) > 1: raise ValueError(f"{folder} holds the loader states of world sizes {Ws}: two saves mixed in one folder (keep one save per folder)")
-    ranks = {h['rank']: p for p, h in heads.items()}
-    missing = [r for r in range(Ws[0]) if r not in ranks]
-    if missing: raise FileNotFoundError(f"{loader_state_path(folder, missing[0], Ws[0])} is missing: the save of {Ws[0]} ranks lacks rank(s) {missing[:8]}")
+    ranks = {}
+    for p, h in heads.items():
+        if ranks.setdefault(h['rank'], p) != p: raise ValueError(f"{ranks[h['rank']]} and {p} are both rank {h['rank']} of {Ws[0]}: one file per rank")
+    if len(ranks) < Ws[0]:   # (the first few missing: the world size may be any int)
+        missing = list(itertools.islice((r for r in range(Ws[0]) if r not in ranks), 8))
+        more = f" (and {Ws[0] - len(ranks) - 8} more)" if Ws[0] - len(ranks) > 8 else ''
+        raise FileNotFoundError(f"{loader_state_path(folder, missing[0], Ws[0])} is missing: the save of {Ws[0]} ranks lacks rank(s) {missing}{more}")
     ps = [ranks[r] for r in range(Ws[0])]
     for k, what in (('step', 'steps'), ('run', 'runs')):
         if (j := _first_other([heads[p][k] for p in ps])) is not None:

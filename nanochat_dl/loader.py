@@ -9,7 +9,7 @@ __all__ = ['STATE_FORMAT', 'reference_loader', 'pipeline_state', 'load_pipeline_
            'data_fingerprint', 'LoaderBatch', 'PackedLoader', 'metrics_table', 'ColumnPlan']
 
 # %% ../nbs/08_loader.ipynb #e4b83b8c
-import atexit, bisect, hashlib, zlib, json, math, os, pickle, queue, struct, threading, time, warnings, weakref
+import atexit, bisect, hashlib, itertools, zlib, json, math, os, pickle, queue, struct, threading, time, warnings, weakref
 from collections import deque
 from operator import itemgetter
 from dataclasses import dataclass
@@ -430,6 +430,7 @@ _STATE_KEYS = ('format', 'config', 'fingerprint', 'stages', 'checksum')
 _NANOCHAT_KEYS = ('pq_idx', 'rg_idx', 'epoch')
 _READER_KEYS = ('epoch', 'file', 'rg', 'row', 'rank', 'world_size', 'n_files', 'shuffle', 'seed', 'balanced', 'batch_size')
 _BUF = ('stages', 'pack', 'buffer')   # where the buffer lives in a state
+_EPOCHS = 1 << 62   # epochs a state may name: a state holds them as int64s
 
 def _name(path) -> str: return 'resume_state_dict' + ''.join(f'[{k!r}]' for k in path)
 
@@ -505,6 +506,7 @@ def _check_source(src, cfg, reader, present, sd) -> tuple:
     rd = _as_dict(src['cursor'], S + ('cursor',), _READER_KEYS)
     try: e, f, g, r = reader.check_state(rd)
     except ValueError as err: raise ValueError(f"{_name(S + ('cursor',))}: {err}") from None
+    _as_int(e, S + ('cursor', 'epoch'), 1, _EPOCHS)
     if 'elastic' in src: _check_elastic(src['elastic'], S + ('elastic',), reader, (e, f, g, r))
     if not _same(rd['batch_size'], cfg['tokenizer_batch_size']):
         raise ValueError(f"{_name(S + ('cursor', 'batch_size'))}={rd['batch_size']!r:.60}: expected {cfg['tokenizer_batch_size']} (tokenizer_batch_size)")
@@ -788,7 +790,7 @@ class PackedLoader(Stage):
                 raise ValueError(f"resume_state_dict lacks 'format' (its keys: {sorted(map(str, sd))[:12]}): expected a state from this "
                                  "loader (with 'format') or nanochat's {'pq_idx', 'rg_idx', 'epoch'} alone")
             if cfg['shuffle']: raise ValueError("a nanochat state {pq_idx, rg_idx, epoch} can only be continued with shuffle=False")
-            for k, lo, hi in (('pq_idx', 0, len(self.files)), ('rg_idx', 0, None), ('epoch', 1, None)):
+            for k, lo, hi in (('pq_idx', 0, len(self.files)), ('rg_idx', 0, None), ('epoch', 1, _EPOCHS)):
                 if k in sd: _as_int(sd[k], (k,), lo, hi)
             old = self.source.reader
             self.source.reader = RowGroupReader.from_nanochat_state(self.files, sd, cfg['rank'], cfg['world_size'],
@@ -974,6 +976,9 @@ def _check_elastic(el, S, reader, cursor):
         if g % reader.world_size != reader.rank or g in seen:
             raise ValueError(f"{_name(P)}: column {g} is {'listed twice' if g in seen else 'not one'} of rank {reader.rank} of {reader.world_size}")
         seen.add(g)
+    lack = [c for c in plan.columns() if c % reader.world_size == reader.rank and c not in seen] if el['columns'] else []
+    if lack: raise ValueError(f"{_name(S + ('columns',))} lacks column {lack[0]} of rank {reader.rank} of {reader.world_size}: "
+                              "while columns catch up, every column of the rank is listed")
     if el['columns'] and _align(el['columns'], plan) != align:
         raise ValueError(f"{_name(S)}: align={align}, but its columns catch up at the start of epoch {_align(el['columns'], plan)}")
 
@@ -1003,18 +1008,20 @@ def _resume_many(self:PackedLoader, states):
         r = _as_int(sd['config'].get('rank'), (i, 'config', 'rank'), 0, W)
         if r in at: raise ValueError(f"resume_state_dict holds two states of rank {r} (entries {at[r]} and {i}): expected one state per rank of {W}")
         at[r] = i
-    missing = [r for r in range(W) if r not in at]
-    if missing: raise ValueError(f"resume_state_dict lacks the state of rank {', '.join(map(str, missing))} of {W} (it holds {len(states)}): "
-                                 "expected one state per rank, all saved at the same step")
-    steps = [(sd['stages'].get('batch') or {}).get('step') for sd in states]
+        for k in _MAY_DIFFER:   # the old run's, taken as they are by a rescale: checked here
+            if k in sd['config']: _as_int(sd['config'][k], (i, 'config', k), 1)
+    if len(at) < W:   # (the first few missing: `W` may be any int)
+        missing = list(itertools.islice((r for r in range(W) if r not in at), 8))
+        raise ValueError(f"resume_state_dict lacks the state of rank {', '.join(map(str, missing))}{', ...' if W - len(at) > 8 else ''} of {W} "
+                         f"(it holds {len(states)}): expected one state per rank, all saved at the same step")
+    steps = [_as_int(_as_dict(_as_dict(sd['stages'], (i, 'stages'), _STAGES)['batch'], (i, 'stages', 'batch'), ('step',))['step'],
+                     (i, 'stages', 'batch', 'step')) for i, sd in enumerate(states)]
     odd = next((i for i, s in enumerate(steps) if not _same(s, steps[0])), None)
     if odd is not None:
         raise ValueError(f"resume_state_dict mixes states of different steps: entry 0 was saved after batch {steps[0]!r:.20}, entry {odd} "
                          f"after batch {steps[odd]!r:.20}: expected the states every rank saved at the same step")
-    if W == cfg['world_size']:
-        self._resume(states[at[cfg['rank']]])   # this rank's own state: exact, token for token
-        return
     plan, counters, entries, columns = self.source.plan, tuple(self.packer.metrics_state()), {}, {}
+    same = W == cfg['world_size']   # each rank resumes its own state; every rank checks them all, so all refuse a list or none
     for r in range(W):
         sd = states[at[r]]
         mine = {**cfg, 'rank': r, 'world_size': W, **{k: sd['config'][k] for k in _MAY_DIFFER if k in sd['config']}}
@@ -1023,12 +1030,17 @@ def _resume_many(self:PackedLoader, states):
         try: _check_state(sd, mine, self.fingerprint, rd, counters)
         except (TypeError, ValueError) as err: raise type(err)(f"resume_state_dict[{at[r]}] (rank {r} of {W}): {err}") from None
         finally: rd.close()
+        if same: continue
         columns.update(_old_columns(sd, plan, W))
         for x in zip(*(sd['stages']['pack']['buffer'][c] for c in _BUFFER_COLUMNS)):
             if x in entries: raise ValueError(f"resume_state_dict: the buffers of ranks {entries[x]} and {r} both hold document {x[:4]} "
                                               f"(offset {x[4]}): the states come from different runs")
             entries[x] = r
     j, W2 = cfg['rank'], cfg['world_size']
+    if same:
+        try: self._resume(states[at[j]])   # this rank's own state: exact, token for token
+        except (TypeError, ValueError) as err: raise type(err)(f"resume_state_dict[{at[j]}] (rank {j} of {W}): {err}") from None
+        return
     mine = {c: v for c, v in columns.items() if c % W2 == j}
     align = _align(mine.values(), plan) if mine else max(v[0] for v in columns.values())
     if all(v[0] == align and plan.is_start(v) for v in mine.values()): mine = {}

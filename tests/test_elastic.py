@@ -327,6 +327,46 @@ def test_save_is_atomic(root, tmp_path, monkeypatch):
     assert load_loader_states(tmp_path) == [{'any': 'json', 'n': [1, 2]}]
 
 
+
+def test_damaged_checkpoint_folders_are_refused_naming_the_file(tmp_path):
+    """A file for a rank that another file already holds (a name padded otherwise, a copy), a header claiming a world of 2**40
+    ranks, a file of JSON nested too deep: each refused naming the file, without hanging or a RecursionError."""
+    for r in range(2): save_loader_states(tmp_path/'a', {'format': 'x', 'r': r}, 5, rank=r, world_size=2, run='R')
+    p0 = loader_state_path(tmp_path/'a', 0, 2)
+    h = json.loads(p0.read_text()); h['state']['r'] = 7
+    (tmp_path/'a'/'loader_state.rank0-of-2.json').write_text(json.dumps(h))
+    with pytest.raises(ValueError, match=r"loader_state\.rank0-of-2\.json and .*loader_state\.rank00000-of-00002\.json are both rank 0 of 2"):
+        load_loader_states(tmp_path/'a')
+    W = 2 ** 40
+    save_loader_states(tmp_path/'b', {'format': 'x'}, 5, rank=0, world_size=W)
+    with pytest.raises(FileNotFoundError, match=rf"rank00001-of-{W}\.json is missing: the save of {W} ranks lacks rank\(s\) \[1, 2, 3, 4, 5, 6, 7, 8\] \(and {W - 9} more\)"):
+        load_loader_states(tmp_path/'b')
+    p0.write_text('[' * 100_000 + ']' * 100_000)
+    with pytest.raises(ValueError, match=r"rank00000-of-00002\.json is not a JSON loader state: .*nested too deep"):
+        load_loader_states(tmp_path/'a')
+    for bad in ('5', 5.0, True):
+        with pytest.raises(ValueError, match=rf"step={bad!r:.5} is invalid: expected an int >= 0"): load_loader_states(tmp_path/'b', step=bad)
+
+
+def test_lists_with_huge_counts_or_odd_steps_are_refused_naming_the_state(root):
+    """In a list of states, a step that is no int (with DataLoader workers, where steps may differ), n_workers or world_size of
+    2**40 in every state, a state of another world size: refused naming the state, never a raw TypeError or a hang."""
+    tr = TokenRoot(root)
+    kw = dict(KW, pack='bestfit')
+    sa = [u.state() for u in ranks_after(tr, 2, 2, **kw)]
+    ld = StreamingLoader(tr, T, B, rank=0, world_size=3, prefetch=0, **kw)
+    for step in (None, 'x', 1.5, {}):
+        bad = json.loads(json.dumps(sa)); bad[0]['step'] = bad[1]['step'] = step
+        with pytest.raises(ValueError, match=rf"states\[0\]\['step'\]={str(step)[:5]} is invalid: expected an int >= 0"): ld.load_state_dict(bad)
+    for k, msg in (('n_workers', r"the state of rank 0 of 2, worker 1 of 1099511627776 is missing \(2199023255550 missing in all\)"),
+                   ('world_size', r"the state of rank 2 of 1099511627776 is missing \(1099511627774 missing in all\)")):
+        bad = json.loads(json.dumps(sa))
+        for s in bad: s['config'][k] = 2 ** 40
+        with pytest.raises(ValueError, match=msg): ld.load_state_dict(bad)
+    bad = json.loads(json.dumps(sa)); bad[1]['config']['world_size'] = 1; bad[1]['config']['rank'] = 0
+    with pytest.raises(ValueError, match=r"states\[1\] is of world size 1, states\[0\] of world size 2: expected the states of every rank of one save"):
+        ld.load_state_dict(bad)
+
 # ---------------------------------------------------------------- real processes: torchrun 2 -> 3 -> 2
 
 @pytest.mark.timeout(600)

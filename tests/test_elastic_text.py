@@ -3,7 +3,7 @@ world sizes simulated in one process for every strategy, a property test over ra
 real processes (`torchrun --nproc_per_node 2`, gloo on the CPU) saving, restarting with 3, saving, restarting with 2.
 In every case the segments all ranks placed, labelled with their epoch, tile each document of epoch 1 exactly once
 (placed, or cropped where the strategy crops), and cover no token of epoch 2 twice."""
-import json, os, shutil, subprocess, sys, textwrap
+import json, os, re, shutil, subprocess, sys, textwrap
 from pathlib import Path
 
 import pytest
@@ -176,3 +176,63 @@ def test_one_state_at_another_size_says_to_pass_the_list(env):
     _, states = run_ranks(env, 2, 2)
     with pytest.raises(ValueError, match=r"world_size=2, but this loader has world_size=3: .*pass the list of every rank's state"):
         PackedLoader(env['tok'], files=env['files'], **KW, rank=0, world_size=3, resume_state_dict=states[0])
+
+
+_DELETE = object()
+
+
+def _paths(x, path=()):
+    yield path
+    if isinstance(x, dict):
+        for k, v in x.items(): yield from _paths(v, path + (k,))
+    elif isinstance(x, list):
+        for i, v in enumerate(x): yield from _paths(v, path + (i,))
+
+
+LIST_ERROR = re.compile(r"resume_state_dict(\[\d+\]| mixes | holds | lacks | is an empty)")
+
+
+@pytest.mark.timeout(240)
+def test_every_field_of_a_list_edited_is_refused_naming_the_state(env):
+    """Every field (and list item) of one rank's state in a list of two, and the same edit in both states, replaced by values
+    of other kinds or deleted, loaded at another world size (3) and at the same (2, by rank 1, whose own state may be the
+    good one): refused with a ValueError or TypeError whose message starts with the entry of `resume_state_dict` at fault
+    (`resume_state_dict[i]`, or which entries mix, repeat or lack a rank): no other exception, no hang, no edit accepted
+    (only the old run's `B` and `buffer_size`, which a rescaled run may change, can be any int >= 1)."""
+    _, states = run_ranks(env, 2, 3)
+    wrong, accepted = [], []
+    for path in [p for p in _paths(states[0]) if p]:
+        for v in (None, 0, -1, True, 1.5, 'x', [], {}, [None], 2 ** 40, _DELETE):
+            for which in ([0], [0, 1]):
+                bad = json.loads(json.dumps(states))
+                for i in which:
+                    parent = bad[i]
+                    for k in path[:-1]: parent = parent[k]
+                    if v is not _DELETE: parent[path[-1]] = v
+                    elif isinstance(parent, dict): del parent[path[-1]]
+                if bad == states: continue
+                for W in (3, 2):
+                    try: PackedLoader(env['tok'], files=env['files'], **KW, rank=1, world_size=W, resume_state_dict=bad).close()
+                    except (ValueError, TypeError) as e:
+                        if not LIST_ERROR.match(str(e)): wrong.append((path, v, which, W, repr(e)[:300]))
+                    except Exception as e: wrong.append((path, v, which, W, repr(e)[:300]))
+                    else:
+                        if not (W == 3 and which == [0, 1] and path in (('config', 'B'), ('config', 'buffer_size')) and v == 2 ** 40):
+                            accepted.append((path, v, which, W))
+    assert not wrong, wrong[:6]
+    assert not accepted, accepted[:6]
+
+
+def test_a_rescaled_state_lacking_a_column_is_refused(env):
+    """A state saved while columns catch up lists every column of its rank; one lacking a column (its checksum made anew, as
+    a hand edit would) is refused naming the field, at another world size and at the same, rather than failing inside the
+    rescale (KeyError) or losing that column's documents."""
+    from nanochat_dl.loader import _checksum
+    _, states = run_ranks(env, 3, 1, run_ranks(env, 2, 3)[1])
+    assert states[0]['stages']['source']['elastic']['columns']
+    del states[0]['stages']['source']['elastic']['columns'][0]
+    states[0]['checksum'] = _checksum(states[0])
+    msg = r"resume_state_dict\['stages'\]\['source'\]\['elastic'\]\['columns'\] lacks column 0 of rank 0 of 3"
+    for W, sd in ((2, states), (3, states), (3, states[0])):
+        with pytest.raises(ValueError, match=(r"resume_state_dict\[0\] \(rank 0 of 3\): " if sd is states else '') + msg):
+            PackedLoader(env['tok'], files=env['files'], **KW, rank=0, world_size=W, resume_state_dict=sd)

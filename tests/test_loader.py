@@ -601,6 +601,18 @@ def test_a_state_of_format_2_is_refused_and_its_nanochat_fields_continue(env):
         assert ld.resumed == 'approximate' and next(ld).inputs.shape == (2, 24)
 
 
+def test_nanochat_fields_too_large_for_a_state_are_refused(env):
+    """nanochat's `{pq_idx, rg_idx, epoch}` with an epoch a state cannot hold (states keep epochs as int64s) is refused naming the
+    field, not accepted to fail at the first batch; a huge `rg_idx` only moves on to the next file, as in nanochat."""
+    kw = dict(files=env['toy'], **TOYKW)
+    for e in (2 ** 62, 2 ** 63, 10 ** 30):
+        with pytest.raises(ValueError, match=re.escape(f"resume_state_dict['epoch']={e} is invalid: expected an int >= 1 and < {2 ** 62}")):
+            PackedLoader(env['tok'], **kw, resume_state_dict=dict(pq_idx=0, rg_idx=1, epoch=e))
+    with PackedLoader(env['tok'], **kw, resume_state_dict=dict(pq_idx=0, rg_idx=1, epoch=2 ** 62 - 1)) as ld:
+        assert next(ld).state['epoch'] == 2 ** 62 - 1
+    with PackedLoader(env['tok'], **kw, resume_state_dict=dict(pq_idx=0, rg_idx=10 ** 30, epoch=1)) as ld:
+        assert next(ld).state['pq_idx'] == 1
+
 JSONS = st.recursive(st.none() | st.booleans() | st.integers(-3, 2 ** 64) | st.floats(allow_nan=False) | st.text(max_size=4),
                      lambda kids: st.lists(kids, max_size=3) | st.dictionaries(st.text(max_size=4), kids, max_size=3), max_leaves=6)
 
