@@ -74,8 +74,8 @@ def compare_strategies(tokenizer,                 # the tokenizer all strategies
                       ) -> list:
     "Each strategy on the same document stream: over `batches` batches after `warmup`, its crop, pad and waste and documents per row; at the end, the documents longer than a row still waiting in its buffer."
     warmup, batches = check_int('warmup', warmup), check_int('batches', batches)
-    if 'prefetch' in loader_kw:
-        raise ValueError(f"compare_strategies got prefetch={loader_kw['prefetch']!r}: it makes each batch in the caller's thread (prefetch=0), "
+    if (p := loader_kw.pop('prefetch', 0)) != 0 or isinstance(p, bool):
+        raise ValueError(f"compare_strategies got prefetch={p!r}: it makes each batch in the caller's thread (prefetch=0), "
                          "so that what waits in the buffer is read as it is at the last batch counted")
     out = []
     for s in strategies:
