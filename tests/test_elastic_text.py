@@ -15,6 +15,7 @@ from nanochat_dl.packing import STRATEGIES
 from nanochat_dl.shards import read_documents
 from nanochat_dl.testing import write_toy_shards
 from nanochat_dl.tokenizer import train_tokenizer
+from test_loader import _DELETE, _paths   # a state's paths, and the mark of a deleted field, as the single-state sweep uses them
 
 LAYOUT = [[3, 2, 4, 1, 3, 2, 2, 3], [2, 3, 1, 4, 2, 3, 3], [4, 1, 2, 3, 2, 1, 3, 2, 2]]   # 9 columns: up to 9 ranks
 KW = dict(B=2, T=32, buffer_size=6, tokenizer_batch_size=2, device='cpu', tokenizer_threads=1, tokenize_in='threads', prefetch=0)
@@ -176,17 +177,6 @@ def test_one_state_at_another_size_says_to_pass_the_list(env):
     _, states = run_ranks(env, 2, 2)
     with pytest.raises(ValueError, match=r"world_size=2, but this loader has world_size=3: .*pass the list of every rank's state"):
         PackedLoader(env['tok'], files=env['files'], **KW, rank=0, world_size=3, resume_state_dict=states[0])
-
-
-_DELETE = object()
-
-
-def _paths(x, path=()):
-    yield path
-    if isinstance(x, dict):
-        for k, v in x.items(): yield from _paths(v, path + (k,))
-    elif isinstance(x, list):
-        for i, v in enumerate(x): yield from _paths(v, path + (i,))
 
 
 LIST_ERROR = re.compile(r"resume_state_dict(\[\d+\]| mixes | holds | lacks | is an empty)")
