@@ -6,12 +6,12 @@ streaming, LitData, torchdata and `StreamingLoader` on the same tokens."""
 
 # %% auto #0
 __all__ = ['PEER_DATASETS', 'EOS', 'PEERS', 'PEER_NAMES', 'REFERENCE', 'peer_rows', 'import_mosaic', 'available', 'write_mds',
-           'write_litdata', 'write_plain', 'peer_data', 'Ours', 'open_epochs', 'Mosaic', 'LitData', 'TorchData',
-           'PerDocument', 'run_rank', 'launch', 'row_coverage', 'doc_coverage', 'bench_peer', 'bench_peers',
-           'peer_table', 'peer_plot', 'bench_peers_cli']
+           'write_litdata', 'write_plain', 'peer_data', 'Ours', 'Mosaic', 'LitData', 'TorchData', 'PerDocument',
+           'run_rank', 'launch', 'row_coverage', 'doc_coverage', 'bench_peer', 'bench_peers', 'peer_table', 'peer_plot',
+           'bench_peers_cli']
 
 # %% ../nbs/16_bench_peers.ipynb #9c60ad8a
-import json, math, os, pickle, shutil, subprocess, sys, tempfile, time, types
+import json, os, pickle, shutil, subprocess, sys, tempfile, time, types
 from collections import defaultdict
 from pathlib import Path
 import numpy as np
@@ -19,7 +19,7 @@ import torch
 from fastcore.script import call_parse
 from .core import check_int, get_base_dir
 from .arrow import TokenRoot
-from .streaming import PACKS, StreamingLoader, shard_starts
+from .streaming import PACKS, StreamingLoader, open_epochs
 from .bench_stream import bench_root, per_document_rows
 
 # %% ../nbs/16_bench_peers.ipynb #50d6a89f
@@ -138,21 +138,6 @@ class Ours:
     def state(self): return self.ld.state_dict()
     def epoch_done(self, b, epoch=1) -> bool: return min(open_epochs(self.ld.state_dict()).values()) > epoch
     def close(self): self.ld.close()
-
-def open_epochs(state,   # a `StreamingLoader` state
-                ) -> dict:
-    """Per dataset of a `StreamingLoader` state, the lowest epoch that may still have tokens to deliver on its rank. A logical
-    shard with no documents holds no epoch open (`math.inf` for a dataset that has nothing on the rank)."""
-    runs = lambda rle: [v for v, c in rle for _ in range(c)]
-    out = {}
-    for d, s in state['datasets'].items():
-        starts = shard_starts(state['fingerprint']['data'][d]['docs'], state['config']['n_logical_shards'])
-        owned = [j for a, b in s['shards'] for j in range(a, b)]
-        eps = [e for j, e in zip(owned, runs(s['epoch'])) if starts[j + 1] > starts[j]]
-        eps += ([s['cut'][1]] if s['cut'] else []) + (runs(s['shuffle']['epoch']) if 'shuffle' in s else [])
-        eps += [e[2] for e in state['packer']['entries'] if state['config']['datasets'][e[0]] == d]
-        out[d] = min(eps, default=math.inf)
-    return out
 
 class _Peer:
     "A peer's loader: batches from its iterator; an epoch ends when the iterator does."

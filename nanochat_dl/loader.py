@@ -434,12 +434,12 @@ _EPOCHS = 1 << 62   # epochs a state may name: a state holds them as int64s
 
 def _name(path) -> str: return 'resume_state_dict' + ''.join(f'[{k!r}]' for k in path)
 
-def _as_dict(v, path, keys) -> dict:
-    "`v` if it is a dict with exactly `keys`; else an error naming the field."
+def _as_dict(v, path, keys, optional=()) -> dict:
+    "`v` if it is a dict with exactly `keys` (and any of `optional`); else an error naming the field."
     if not isinstance(v, dict): raise TypeError(f"{_name(path)} must be a dict, got {type(v).__name__}")
-    missing, unknown = [k for k in keys if k not in v], [k for k in v if k not in keys]
+    missing, unknown = [k for k in keys if k not in v], [k for k in v if k not in keys and k not in optional]
     if missing: raise ValueError(f"{_name(path)} lacks {missing}: expected the keys {list(keys)}")
-    if unknown: raise ValueError(f"{_name(path)} has unknown keys {unknown[:5]!r:.200}: expected only {list(keys)}")
+    if unknown: raise ValueError(f"{_name(path)} has unknown keys {unknown[:5]!r:.200}: expected only {list(keys + optional)}")
     return v
 
 def _as_int(v, path, lo=0, hi=None) -> int:
@@ -502,7 +502,7 @@ def _check_buffer(cols, cfg, reader, cursor, elastic=None):
 def _check_source(src, cfg, reader, present, sd) -> tuple:
     "The source stage's state: the reader's cursor, and the last slice (nanochat's three fields, also at the top); the cursor's place in reading order."
     S = ('stages', 'source')
-    _as_dict(src, S, ('cursor', 'last') + (('elastic',) if isinstance(src, dict) and 'elastic' in src else ()))
+    _as_dict(src, S, ('cursor', 'last'), optional=('elastic',))   # `elastic` after a rescale, until its columns catch up
     rd = _as_dict(src['cursor'], S + ('cursor',), _READER_KEYS)
     try: e, f, g, r = reader.check_state(rd)
     except ValueError as err: raise ValueError(f"{_name(S + ('cursor',))}: {err}") from None
@@ -1023,6 +1023,7 @@ def _resume_many(self:PackedLoader, states):
     plan, counters, entries, columns = self.source.plan, tuple(self.packer.metrics_state()), {}, {}
     same = W == cfg['world_size']   # each rank resumes its own state; every rank checks them all, so all refuse a list or none
     for r in range(W):
+        if same and r == cfg['rank']: continue   # its own state: checked once, by `_resume` below
         sd = states[at[r]]
         mine = {**cfg, 'rank': r, 'world_size': W, **{k: sd['config'][k] for k in _MAY_DIFFER if k in sd['config']}}
         rd = RowGroupReader(self.files, r, W, cfg['tokenizer_batch_size'], shuffle=cfg['shuffle'], seed=cfg['seed'], text_column=cfg['text_column'])

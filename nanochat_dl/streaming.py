@@ -8,7 +8,7 @@ resumed exactly from a few kilobytes of state."""
 __all__ = ['PACKS', 'FORMAT', 'shard_starts', 'owned_shards', 'Permutation', 'shard_key', 'CountTree', 'ShardSource', 'Framing',
            'Chunker', 'Mixer', 'DocKey', 'TokenStream', 'Permutations', 'shard_keys', 'BlockSource', 'Feed',
            'LazyBatch', 'ConcatRows', 'PadRows', 'BestFitRows', 'FastTokenStream', 'data_fingerprint', 'stream_config',
-           'check_resume', 'run_id', 'StreamBatch', 'StreamingLoader', 'StreamingDataset']
+           'check_resume', 'run_id', 'StreamBatch', 'StreamingLoader', 'open_epochs', 'StreamingDataset']
 
 # %% ../nbs/13_streaming.ipynb #5eb651c8
 import bisect, hashlib, json, math, queue, threading, time, weakref, zlib
@@ -90,7 +90,6 @@ def shard_key(seed:int,        # the run's seed
               epoch:int        # the pass over it (from 1)
               ) -> int:
     "The key of logical `shard`'s order in `epoch`: a hash of the four (the dataset by name, so adding another leaves it alone)."
-    seed, shard, epoch = int(seed), int(shard), int(epoch)     # Python ints: numpy's wrap or overflow in `mix64`
     return mix64(mix64(mix64(seed ^ mix64(zlib.crc32(dataset.encode()))) ^ shard) ^ epoch)
 
 # %% ../nbs/13_streaming.ipynb #b2737e90
@@ -1583,6 +1582,24 @@ def __repr__(self:StreamingLoader):
     c = self.config
     return (f"StreamingLoader({c['datasets']}, batch_size={self.B}, seq_len={c['seq_len']}, pack={c['pack']!r}, "
             f"rank={c['rank']}/{c['world_size']}, device='{self.device}', prefetch={self.prefetch})")
+
+# %% ../nbs/13_streaming.ipynb #0e9c1a02
+def open_epochs(state,   # a `StreamingLoader` state (or a `StreamingDataset` worker's)
+                ) -> dict:
+    """Per dataset of a state, the lowest epoch that may still have tokens to deliver on its rank: the epochs of its shards'
+    cursors, of a document being cut, of the shuffle window's and the packer's pieces. A logical shard with no documents
+    holds no epoch open (`math.inf` for a dataset that has nothing on the rank)."""
+    runs = lambda rle: [v for v, c in rle for _ in range(c)]
+    out = {}
+    for d, s in state['datasets'].items():
+        starts = shard_starts(state['fingerprint']['data'][d]['docs'], state['config']['n_logical_shards'])
+        owned = [j for a, b in s['shards'] for j in range(a, b)]
+        eps = [e for j, e in zip(owned, runs(s['epoch'])) if starts[j + 1] > starts[j]]
+        eps += ([s['cut'][1]] if s['cut'] else []) + (runs(s['shuffle']['epoch']) if 'shuffle' in s else [])
+        eps += [e[2] for e in state['packer']['entries'] if state['config']['datasets'][e[0]] == d]
+        out[d] = min(eps, default=math.inf)
+    return out
+
 
 # %% ../nbs/13_streaming.ipynb #9197999e
 class StreamingDataset(torch.utils.data.IterableDataset):

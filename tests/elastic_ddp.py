@@ -9,19 +9,15 @@ with `save_loader_states` in OUT/PHASE/ckpt."""
 import json, os, sys
 from pathlib import Path
 import torch.distributed as dist
-from nanochat_dl.streaming import StreamingLoader
+from nanochat_dl.streaming import StreamingLoader, open_epochs
 from nanochat_dl.elastic import save_loader_states, load_loader_states
 
 KW = dict(weights=[1, 2, 3], bos_token=1, eos_token=2, sep_token=3, n_logical_shards=12, shuffle_window=10,
           max_chunk=40, pack='bestfit', pack_buffer=8, seed=5)
 
 def first_epoch_closed(state) -> bool:
-    "Nothing of epoch 1 is left on this rank: no shard, cut, window or packer entry still in it."
-    for d in state['datasets'].values():
-        eps = [e for e, n in d['epoch'] for _ in range(n)] + ([d['cut'][1]] if d['cut'] else [])
-        eps += [e for e, n in d.get('shuffle', {}).get('epoch', []) for _ in range(n)]
-        if min(eps) <= 1: return False
-    return all(e[2] > 1 for e in state['packer']['entries'])
+    "Nothing of epoch 1 is left on this rank: no shard, cut, window or packer entry still in it (`open_epochs`)."
+    return min(open_epochs(state).values()) > 1
 
 def main(root, out, phase, steps, resume=None):
     dist.init_process_group('gloo')

@@ -88,7 +88,7 @@ def batches(ld, n):
     finally: ld.close()
 
 
-from nanochat_dl.bench_peers import open_epochs   # per dataset, the lowest epoch that may still have tokens on a rank
+from nanochat_dl.streaming import open_epochs   # per dataset, the lowest epoch that may still have tokens on a rank
 
 
 def same(a, b):

@@ -44,7 +44,7 @@ def root(tmp_path_factory):
 def runs(rle): return [v for v, c in rle for _ in range(c)]   # a trusted state's runs, expanded
 
 
-from nanochat_dl.bench_peers import open_epochs   # per dataset, the lowest epoch that may still have tokens on a rank
+from nanochat_dl.streaming import open_epochs   # per dataset, the lowest epoch that may still have tokens on a rank
 
 
 def coverage(loaders, tr, epochs):
