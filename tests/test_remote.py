@@ -10,7 +10,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from s3util import FaultProxy, MotoServer, moto, proxy, s3_env, use_proxy, wait_port   # noqa: F401 (moto, proxy: fixtures)
 
-from nanochat_dl.remote import FetchError, FileCache, RemoteFile, is_transient, list_files, open_uri
+from nanochat_dl.remote import _Flock, FetchError, FileCache, RemoteFile, is_transient, list_files, open_uri
 
 pytest.importorskip('moto')
 FAST = dict(backoff=0.01, max_backoff=0.05, timeout=5)
@@ -37,9 +37,12 @@ def until(cond, timeout=60.0, what='condition'):
 
 
 def finished(cache_dir):
-    "Finished copies in a cache folder: {relpath: bytes}."
+    """Finished copies in a cache folder: {relpath: bytes}. Taken under the folder's lock, which every eviction holds, so a
+    prefetch running meanwhile cannot remove a copy between the listing and its reading (it may only add one, within the
+    room it reserved)."""
     top = Path(cache_dir)/'files'
-    return {p.relative_to(top).as_posix(): p.read_bytes() for p in sorted(top.rglob('*')) if p.is_file()}
+    with _Flock(Path(cache_dir)/'.lock'):
+        return {p.relative_to(top).as_posix(): p.read_bytes() for p in sorted(top.rglob('*')) if p.is_file()}
 
 
 def temps(cache_dir): return sorted(p.name for p in (Path(cache_dir)/'.tmp').iterdir())
