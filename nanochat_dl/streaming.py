@@ -408,6 +408,12 @@ class TokenStream:
     @property
     def empty(self) -> bool: return not self.mixer.active
 
+    def fetch_ahead(self):
+        "For a URI root: have its cache fetch the files of this unit's logical shards ahead of need (nothing for a local root)."
+        c = self.cfg
+        own = owned_shards(c['n_logical_shards'], c['rank'], c['world_size'], c['worker'], c['n_workers'])
+        self.root.want_share(own.start, own.stop, c['n_logical_shards'])
+
     def _end(self, a, L) -> int:
         "Where the mixer item holding unit position `a` of a document of `L` tokens ends (a max_chunk piece, or the unit)."
         U = self.framing.unit_len(L)
@@ -1331,8 +1337,6 @@ def stream_config(root, seq_len, *,   # the settings of `StreamingLoader`, docum
         raise ValueError(f"unknown dataset(s) {[d for d in names if d not in root.datasets]} in {root.root}: expected some of {root.datasets}")
     cfg['datasets'] = list(root.datasets) if names is None else names
     cfg['weights'] = _weights(weights, cfg['datasets'], root)
-    own = owned_shards(cfg['n_logical_shards'], rank, world_size)
-    root.want_share(own.start, own.stop, cfg['n_logical_shards'])   # a URI root fetches this rank's files ahead
     return root, cfg, dict(data=data_fingerprint(root, cfg['datasets']), tokenizer=tokenizer)
 
 def check_resume(state,             # a state from `state_dict()`, or anything a checkpoint file held
@@ -1466,6 +1470,7 @@ class StreamingLoader:
             cache_dir=cache_dir, cache_size=cache_size)
         self.device, c = resolve_device(device), self.config
         self.stream = self.stream_class(self.root, c)
+        self.stream.fetch_ahead()
         if self.stream.empty:
             raise ValueError(f"rank {c['rank']} of {c['world_size']} owns no document of datasets {c['datasets']} with a positive weight: "
                              f"{c['n_logical_shards']} logical shards of " + ', '.join(f"{d}: {v['docs']} documents" for d, v in self.fingerprint['data'].items()) +
@@ -1607,9 +1612,11 @@ class StreamingDataset(torch.utils.data.IterableDataset):
     def __init__(self, root, seq_len:int, **kwargs):   # `StreamingLoader`'s settings, less batching and device
         bad = [k for k in ('batch_size', 'device', 'prefetch', 'slots', 'copy') if k in kwargs]
         if bad: raise TypeError(f"StreamingDataset takes no {bad}: the DataLoader batches the rows and moves them")
-        _, self.config, self.fingerprint = stream_config(root, seq_len, **kwargs)
-        self.root_path, self.max_open = str(root.root if isinstance(root, TokenRoot) else root), kwargs.get('max_open')
-        self.cache = dict(cache_dir=kwargs.get('cache_dir'), cache_size=kwargs.get('cache_size'))
+        r, self.config, self.fingerprint = stream_config(root, seq_len, **kwargs)
+        mo, cache = kwargs.get('max_open'), r.cache                  # workers open the root again, as it was opened here
+        self.root_path, self._open_kw = str(r.root), dict(max_open=1 << 30 if mo is None else mo,
+            cache_dir=kwargs.get('cache_dir') if cache is None else cache.cache_dir, cache_size=kwargs.get('cache_size') if cache is None else cache.cache_size)
+        if r is not root: r.close()                                   # ours, only for the checks: nothing fetched ahead here
         self._stream, self._pending, self.run = None, None, run_id(self.config, self.fingerprint)
 
     def _ensure(self) -> TokenStream:
@@ -1617,7 +1624,7 @@ class StreamingDataset(torch.utils.data.IterableDataset):
         info = torch.utils.data.get_worker_info()
         w, nw = (0, 1) if info is None else (info.id, info.num_workers)
         if self._stream is None or (self._stream.cfg['worker'], self._stream.cfg['n_workers']) != (w, nw):
-            root = TokenRoot(self.root_path, self.config['datasets'], max_open=1 << 30 if self.max_open is None else self.max_open, **self.cache)
+            root = self._open_root()
             if data_fingerprint(root, self.config['datasets']) != self.fingerprint['data']:
                 raise RuntimeError(f"the token files under {self.root_path} changed since this dataset was made")
             s = FastTokenStream(root, self.config, w, nw)
@@ -1628,6 +1635,7 @@ class StreamingDataset(torch.utils.data.IterableDataset):
                 s.load_state(st)
                 self._pending, self.run = None, st.get('run', self.run)
             self._stream = s
+            s.fetch_ahead()
         return self._stream
 
     def __iter__(self):
@@ -1647,11 +1655,14 @@ class StreamingDataset(torch.utils.data.IterableDataset):
     def load_state_dict(self, state):   # this worker's state, or the list of every rank's and worker's
         "Continue from this worker's `state` (checked, and loaded, when the worker builds its stream); or, given the list of the states of every rank and worker of a run (`StatefulDataLoader` states too) at any world size and number of workers, continue that run (`nanochat_dl.elastic`)."
         if isinstance(state, (list, tuple)):
-            state, root = list(state), TokenRoot(self.root_path, self.config['datasets'], max_open=1 << 30 if self.max_open is None else self.max_open)
+            state, root = list(state), self._open_root()
             try: self._world(state, root)                  # a bad list is refused here, not in a worker
             finally: root.close()
         elif not isinstance(state, dict): raise TypeError(f"state is {type(state).__name__}: expected a dict from state_dict(), or a list of them")
         self._pending, self._stream = state, None
+
+    def _open_root(self) -> TokenRoot:
+        return TokenRoot(self.root_path, self.config['datasets'], **self._open_kw)
 
     def _world(self, states, root):
         from nanochat_dl.elastic import World        # (the elastic chapter, built on this one)

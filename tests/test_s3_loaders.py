@@ -172,6 +172,41 @@ def test_cap_smaller_than_the_data(local, s3root, tmp_path):
     assert tr.cache.stats()['over_cap'] == 0
 
 
+def test_streaming_dataset_from_s3(local, s3root, tmp_path, monkeypatch):
+    "`StreamingDataset` over a bucket: DataLoader workers give the rows they give over local files, and resume from a list of states at another number of workers, every copy in the `cache_dir` given; the process that makes the dataset starts no download, each unit fetches its own files ahead."
+    from torchdata.stateful_dataloader import StatefulDataLoader
+    from nanochat_dl.streaming import StreamingDataset, owned_shards
+    monkeypatch.setenv('NANOCHAT_DL_BASE_DIR', str(tmp_path/'base'))          # where a cache without cache_dir would go
+    kw = dict(n_logical_shards=16, shuffle_window=20, seed=3, bos_token=1)
+    rows = lambda it, n: [x.clone() for x, _ in itertools.islice(it, n)]
+    def run(root, workers, state=None, **more):
+        ds = StreamingDataset(root, 32, **kw, **more)
+        if state is not None: ds.load_state_dict([state])
+        return StatefulDataLoader(ds, batch_size=4, num_workers=workers, timeout=120)   # a worker stuck is an error, not a hang
+    dl = run(local, 2)
+    it = iter(dl)
+    first, sd = rows(it, 4), dl.state_dict()
+    want, want3 = first + rows(it, 6), rows(run(local, 3, sd), 8)
+    threads = lambda: {t for t in threading.enumerate() if t.name.startswith('FileCache')}
+    before = threads()
+    ds = StreamingDataset(s3root, 32, **kw, cache_dir=tmp_path/'c')
+    assert threads() == before                                                 # nothing fetched ahead in this process
+    got = rows(StatefulDataLoader(ds, batch_size=4, num_workers=2, timeout=120), 10)
+    assert all(torch.equal(a, b) for a, b in zip(got, want)) and len(got) == 10
+    got3 = rows(run(s3root, 3, sd, cache_dir=tmp_path/'c2'), 8)                # a list of states, 2 workers -> 3
+    assert all(torch.equal(a, b) for a, b in zip(got3, want3)) and len(got3) == 8
+    assert not (tmp_path/'base').exists() and cache_bytes(tmp_path/'c2') > 0    # copies only where we said
+    # a unit (here rank 1 of 2, no workers) fetches ahead the files that hold its logical shards, and no others
+    ds = StreamingDataset(s3root, 32, **kw, rank=1, world_size=2, cache_dir=tmp_path/'c3')
+    next(iter(ds))
+    own, tr, plan = owned_shards(16, 1, 2), TokenRoot(local), set(ds._stream.root.cache._plan)
+    for d in tr.datasets:
+        starts = np.cumsum([0] + [i.docs for i in tr.files[d]])
+        lo, hi = starts[-1] * own.start // 16, starts[-1] * own.stop // 16
+        assert {f"{d}/{i.file}" for i, a, b in zip(tr.files[d], starts, starts[1:]) if a < hi and b > lo} == {p for p in plan if p.startswith(d + '/')}
+    ds._stream.root.close(); tr.close()
+
+
 def test_offline_after_a_full_pass(local, moto, tmp_path, monkeypatch):
     px = FaultProxy(moto.port).start()
     for k, v in s3_env(px.endpoint).items(): monkeypatch.setenv(k, v)
