@@ -325,13 +325,9 @@ class FileCache:
 @patch
 def _retrying(self:FileCache, fn, what):
     "`fn()`, retried like a fetch: transient errors with backoff up to `attempts` tries; else a `FetchError` naming `what`."
-    for k in range(1, self.attempts + 1):
-        try: return fn()
-        except Exception as e:
-            if not is_transient(e): raise FetchError(what, f"{type(e).__name__}: {e}", k) from e
-            if k == self.attempts: raise FetchError(what, f"gave up after {k} tries: {e}", k) from e
-            self._on_retry(e)
-            if self._stop.wait(backoff_s(k, self.backoff, self.max_backoff)): raise Cancelled(what)
+    def wait(s):
+        if self._stop.wait(s): raise Cancelled(what)
+    return retry(fn, what, self.attempts, self.backoff, self.max_backoff, missing=False, on_retry=self._on_retry, wait=wait)
 
 @patch
 def _listing(self:FileCache, refresh) -> dict:
@@ -402,8 +398,7 @@ CACHE_METRICS = ('hits', 'waits', 'misses', 'prefetched', 'fetched_bytes', 'retr
 def cache_metrics(cache,            # a `FileCache`
                   ) -> dict:
     "The counters a loader copies into each batch's metrics: files handed out from the cache (`hits`), after waiting for a prefetch (`waits`) or fetched on demand (`misses`); files fetched ahead; bytes fetched; retries; evictions; bytes cached now."
-    s = cache.stats()
-    return {k: s[k] for k in CACHE_METRICS}
+    with cache._lock: return dict({k: cache._n[k] for k in CACHE_METRICS[:-1]}, cached_bytes=cache._cached[1])   # per batch: no sums
 
 @atexit.register
 def _close_all():                   # before pyarrow's own exit hook shuts S3 down (atexit runs last-registered first)
@@ -687,15 +682,19 @@ def retry(fn,                       # what to call
           attempts:int=8,           # tries in all
           backoff:float=0.5,        # seconds before the second try; doubles per try
           max_backoff:float=30.0,   # cap on one wait
+          missing:bool=True,        # a missing file raises `FileNotFoundError` (False: a `FetchError`, as any permanent error)
+          on_retry=None,            # called with each transient error before its wait
+          wait=time.sleep,          # waits the seconds given (a stop event's wait may raise instead)
           ):
     "`fn()`, transient errors retried with backoff; a missing file raises `FileNotFoundError`, anything else permanent (or the last failure) a `FetchError` naming `what`."
     for k in range(1, attempts + 1):
         try: return fn()
-        except FileNotFoundError: raise
         except Exception as e:
+            if missing and isinstance(e, FileNotFoundError): raise
             if not is_transient(e): raise FetchError(what, f"{type(e).__name__}: {e}", k) from e
             if k == attempts: raise FetchError(what, f"gave up after {k} tries: {e}", k) from e
-            time.sleep(backoff_s(k, backoff, max_backoff))
+            if on_retry is not None: on_retry(e)
+            wait(backoff_s(k, backoff, max_backoff))
 
 def upload_file(fs,                 # the store's filesystem (pyarrow)
                 src,                # the local file
