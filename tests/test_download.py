@@ -506,7 +506,7 @@ def test_stale_temp_files_are_removed(server, tmp_path):
 
 
 HOLDER = """
-import os, sys, time, shutil
+import os, sys, shutil
 from pathlib import Path
 from nanochat_dl.core import folder_lock
 folder, src = Path(sys.argv[1]), sys.argv[2]
@@ -514,34 +514,53 @@ with folder_lock(folder):
     tmp = folder/'shard_00000.parquet.a1b2c3d4.tmp'
     shutil.copy(src, tmp)
     print('locked', flush=True)
-    time.sleep(1.5)
+    sys.stdin.readline()                               # hold the lock until the test says so
     os.replace(tmp, folder/'shard_00000.parquet')      # a live writer's temp file must still be there
 """
 
 
-def test_a_live_writers_temp_file_is_left_alone(server, served, tmp_path):
-    "Another process holds the folder's lock and is writing: download waits for it, and keeps its temp file."
+def holder(tmp_path, served):
+    "A process holding `tmp_path`'s lock while it writes shard 0; a line on its stdin lets it finish."
     proc = subprocess.Popen([sys.executable, '-c', HOLDER, str(tmp_path), str(served/NAMES[0])],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    if proc.stdout.readline() != 'locked\n': proc.kill(); pytest.fail(f"the lock holder did not start: {proc.communicate()[1]}")
+    return proc
+
+
+def let_go(proc):
+    proc.stdin.write('\n'); proc.stdin.flush()
+
+
+def test_a_live_writers_temp_file_is_left_alone(server, served, tmp_path, monkeypatch):
+    "Another process holds the folder's lock and is writing: download waits for it, and keeps its temp file."
+    import threading
+    import nanochat_dl.core as core
+    monkeypatch.setattr(core, 'LOCK_WAIT_S', 120.0)            # the bound on the wait, not what is tested
+    busy, take = threading.Event(), core._take
+    def watched(key, fd):                                      # the holder goes on once download has found the lock taken
+        got = take(key, fd)
+        if got is None: busy.set()
+        return got
+    monkeypatch.setattr(core, '_take', watched)
+    proc = holder(tmp_path, served)
     try:
-        assert proc.stdout.readline() == 'locked\n'
+        threading.Thread(target=lambda: busy.wait(120) and let_go(proc), daemon=True).start()
         rc = download_cli(Num_files=2, data_dir=str(tmp_path), base_url=server.url, progress=False)
         assert proc.wait(timeout=60) == 0, proc.stderr.read()
     finally:
         if proc.poll() is None: proc.kill()
-    assert rc == 0 and listing(tmp_path) == NAMES[:2]
+    assert busy.is_set() and rc == 0 and listing(tmp_path) == NAMES[:2]
     assert server.requests_for(NAMES[0]) == []                 # waited, then found the other writer's shard
 
 
 def test_a_busy_folder_is_refused_after_a_bounded_wait(served, tmp_path, capsys, monkeypatch):
     import nanochat_dl.core as core
     monkeypatch.setattr(core, 'LOCK_WAIT_S', 0.3)
-    proc = subprocess.Popen([sys.executable, '-c', HOLDER, str(tmp_path), str(served/NAMES[0])],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = holder(tmp_path, served)
     try:
-        assert proc.stdout.readline() == 'locked\n'
         assert sample_cli(data_dir=str(tmp_path), n_shards=2) == 2
         err = capsys.readouterr().err
+        let_go(proc)
         assert proc.wait(timeout=60) == 0
     finally:
         if proc.poll() is None: proc.kill()
