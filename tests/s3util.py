@@ -1,5 +1,5 @@
 """Test helpers for object storage: a moto S3 server in a subprocess on 127.0.0.1 (killable and
-restartable on the same port) and a small fault-injecting HTTP proxy in front of it.
+restartable on the port it first bound) and a small fault-injecting HTTP proxy in front of it.
 
 Everything listens on 127.0.0.1 only; every wait is bounded."""
 import http.client, os, socket, struct, subprocess, sys, threading, time
@@ -8,11 +8,6 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 HOST = '127.0.0.1'
 KEYS = dict(AWS_ACCESS_KEY_ID='testing', AWS_SECRET_ACCESS_KEY='testing', AWS_DEFAULT_REGION='us-east-1',
             AWS_EC2_METADATA_DISABLED='true', AWS_CONFIG_FILE=os.devnull, AWS_SHARED_CREDENTIALS_FILE=os.devnull)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0)); return s.getsockname()[1]
 
 
 def wait_port(port, up=True, timeout=60.0):
@@ -32,22 +27,31 @@ def s3_env(endpoint) -> dict:
     return dict(KEYS, AWS_ENDPOINT_URL=endpoint)
 
 
+_MOTO = ("import sys, threading; from moto.server import ThreadedMotoServer; "
+         "s = ThreadedMotoServer(ip_address=sys.argv[1], port=int(sys.argv[2]), verbose=False); s.start(); "
+         "print(s.get_host_and_port()[1], flush=True); threading.Event().wait()")
+
+
 class MotoServer:
-    "`moto_server` as a child process on 127.0.0.1:`port`; `kill()` is SIGKILL, `start()` again reuses the port (moto keeps no data across it)."
-    def __init__(self, port=None): self.port, self.proc = port or free_port(), None
+    "moto's S3 server as a child process on 127.0.0.1; the first `start()` binds a free port (moto itself, so no other process can take it meanwhile), `kill()` is SIGKILL, `start()` again reuses the port (moto keeps no data across it)."
+    def __init__(self, port=None): self.port, self.proc = port, None
     @property
     def endpoint(self): return f'http://{HOST}:{self.port}'
     def start(self):
+        import select
         assert self.proc is None
-        self.proc = subprocess.Popen([sys.executable, '-m', 'moto.server', '-H', HOST, '-p', str(self.port)],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=dict(os.environ, **KEYS))
-        try: wait_port(self.port, True)
-        except TimeoutError: self.kill(); raise
+        self.proc = subprocess.Popen([sys.executable, '-c', _MOTO, HOST, str(self.port or 0)], stdout=subprocess.PIPE,
+                                     stderr=subprocess.DEVNULL, text=True, env=dict(os.environ, **KEYS))
+        ready = select.select([self.proc.stdout], [], [], 120)[0]
+        line = self.proc.stdout.readline().strip() if ready else ''
+        if not line.isdigit(): self.kill(); raise TimeoutError(f"moto's server did not start in 120 s (printed {line!r})")
+        self.port = int(line)
+        wait_port(self.port, True)
         return self
     def kill(self):
         if self.proc is None: return
-        self.proc.kill(); self.proc.wait(timeout=30); self.proc = None
-        wait_port(self.port, False, timeout=30)
+        self.proc.kill(); self.proc.wait(timeout=30); self.proc.stdout.close(); self.proc = None
+        if self.port: wait_port(self.port, False, timeout=30)
     def client(self):
         import boto3
         return boto3.client('s3', endpoint_url=self.endpoint, region_name='us-east-1',

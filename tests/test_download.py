@@ -182,10 +182,10 @@ def test_invalid_existing_file_is_removed_when_the_download_fails(server, tmp_pa
 
 
 def test_connection_refused_names_file_and_url(tmp_path):
-    with socket.socket() as s:                    # a port that nothing listens on
+    with socket.socket() as s:                    # a port held (bound, not listening) so that nothing else can listen on it
         s.bind(('127.0.0.1', 0)); port = s.getsockname()[1]
-    t0 = time.time()
-    r = download_single_file(0, tmp_path, base_url=f'http://127.0.0.1:{port}', max_retries=2, **FAST)
+        t0 = time.time()
+        r = download_single_file(0, tmp_path, base_url=f'http://127.0.0.1:{port}', max_retries=2, **FAST)
     assert (r.ok, r.status, r.attempts) == (False, 'failed', 3)
     assert f'shard_00000.parquet from http://127.0.0.1:{port}/shard_00000.parquet' in r.error, r.error
     assert time.time() - t0 < 10 and listing(tmp_path) == []
