@@ -6,9 +6,9 @@ under a cap, and shared safely by the ranks of one machine."""
 
 # %% auto #0
 __all__ = ['ENDPOINT_ENVS', 'REGION_ENVS', 'INDEX', 'CACHE_METRICS', 'uri_scheme', 'is_local', 's3_filesystem', 'open_uri',
-           'RemoteFile', 'list_files', 'is_transient', 'backoff_s', 'FetchError', 'Cancelled', 'new_temp', 'fetch_file',
-           'default_cache_dir', 'FileCache', 'cache_metrics', 'cache_for', 'local_copy', 'pin_copies', 'unpin_copies',
-           'retry', 'upload_file']
+           'RemoteFile', 'list_files', 'is_transient', 'backoff_s', 'FetchError', 'retry', 'Cancelled', 'new_temp',
+           'fetch_file', 'default_cache_dir', 'FileCache', 'cache_metrics', 'cache_for', 'local_copy', 'pin_copies',
+           'unpin_copies', 'upload_file']
 
 # %% ../nbs/14_remote.ipynb #0e7a4862
 import atexit, hashlib, json, os, random, re, secrets, threading, time, weakref
@@ -124,6 +124,26 @@ class FetchError(OSError):
                  tries=0):          # requests made
         super().__init__(f"{uri}: {msg}"); self.uri, self.msg, self.tries = uri, msg, tries
     def __reduce__(self): return (FetchError, (self.uri, self.msg, self.tries))   # survives a trip between processes
+
+def retry(fn,                       # what to call
+          what,                     # the URI errors name
+          attempts:int=8,           # tries in all
+          backoff:float=0.5,        # seconds before the second try; doubles per try
+          max_backoff:float=30.0,   # cap on one wait
+          missing:bool=True,        # a missing file raises `FileNotFoundError` (False: a `FetchError`, as any permanent error)
+          on_retry=None,            # called with each transient error before its wait
+          wait=time.sleep,          # waits the seconds given (a stop event's wait may raise instead)
+          ):
+    "`fn()`, transient errors retried with backoff; a missing file raises `FileNotFoundError`, anything else permanent (or the last failure) a `FetchError` naming `what`."
+    for k in range(1, attempts + 1):
+        try: return fn()
+        except Exception as e:
+            if missing and isinstance(e, FileNotFoundError): raise
+            if not is_transient(e): raise FetchError(what, f"{type(e).__name__}: {e}", k) from e
+            if k == attempts: raise FetchError(what, f"gave up after {k} tries: {e}", k) from e
+            if on_retry is not None: on_retry(e)
+            wait(backoff_s(k, backoff, max_backoff))
+
 
 # %% ../nbs/14_remote.ipynb #8e1cf8f5
 class _Mismatch(Exception): pass
@@ -327,7 +347,7 @@ def _retrying(self:FileCache, fn, what):
     "`fn()`, retried like a fetch: transient errors with backoff up to `attempts` tries; else a `FetchError` naming `what`."
     def wait(s):
         if self._stop.wait(s): raise Cancelled(what)
-    return retry(fn, what, self.attempts, self.backoff, self.max_backoff, missing=False, on_retry=self._on_retry, wait=wait)
+    return retry(fn, what, self.attempts, self.backoff, self.max_backoff, missing=False, on_retry=lambda e: self._on_retry(e), wait=wait)   # (_on_retry: below)
 
 @patch
 def _listing(self:FileCache, refresh) -> dict:
@@ -676,25 +696,6 @@ def unpin_copies(pins,              # what `pin_copies` returned
                  ):
     "Undo `pin_copies`."
     for c, rel in pins: c.unpin(rel)
-
-def retry(fn,                       # what to call
-          what,                     # the URI errors name
-          attempts:int=8,           # tries in all
-          backoff:float=0.5,        # seconds before the second try; doubles per try
-          max_backoff:float=30.0,   # cap on one wait
-          missing:bool=True,        # a missing file raises `FileNotFoundError` (False: a `FetchError`, as any permanent error)
-          on_retry=None,            # called with each transient error before its wait
-          wait=time.sleep,          # waits the seconds given (a stop event's wait may raise instead)
-          ):
-    "`fn()`, transient errors retried with backoff; a missing file raises `FileNotFoundError`, anything else permanent (or the last failure) a `FetchError` naming `what`."
-    for k in range(1, attempts + 1):
-        try: return fn()
-        except Exception as e:
-            if missing and isinstance(e, FileNotFoundError): raise
-            if not is_transient(e): raise FetchError(what, f"{type(e).__name__}: {e}", k) from e
-            if k == attempts: raise FetchError(what, f"gave up after {k} tries: {e}", k) from e
-            if on_retry is not None: on_retry(e)
-            wait(backoff_s(k, backoff, max_backoff))
 
 def upload_file(fs,                 # the store's filesystem (pyarrow)
                 src,                # the local file
