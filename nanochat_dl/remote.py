@@ -305,6 +305,7 @@ class FileCache:
         self._n = dict.fromkeys(_COUNTERS, 0)
         self._pins, self._held, self._inflight, self._queued, self._workers = {}, deque(), {}, set(), []
         self._plan, self._pos, self._cursor, self._q, self._cached, self._cycle = [], {}, 0, None, (0, 0), False
+        self._scans = self._scanned = 0            # rescans started, and the latest whose totals are kept
         self.local_root = Path(open_uri(root)[1]) if is_local(root) else None
         if self.local_root is not None:
             if not self.local_root.is_dir(): raise FileNotFoundError(f"{self.local_root} is not a folder: expected the data's root")
@@ -378,15 +379,17 @@ def _clean_temps(self:FileCache):
 
 @patch
 def _scan(self:FileCache) -> list:
-    "The finished copies as `_Entry`s; updates `cached_files`/`cached_bytes`."
+    "The finished copies as `_Entry`s; updates `cached_files`/`cached_bytes` (unless a rescan that started later already did)."
     top, out = self.cache_dir/'files', []
+    with self._lock: self._scans += 1; ticket = self._scans
     for d, _, names in os.walk(top):
         for n in names:
             p = os.path.join(d, n)
             try: st = os.stat(p)
             except FileNotFoundError: continue
             out.append(_Entry(st.st_mtime_ns, os.path.relpath(p, top).replace(os.sep, '/'), st.st_size))
-    with self._lock: self._cached = (len(out), sum(e.size for e in out))
+    with self._lock:
+        if ticket > self._scanned: self._scanned, self._cached = ticket, (len(out), sum(e.size for e in out))
     return out
 
 # %% ../nbs/14_remote.ipynb #f4da9530

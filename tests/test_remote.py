@@ -125,6 +125,27 @@ def test_prefetch_along_the_plan(s3, tmp_path, proxy):
     c.close()
 
 
+def test_a_slow_rescan_does_not_overwrite_a_newer_one(s3, tmp_path, monkeypatch):
+    "Two threads rescan the cache folder at once: the totals kept are those of the listing that started last, not of the one that ended last."
+    import nanochat_dl.remote as R
+    root, objs = s3
+    c = FileCache(root, tmp_path/'c', prefetch=0, **FAST)
+    c.local(NAMES[0])
+    real, listed, go = os.walk, threading.Event(), threading.Event()
+    def walk(top, *a, **kw):
+        out = list(real(top, *a, **kw))
+        if threading.current_thread().name == 'slow': listed.set(); go.wait(30)   # listed (one file), then held back
+        return iter(out)
+    monkeypatch.setattr(R.os, 'walk', walk)
+    t = threading.Thread(target=c._scan, name='slow'); t.start()
+    assert listed.wait(30)
+    c.local(NAMES[1])                                            # fetched: a newer rescan counts two files
+    go.set(); t.join(30)
+    s = c.stats()
+    assert (s['cached_files'], s['cached_bytes']) == (2, len(objs[NAMES[0]]) + len(objs[NAMES[1]]))
+    c.close()
+
+
 def test_local_root_is_used_in_place(tmp_path):
     (tmp_path/'d').mkdir(); (tmp_path/'d'/'a.bin').write_bytes(b'abc')
     c = FileCache(tmp_path/'d')
