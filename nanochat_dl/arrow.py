@@ -963,7 +963,7 @@ def _prepare_uri(data_dir, out, dataset, tokenizer_dir, workers, rank, world_siz
                          "(--overwrite) to have them removed, or choose another dataset")
     return p
 
-def _upload(p, names, say, force=()):
+def _upload(p, names, force=()):
     "Upload the token files `names` of the staging root whose size in the store differs (or that are in `force`, written in this run)."
     for n in names:
         src = p.root/p.dataset/n
@@ -973,10 +973,10 @@ def _upload(p, names, say, force=()):
 def _execute_uri(p, progress=True, say=print) -> TokenizeResult:
     "`_execute` into the staging root, then the uploads: this rank's files; on rank 0 once every shard is done, any file still missing, then the counts file, then the manifest."
     res = _execute(p, progress, say)
-    _upload(p, res.done + res.skipped, say, force=set(res.done))
+    _upload(p, res.done + res.skipped, force=set(res.done))
     if res.manifest is None: return res
     p.stored = {f.path: f.size for f in retry(lambda: list_files(f"{p.base}/{p.dataset}", '.arrow', fs=p.fs), f"{p.uri}/{p.dataset}")}
-    _upload(p, sorted(read_manifest(p.root)['datasets'][p.dataset]['files']), say)
+    _upload(p, sorted(read_manifest(p.root)['datasets'][p.dataset]['files']))
     for f in p.remote_extras:
         retry(lambda: p.fs.delete_file(f"{p.base}/{p.dataset}/{f}"), f"{p.uri}/{p.dataset}/{f}"); p.stored.pop(f, None)
     for name in (COUNTS_FILE, MANIFEST): upload_file(p.fs, p.root/META/name, f"{p.base}/{META}/{name}", f"{p.uri}/{META}/{name}")
