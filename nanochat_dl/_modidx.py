@@ -822,6 +822,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                  'nanochat_dl/shards.py'),
                                     'nanochat_dl.shards.RowGroupReader._settle': ( 'shards.html#rowgroupreader._settle',
                                                                                    'nanochat_dl/shards.py'),
+                                    'nanochat_dl.shards.RowGroupReader._start_epoch': ( 'shards.html#rowgroupreader._start_epoch',
+                                                                                        'nanochat_dl/shards.py'),
                                     'nanochat_dl.shards.RowGroupReader.check_state': ( 'shards.html#rowgroupreader.check_state',
                                                                                        'nanochat_dl/shards.py'),
                                     'nanochat_dl.shards.RowGroupReader.close': ( 'shards.html#rowgroupreader.close',

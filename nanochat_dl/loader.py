@@ -1046,7 +1046,7 @@ def _resume_many(self:PackedLoader, states):
     align = _align(mine.values(), plan) if mine else max(v[0] for v in columns.values())
     if all(v[0] == align and plan.is_start(v) for v in mine.values()): mine = {}
     rd = self.reader
-    rd.epoch, rd.file, rd.rg, rd.row, rd._k = align, 0, rd.rank, 0, 0   # where the striding over W2 ranks takes over
+    rd._start_epoch(align)                     # where the striding over W2 ranks takes over
     self.source.elastic, self.source.last = dict(align=align, columns=mine), None
     ent = sorted((x for x in entries if x[2] % W2 == j), key=lambda x: (*plan.key(x), x[4]))
     self.pack.load_state_dict(dict(buffer=address_columns([x[:4] for x in ent], [x[4] for x in ent], self.pack.fields),

@@ -240,7 +240,11 @@ class RowGroupReader:
         self._texts = self._texts_at = None        # the one row group in memory
         self._plan = self._plan_epoch = None       # shuffled order of one epoch
         self._plan_index = {}                      # epoch -> {(file, rg): its place in that epoch's plan}, for checking states
-        self.epoch, self.file, self.rg, self.row, self._k = 1, 0, self.rank, 0, 0
+        self._start_epoch(1)
+
+    def _start_epoch(self, epoch:int):
+        "Put the cursor at the start of `epoch`: the first file, this rank's first row group, no slice taken yet."
+        self.epoch, self.file, self.rg, self.row, self._k = epoch, 0, self.rank, 0, 0
 
     @classmethod
     def for_split(cls, split, data_dir=None, rank=None, world_size=None, **kwargs):
@@ -344,7 +348,7 @@ class RowGroupReader:
                 continue
             wraps += 1                             # this epoch has nothing left for us: start the next one
             if wraps == 2: raise self._no_work()   # a whole epoch without one document
-            self.epoch, self.file, self.rg, self.row, self._k = self.epoch + 1, 0, self.rank, 0, 0
+            self._start_epoch(self.epoch + 1)
 
     def __iter__(self): return self
 
