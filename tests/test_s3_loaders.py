@@ -230,6 +230,22 @@ def test_a_forked_worker_builds_its_own_stream(local, s3root, tmp_path, monkeypa
     ds._stream.root.close()
 
 
+def test_a_token_root_given_is_opened_again_with_its_settings(local, s3root, tmp_path):
+    "A `StreamingDataset` made from a `TokenRoot` opens it again where it iterates with the same settings: cache folder and cap, files fetched ahead, the fetch's retries and timeouts, the check of the files, the column."
+    from nanochat_dl.streaming import StreamingDataset
+    fetch = dict(attempts=2, backoff=0.01, max_backoff=0.05, timeout=5, threads=1)
+    for root in (TokenRoot(s3root, cache_dir=tmp_path/'c', cache_size=10**6, prefetch=0, verify='off', fetch=fetch), TokenRoot(local, verify='full')):
+        ds = StreamingDataset(root, 32, n_logical_shards=16, bos_token=1)
+        next(iter(ds))                                    # no workers: built here, from the root opened again
+        r = ds._stream.root
+        assert r is not root and (r.column, r.verify) == (root.column, root.verify)
+        if root.cache is not None:
+            c = r.cache
+            assert (c.cache_dir, c.cache_size, c.prefetch, c.attempts, c.backoff, c.max_backoff, c.timeout, c.threads) == \
+                   (tmp_path/'c', 10**6, 0, 2, 0.01, 0.05, 5, 1)
+        r.close(); root.close()
+
+
 def test_offline_after_a_full_pass(local, moto, tmp_path, monkeypatch):
     px = FaultProxy(moto.port).start()
     for k, v in s3_env(px.endpoint).items(): monkeypatch.setenv(k, v)
