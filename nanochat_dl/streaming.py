@@ -11,7 +11,7 @@ __all__ = ['PACKS', 'FORMAT', 'shard_starts', 'owned_shards', 'Permutation', 'sh
            'check_resume', 'run_id', 'StreamBatch', 'StreamingLoader', 'open_epochs', 'StreamingDataset']
 
 # %% ../nbs/13_streaming.ipynb #5eb651c8
-import bisect, hashlib, json, math, queue, threading, time, weakref, zlib
+import bisect, hashlib, json, math, os, queue, threading, time, weakref, zlib
 from collections import Counter, defaultdict, deque
 from itertools import repeat
 from typing import NamedTuple
@@ -1614,16 +1614,18 @@ class StreamingDataset(torch.utils.data.IterableDataset):
         if bad: raise TypeError(f"StreamingDataset takes no {bad}: the DataLoader batches the rows and moves them")
         r, self.config, self.fingerprint = stream_config(root, seq_len, **kwargs)
         mo, cache = kwargs.get('max_open'), r.cache                  # workers open the root again, as it was opened here
-        self.root_path, self._open_kw = str(r.root), dict(max_open=1 << 30 if mo is None else mo,
-            cache_dir=kwargs.get('cache_dir') if cache is None else cache.cache_dir, cache_size=kwargs.get('cache_size') if cache is None else cache.cache_size)
+        self.root_path, self._open_kw = str(r.root), dict(max_open=1 << 30 if mo is None else mo, column=r.column, verify=r.verify)
+        if cache is not None:                                         # its cache's folder, cap, prefetch and fetch settings
+            more = {k: v for k, v in r._cache_args.items() if k not in ('cache_dir', 'cache_size', 'prefetch')}
+            self._open_kw.update(cache_dir=cache.cache_dir, cache_size=cache.cache_size, prefetch=cache.prefetch, fetch=more)
         if r is not root: r.close()                                   # ours, only for the checks: nothing fetched ahead here
-        self._stream, self._pending, self.run = None, None, run_id(self.config, self.fingerprint)
+        self._stream, self._built, self._pending, self.run = None, None, None, run_id(self.config, self.fingerprint)
 
     def _ensure(self) -> TokenStream:
-        "This worker's stream (built in the process that iterates; a pending state loaded into it)."
+        "This worker's stream: built in the process that iterates (one inherited from a parent is not used: its cache's downloads are the parent's), from the state loaded, if any."
         info = torch.utils.data.get_worker_info()
         w, nw = (0, 1) if info is None else (info.id, info.num_workers)
-        if self._stream is None or (self._stream.cfg['worker'], self._stream.cfg['n_workers']) != (w, nw):
+        if self._stream is None or self._built != (os.getpid(), w, nw):
             root = self._open_root()
             if data_fingerprint(root, self.config['datasets']) != self.fingerprint['data']:
                 raise RuntimeError(f"the token files under {self.root_path} changed since this dataset was made")
@@ -1633,8 +1635,8 @@ class StreamingDataset(torch.utils.data.IterableDataset):
                 if isinstance(st, list): st = self._world(st, root).state_for(self.config['rank'], self.config['world_size'], w, nw)
                 check_resume(st, s.cfg, self.fingerprint)
                 s.load_state(st)
-                self._pending, self.run = None, st.get('run', self.run)
-            self._stream = s
+                self.run = st.get('run', self.run)     # the state stays: a worker started later starts from it too
+            self._stream, self._built = s, (os.getpid(), w, nw)
             s.fetch_ahead()
         return self._stream
 

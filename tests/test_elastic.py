@@ -261,6 +261,24 @@ def test_stateful_dataloader_from_2_to_3_workers(root):
     assert all(np.array_equal(a, b) for a, b in zip(got, want))
 
 
+@pytest.mark.parametrize('ctx', ['fork', 'spawn'])
+def test_a_loaded_state_survives_use_in_the_parent(root, ctx):
+    "A `StreamingDataset` given a list of states and then used in the process that holds it (`state_dict()` builds its stream there) still hands the loaded state to the DataLoader's workers, forked or spawned: they resume, not start over."
+    from torchdata.stateful_dataloader import StatefulDataLoader
+    kw = dict(KW, pack='bestfit')
+    rows = lambda it, n: [x.clone() for x, _ in itertools.islice(it, n)]
+    dl = StatefulDataLoader(StreamingDataset(root, T, **kw), batch_size=1, num_workers=2)
+    it = iter(dl)
+    rows(it, 8)                                                  # (even: the next row is worker 0's, as in a new loader)
+    sd, want = dl.state_dict(), rows(it, 8)
+    del it, dl
+    ds = StreamingDataset(root, T, **kw)
+    ds.load_state_dict([sd])
+    ds.state_dict()                                              # the state, loaded into this process's stream
+    got = rows(StatefulDataLoader(ds, batch_size=1, num_workers=2, multiprocessing_context=ctx, timeout=120), 8)
+    assert len(got) == 8 and all(torch.equal(a, b) for a, b in zip(got, want))
+
+
 # ---------------------------------------------------------------- refusals
 
 def test_states_of_two_runs_or_steps_are_refused(root):

@@ -4,7 +4,7 @@ parquet text shards in a bucket give the batches they give over the same files o
 resume exactly, split the data exactly once across ranks, ride out a server killed and restarted
 mid-epoch, refuse objects that are cut short or replaced (naming them), stay under a cache cap smaller
 than the data, and run offline once everything is cached."""
-import itertools, json, re, sys, threading, time
+import itertools, json, os, re, sys, threading, time
 from collections import defaultdict
 from pathlib import Path
 
@@ -205,6 +205,45 @@ def test_streaming_dataset_from_s3(local, s3root, tmp_path, monkeypatch):
         lo, hi = starts[-1] * own.start // 16, starts[-1] * own.stop // 16
         assert {f"{d}/{i.file}" for i, a, b in zip(tr.files[d], starts, starts[1:]) if a < hi and b > lo} == {p for p in plan if p.startswith(d + '/')}
     ds._stream.root.close(); tr.close()
+
+
+def test_a_forked_worker_builds_its_own_stream(local, s3root, tmp_path, monkeypatch):
+    "The process that made a `StreamingDataset` used it (`state_dict()`: its stream fetches ahead, and a prefetch is under way) before a forked DataLoader worker of the same unit starts: the worker opens the root again rather than wait on a download of the parent's, which no thread of its own will finish."
+    from torchdata.stateful_dataloader import StatefulDataLoader
+    import nanochat_dl.remote as R
+    from nanochat_dl.streaming import StreamingDataset
+    kw = dict(n_logical_shards=16, shuffle_window=20, seed=3, bos_token=1)
+    rows = lambda dl, n: [x.clone() for x, _ in itertools.islice(dl, n)]
+    want = rows(StatefulDataLoader(StreamingDataset(local, 32, **kw), batch_size=4), 4)
+    parent, real, gate = os.getpid(), R.FileCache._fetch, threading.Event()
+    def held(self, rel, demand):                          # the parent's prefetches stay under way until the test ends
+        if os.getpid() == parent and not demand: gate.wait(120)
+        return real(self, rel, demand)
+    monkeypatch.setattr(R.FileCache, '_fetch', held)
+    ds = StreamingDataset(s3root, 32, **kw, cache_dir=tmp_path/'c')
+    try:
+        ds.state_dict()                                   # the parent's stream (unit 0 of 1) fetches its first files ahead
+        until(lambda: len(ds._stream.root.cache._inflight) > 0, what="a prefetch under way")
+        got = rows(StatefulDataLoader(ds, batch_size=4, num_workers=1, multiprocessing_context='fork', timeout=60), 4)
+    finally: gate.set()
+    assert len(got) == 4 and all(torch.equal(a, b) for a, b in zip(got, want))
+    ds._stream.root.close()
+
+
+def test_a_token_root_given_is_opened_again_with_its_settings(local, s3root, tmp_path):
+    "A `StreamingDataset` made from a `TokenRoot` opens it again where it iterates with the same settings: cache folder and cap, files fetched ahead, the fetch's retries and timeouts, the check of the files, the column."
+    from nanochat_dl.streaming import StreamingDataset
+    fetch = dict(attempts=2, backoff=0.01, max_backoff=0.05, timeout=5, threads=1)
+    for root in (TokenRoot(s3root, cache_dir=tmp_path/'c', cache_size=10**6, prefetch=0, verify='off', fetch=fetch), TokenRoot(local, verify='full')):
+        ds = StreamingDataset(root, 32, n_logical_shards=16, bos_token=1)
+        next(iter(ds))                                    # no workers: built here, from the root opened again
+        r = ds._stream.root
+        assert r is not root and (r.column, r.verify) == (root.column, root.verify)
+        if root.cache is not None:
+            c = r.cache
+            assert (c.cache_dir, c.cache_size, c.prefetch, c.attempts, c.backoff, c.max_backoff, c.timeout, c.threads) == \
+                   (tmp_path/'c', 10**6, 0, 2, 0.01, 0.05, 5, 1)
+        r.close(); root.close()
 
 
 def test_offline_after_a_full_pass(local, moto, tmp_path, monkeypatch):
