@@ -607,6 +607,17 @@ def cache_stats(self:TokenRoot) -> dict:
     "For a URI root, the cache's counters as loaders put them in their per-batch metrics (`cache_metrics`); None for a local root."
     return None if self.cache is None else cache_metrics(self.cache)
 
+@patch
+def open_args(self:TokenRoot) -> dict:
+    "The settings that open this root again as it is (in another process, say): `TokenRoot(root.root, root.datasets, **root.open_args())`; for a URI root, its cache's folder (the default one too), cap, prefetch and fetch settings."
+    out = dict(column=self.column, verify=self.verify)
+    if self.cache is not None:
+        a = self._cache_args
+        out.update(cache_dir=self.cache.cache_dir, cache_size=a['cache_size'], prefetch=a['prefetch'],
+                   fetch={k: v for k, v in a.items() if k not in ('cache_dir', 'cache_size', 'prefetch')})
+    return out
+
+
 # %% ../nbs/12_arrow.ipynb #74e2daba
 def tokenize_shard(src,                # a parquet text shard
                    dst,                # the token file to write

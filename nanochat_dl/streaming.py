@@ -1613,11 +1613,8 @@ class StreamingDataset(torch.utils.data.IterableDataset):
         bad = [k for k in ('batch_size', 'device', 'prefetch', 'slots', 'copy') if k in kwargs]
         if bad: raise TypeError(f"StreamingDataset takes no {bad}: the DataLoader batches the rows and moves them")
         r, self.config, self.fingerprint = stream_config(root, seq_len, **kwargs)
-        mo, cache = kwargs.get('max_open'), r.cache                  # workers open the root again, as it was opened here
-        self.root_path, self._open_kw = str(r.root), dict(max_open=1 << 30 if mo is None else mo, column=r.column, verify=r.verify)
-        if cache is not None:                                         # its cache's folder, cap, prefetch and fetch settings
-            more = {k: v for k, v in r._cache_args.items() if k not in ('cache_dir', 'cache_size', 'prefetch')}
-            self._open_kw.update(cache_dir=cache.cache_dir, cache_size=cache.cache_size, prefetch=cache.prefetch, fetch=more)
+        mo = kwargs.get('max_open')                                   # workers open the root again, as it was opened here
+        self.root_path, self._open_kw = str(r.root), dict(r.open_args(), max_open=1 << 30 if mo is None else mo)
         if r is not root: r.close()                                   # ours, only for the checks: nothing fetched ahead here
         self._stream, self._built, self._pending, self.run = None, None, None, run_id(self.config, self.fingerprint)
 

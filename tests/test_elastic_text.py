@@ -15,7 +15,7 @@ from nanochat_dl.packing import STRATEGIES
 from nanochat_dl.shards import read_documents
 from nanochat_dl.testing import write_toy_shards
 from nanochat_dl.tokenizer import train_tokenizer
-from test_loader import _DELETE, _paths   # a state's paths, and the mark of a deleted field, as the single-state sweep uses them
+from stateedit import DELETE, edited, paths   # a state's paths, and a copy with one field edited, as the single-state sweep uses them
 
 LAYOUT = [[3, 2, 4, 1, 3, 2, 2, 3], [2, 3, 1, 4, 2, 3, 3], [4, 1, 2, 3, 2, 1, 3, 2, 2]]   # 9 columns: up to 9 ranks
 KW = dict(B=2, T=32, buffer_size=6, tokenizer_batch_size=2, device='cpu', tokenizer_threads=1, tokenize_in='threads', prefetch=0)
@@ -191,16 +191,11 @@ def test_every_field_of_a_list_edited_is_refused_naming_the_state(env):
     (only the old run's `B` and `buffer_size`, which a rescaled run may change, can be any int >= 1)."""
     _, states = run_ranks(env, 2, 3)
     wrong, accepted = [], []
-    for path in [p for p in _paths(states[0]) if p]:
-        for v in (None, 0, -1, True, 1.5, 'x', [], {}, [None], 2 ** 40, _DELETE):
+    for path in paths(states[0])[1:]:
+        for v in (None, 0, -1, True, 1.5, 'x', [], {}, [None], 2 ** 40, DELETE):
             for which in ([0], [0, 1]):
-                bad = json.loads(json.dumps(states))
-                for i in which:
-                    parent = bad[i]
-                    for k in path[:-1]: parent = parent[k]
-                    if v is not _DELETE: parent[path[-1]] = v
-                    elif isinstance(parent, dict): del parent[path[-1]]
-                if bad == states: continue
+                bad = [(i in which and edited(s, path, v)) or json.loads(json.dumps(s)) for i, s in enumerate(states)]
+                if json.dumps(bad) == json.dumps(states): continue
                 for W in (3, 2):
                     try: PackedLoader(env['tok'], files=env['files'], **KW, rank=1, world_size=W, resume_state_dict=bad).close()
                     except (ValueError, TypeError) as e:

@@ -15,6 +15,7 @@ from nanochat_dl.packing import STRATEGIES
 from nanochat_dl.shards import RowGroupReader, split_files
 from nanochat_dl.testing import write_toy_shards
 from nanochat_dl.tokenizer import Tokenizer, train_tokenizer
+from stateedit import DELETE, edited, paths   # a state's fields, and a copy with one edited
 
 
 def words(f, g, r): return ' '.join([f"w{f}{g}{r}x"] * (1 + (7 * f + 3 * g + 5 * r) % 23))
@@ -618,14 +619,6 @@ JSONS = st.recursive(st.none() | st.booleans() | st.integers(-3, 2 ** 64) | st.f
                      lambda kids: st.lists(kids, max_size=3) | st.dictionaries(st.text(max_size=4), kids, max_size=3), max_leaves=6)
 
 
-def _paths(x, path=()):
-    yield path
-    if isinstance(x, dict):
-        for k, v in x.items(): yield from _paths(v, path + (k,))
-    elif isinstance(x, list):
-        for i, v in enumerate(x): yield from _paths(v, path + (i,))
-
-
 def _mutate(sd, data):
     "One random edit of a state: a value replaced, nudged or deleted, a key added, list items repeated or dropped, buffer entries duplicated, dropped, swapped or moved."
     sd = json.loads(json.dumps(sd))
@@ -645,7 +638,7 @@ def _mutate(sd, data):
             elif op == 'move_entry': v.insert(j, v.pop(i))
             else: buf[c] = v * data.draw(st.integers(2, 700))
         return sd
-    path = data.draw(st.sampled_from(list(_paths(sd))))
+    path = data.draw(st.sampled_from(paths(sd)))
     if not path: return {} if op != 'replace' or (v := data.draw(JSONS)) is None else v     # (None would mean: no state at all)
     parent = sd
     for k in path[:-1]: parent = parent[k]
@@ -693,15 +686,9 @@ def test_every_field_replaced_by_a_value_of_another_kind_is_refused_naming_it(en
     document (no other exception, no message without the field, no edit accepted)."""
     full, sd = runs['bestfit-crop']
     reads, wrong, accepted = Reads(monkeypatch), [], []
-    for path in [p for p in _paths(sd) if p]:
-        for v in (None, 0, -1, True, 1.5, 'x', [], {}, [None], {'a': 1}, _DELETE):
-            bad = json.loads(json.dumps(sd))
-            parent = bad
-            for k in path[:-1]: parent = parent[k]
-            if v is not _DELETE: parent[path[-1]] = v
-            elif isinstance(parent, dict): del parent[path[-1]]
-            else: continue
-            if json.dumps(bad) == json.dumps(sd): continue     # the same state (the field held that value)
+    for path in paths(sd)[1:]:
+        for v in (None, 0, -1, True, 1.5, 'x', [], {}, [None], {'a': 1}, DELETE):
+            if (bad := edited(sd, path, v)) is None: continue     # the same state (the field held that value)
             n = reads.n
             try: PackedLoader(env['tok'], files=env['toy'], strategy='bestfit-crop', **TOYKW, resume_state_dict=bad).close()
             except (ValueError, TypeError) as e:
@@ -710,9 +697,6 @@ def test_every_field_replaced_by_a_value_of_another_kind_is_refused_naming_it(en
             else: accepted.append((path, v))
     assert not wrong, wrong[:5]
     assert not accepted, accepted[:5]       # the checksum refuses any edit that passes the other checks
-
-
-_DELETE = object()
 
 
 # -- the tokenizer workers read their own rows ----------------------------------------------------------------------------

@@ -16,6 +16,7 @@ from nanochat_dl.packing import fineweb_like_lengths
 from nanochat_dl.stages import ShuffleBuffer, Stage, Doc
 from nanochat_dl.streaming import (PACKS, DocKey, FastTokenStream, Framing, Permutation, StreamingDataset, StreamingLoader, TokenStream,
                                    owned_shards, shard_key, stream_config)
+from stateedit import DELETE, edited, paths   # a state's fields, and a copy with one edited
 
 
 def toy_root(path, spec, seed=0, empty=0.05, mean=60, T=64, counts=True):
@@ -351,22 +352,6 @@ def test_fingerprint_refuses_changed_files(tmp_path):
 GARBAGE_KW = dict(bos_token=1, max_chunk=20, n_logical_shards=6, shuffle_window=5, prefetch=0, pack='bestfit', pack_buffer=6, weights=[1, 1, 1])
 
 
-def leaf_paths(x, p=()):
-    "The paths of every leaf of a JSON state (and of every dict and list in it), depth first."
-    out = [p]
-    if isinstance(x, dict): out += [q for k, v in x.items() for q in leaf_paths(v, p + (k,))]
-    elif isinstance(x, list): out += [q for i, v in enumerate(x) for q in leaf_paths(v, p + (i,))]
-    return out
-
-
-def replaced(state, path, value):
-    bad = json.loads(json.dumps(state))
-    x = bad
-    for k in path[:-1]: x = x[k]
-    x[path[-1]] = value
-    return bad
-
-
 @contextlib.contextmanager
 def address_space(extra=2 << 30):
     "Cap this process's address space at what it maps now plus `extra` bytes (Linux), so a runaway allocation is a MemoryError, not the OOM killer."
@@ -389,10 +374,10 @@ def test_garbage_states_are_refused_cleanly(root, data):
     with StreamingLoader(root, 12, 2, **GARBAGE_KW) as ld:
         for _ in range(7): next(ld)
         sd = json.loads(json.dumps(ld.state_dict()))
-    p = data.draw(st.sampled_from(leaf_paths(sd)[1:]))
+    p = data.draw(st.sampled_from(paths(sd)[1:]))
     junk = data.draw(st.sampled_from([None, -1, 0, 1, 2, 10**4, 2**64, 'x', [], {}, 1.5, [[1, 2, 3]], [[0, 10**4]], [[1, 10**4]]]))
     fresh = StreamingLoader(root, 12, 2, **GARBAGE_KW)
-    bad = replaced(sd, p, junk)
+    bad = edited(sd, p, junk) or json.loads(json.dumps(sd))   # (the same state where the field held that value)
     with address_space():
         try: fresh.load_state_dict(bad); err = None
         except (ValueError, TypeError) as e:
@@ -415,15 +400,9 @@ def test_every_field_edited_is_refused_naming_it_alone_and_in_a_list(root):
         for _ in range(7): next(ld)
         sd = json.loads(json.dumps(ld.state_dict()))
     wrong = []
-    for p in leaf_paths(sd)[1:]:
-        for junk in (None, -1, 0, 1, 2**64, 'x', [], {}, 1.5, True, _DELETE):
-            if junk is _DELETE:
-                bad = json.loads(json.dumps(sd)); x = bad
-                for k in p[:-1]: x = x[k]
-                if not isinstance(x, dict): continue
-                del x[p[-1]]
-            else: bad = replaced(sd, p, junk)
-            if json.dumps(bad) == json.dumps(sd): continue
+    for p in paths(sd)[1:]:
+        for junk in (None, -1, 0, 1, 2**64, 'x', [], {}, 1.5, True, DELETE):
+            if (bad := edited(sd, p, junk)) is None: continue
             for form in (bad, [bad]):
                 fresh = StreamingLoader(root, 12, 2, **GARBAGE_KW)
                 try: fresh.load_state_dict(form); next(fresh)
@@ -432,9 +411,6 @@ def test_every_field_edited_is_refused_naming_it_alone_and_in_a_list(root):
                 except Exception as e: wrong.append((p, junk, type(form).__name__, repr(e)[:200]))
                 finally: fresh.close()
     assert not wrong, wrong[:5]
-
-
-_DELETE = object()
 
 
 # every leaf of a valid state set to 10**9 in turn, in a process whose address space is capped: a clean refusal naming the field,

@@ -1,0 +1,24 @@
+"""Editing a JSON state, for the tests that try every edit of one: the paths of its fields, and a copy with one field
+replaced or deleted."""
+import json
+
+DELETE = object()   # the edit that deletes a field
+
+
+def paths(x, path=()) -> list:
+    "The path of every value of a JSON state: the state itself (`()`) first, then its fields and list items, depth first."
+    out = [path]
+    if isinstance(x, dict): out += [q for k, v in x.items() for q in paths(v, path + (k,))]
+    elif isinstance(x, list): out += [q for i, v in enumerate(x) for q in paths(v, path + (i,))]
+    return out
+
+
+def edited(state, path, value):
+    "A copy of `state` with the field at `path` set to `value` (or deleted, for `DELETE`); None where that leaves the state as it was (the same JSON) or would delete a list item."
+    bad = json.loads(json.dumps(state))
+    parent = bad
+    for k in path[:-1]: parent = parent[k]
+    if value is not DELETE: parent[path[-1]] = value
+    elif isinstance(parent, dict): del parent[path[-1]]
+    else: return None
+    return None if json.dumps(bad) == json.dumps(state) else bad
