@@ -54,7 +54,7 @@ def tokenizing_distributed_data_loader_with_state_bos_bestfit(
     "nanochat's loader by name and signature: yields `(inputs, targets, state_dict)` forever, token for token nanochat's batches; `state_dict` resumes exactly."
     loader = PackedLoader(tokenizer, B, T, split, data_dir, tokenizer_threads=tokenizer_threads, tokenizer_batch_size=tokenizer_batch_size,
                           device=_dropin_device(device), resume_state_dict=resume_state_dict, buffer_size=buffer_size,
-                          cache_dir=cache_dir, cache_size=cache_size)
+                          cache_dir=cache_dir, cache_size=cache_size, views=True)   # nanochat's reused buffers
     return NanochatStream(loader)
 
 def tokenizing_distributed_data_loader_bos_bestfit(

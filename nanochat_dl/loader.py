@@ -649,7 +649,7 @@ def _close_all():
 # %% ../nbs/08_loader.ipynb #dbebc2c6
 @dataclass
 class LoaderBatch:
-    "One batch: `inputs`/`targets` `[B, T]` on the device (valid until `slots` more batches are handed out, unless `copy=True`), the `state` to resume after it, `metrics`, and the host-side `packed` batch with its segments."
+    "One batch: `inputs`/`targets` `[B, T]` on the device (the caller's own; with `views=True`, valid until `slots` more batches are handed out), the `state` to resume after it, `metrics`, and the host-side `packed` batch with its segments."
     inputs: torch.Tensor
     targets: torch.Tensor
     state: dict
@@ -685,8 +685,9 @@ class PackedLoader(Stage):
                  rank=None,                         # this rank (default: torch.distributed or $RANK)
                  world_size=None,                   # ranks (default: torch.distributed or $WORLD_SIZE)
                  prefetch:int=2,                    # batches made ahead in the background thread (0: in the caller's thread)
-                 slots:int=2,                       # staging slots: a batch's tensors stay valid until `slots` more are handed out
-                 copy:bool=False,                   # give every batch tensors of its own
+                 slots:int=2,                       # staging slots (`views=True`: a batch holds until `slots` more are handed out)
+                 copy:bool=False,                   # kept for compatibility: True asks for owned tensors, now the default
+                 views:bool=False,                  # views of `slots` reused buffers, no allocation per batch (nanochat's way)
                  pad_id=None,                       # the padding token of the strategies that pad (default: BOS)
                  max_docs_per_row=None,             # at most this many documents per row (the rest padding)
                  text_column='text',                # the string column of the shards
@@ -703,7 +704,7 @@ class PackedLoader(Stage):
         self.prefetch = check_int('prefetch', prefetch, 0)
         if strategy not in STRATEGIES: raise ValueError(f"unknown strategy {strategy!r}: expected one of {list(STRATEGIES)}")
         tokenizer_batch_size = check_int('tokenizer_batch_size', tokenizer_batch_size)
-        for name, v in (('shuffle', shuffle), ('copy', copy), ('worker_reads', worker_reads)):   # 'no' must not mean True
+        for name, v in (('shuffle', shuffle), ('copy', copy), ('views', views), ('worker_reads', worker_reads)):   # 'no' must not mean True
             if not isinstance(v, (bool, np.bool_)): raise ValueError(f"{name}={v!r} is invalid: expected True or False")
         if pad_id is not None:
             vocab = int(tokenizer.get_vocab_size())
@@ -734,7 +735,7 @@ class PackedLoader(Stage):
             self.encode = EncodeStage(self.source, encoder, read_ahead, worker_reads)
             self.pack = PackStage(self.encode, packer)
             self.batch = BatchStage(self.pack, self.B)
-            self.transfer = TransferStage(self.batch, DeviceTransfer(self.B, self.T, self.device, slots, copy))
+            self.transfer = TransferStage(self.batch, DeviceTransfer(self.B, self.T, self.device, slots, copy, views=views))
             self.upstream = self.transfer
             self._producer = _Producer(self.transfer, self.config, self.fingerprint)
         except BaseException:

@@ -1384,7 +1384,7 @@ def run_id(config:dict,        # checked settings, from `stream_config`
 
 # %% ../nbs/13_streaming.ipynb #b1e5d7d5
 class StreamBatch:
-    "One batch: `inputs`/`targets` `[B, seq_len]` on the device, per-row document `segments`, `metrics`, and the `state` to resume after it."
+    "One batch: `inputs`/`targets` `[B, seq_len]` on the device (the caller's own; with `views=True`, valid until `slots` more batches are handed out), per-row document `segments`, `metrics`, and the `state` to resume after it."
     def __init__(self, inputs, targets, packed, stream, metrics_fn, state_fn):
         self.inputs, self.targets, self.packed, self._stream = inputs, targets, packed, stream
         self._segs, self._metrics_fn, self._metrics, self._state_fn, self._state = None, metrics_fn, None, state_fn, None
@@ -1457,7 +1457,9 @@ class StreamingLoader:
                  pack_buffer:int=1000,      # pieces the best fit chooses from
                  tokenizer=None,            # a name or digest of the tokenizer, checked on resume
                  prefetch:int=2,            # batches made ahead in a background thread (0: on demand)
-                 slots:int=2, copy:bool=False,   # `DeviceTransfer`'s staging buffers, and whether batches are cloned
+                 slots:int=2,               # `DeviceTransfer`'s staging buffers (`views=True`: its reused outputs too)
+                 copy:bool=False,           # kept for compatibility: True asks for owned tensors, now the default
+                 views:bool=False,          # hand out views of `slots` reused buffers (no allocation per batch)
                  max_open=None,             # token files kept mapped (default: all that are read)
                  cache_dir=None,            # a URI root's local copies (default: one folder per root under the base dir)
                  cache_size=None):          # bytes those copies may take (None: no cap)
@@ -1476,7 +1478,7 @@ class StreamingLoader:
                              f"{c['n_logical_shards']} logical shards of " + ', '.join(f"{d}: {v['docs']} documents" for d, v in self.fingerprint['data'].items()) +
                              ": every rank needs a logical shard holding a document (more logical shards, or fewer ranks)")
         self.run = run_id(c, self.fingerprint)
-        self.transfer = DeviceTransfer(self.B, c['seq_len'], self.device, slots, copy)
+        self.transfer = DeviceTransfer(self.B, c['seq_len'], self.device, slots, copy, views=views)
         self._snap, self._state, self._started, self._yielded, self._error, self._last = self.stream.snapshot(), None, False, 0, None, None
         self._closed = False
 
@@ -1610,7 +1612,7 @@ def open_epochs(state,   # a `StreamingLoader` state (or a `StreamingDataset` wo
 class StreamingDataset(torch.utils.data.IterableDataset):
     "Rows `(inputs, targets)`, int64 `[seq_len]` each, for a `DataLoader`: the rank's logical shards split among its workers; `state_dict`/`load_state_dict` per worker, as torchdata's `StatefulDataLoader` calls them."
     def __init__(self, root, seq_len:int, **kwargs):   # `StreamingLoader`'s settings, less batching and device
-        bad = [k for k in ('batch_size', 'device', 'prefetch', 'slots', 'copy') if k in kwargs]
+        bad = [k for k in ('batch_size', 'device', 'prefetch', 'slots', 'copy', 'views') if k in kwargs]
         if bad: raise TypeError(f"StreamingDataset takes no {bad}: the DataLoader batches the rows and moves them")
         r, self.config, self.fingerprint = stream_config(root, seq_len, **kwargs)
         mo = kwargs.get('max_open')                                   # workers open the root again, as it was opened here

@@ -871,7 +871,7 @@ def test_states_handed_out_are_copies(env):
         assert json.dumps(ld.state_dict()) == saved and json.loads(saved)['config']['B'] == 2
 
 
-@pytest.mark.parametrize('name', ['shuffle', 'copy', 'worker_reads'])
+@pytest.mark.parametrize('name', ['shuffle', 'copy', 'views', 'worker_reads'])
 @pytest.mark.parametrize('value', ['no', 0, None])
 def test_switches_must_be_bools(env, name, value):
     """A switch given a string, a number or None (`copy='no'` would be taken as True) is refused, naming it and the value,

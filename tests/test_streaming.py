@@ -598,6 +598,7 @@ def test_dataloader_two_workers_split_and_resume(root):
 
 def test_dataset_refuses_loader_arguments(root):
     with pytest.raises(TypeError, match="takes no \\['batch_size'\\]"): StreamingDataset(root, 8, batch_size=2)
+    with pytest.raises(TypeError, match="takes no \\['views'\\]"): StreamingDataset(root, 8, views=True)   # its rows are its own
 
 
 # ---------------------------------------------------------------- bad input, threads

@@ -1,4 +1,5 @@
-"""Tests for nanochat_dl.transfer: shifted values, contiguity, validation, slot lifetime, copy mode, CPU path, CUDA guard."""
+"""Tests for nanochat_dl.transfer: shifted values, contiguity, validation, owned batches, the lifetime of views, CPU path,
+CUDA guard."""
 import numpy as np
 import pytest
 import torch
@@ -15,10 +16,10 @@ def const(B, T, v): return torch.full((B, T + 1), v, dtype=torch.long)
 
 
 @settings(max_examples=40, deadline=None)
-@given(B=st.integers(1, 6), T=st.integers(1, 40), slots=st.integers(1, 4), copy=st.booleans(),
+@given(B=st.integers(1, 6), T=st.integers(1, 40), slots=st.integers(1, 4), mode=st.sampled_from(['owned', 'copy', 'views']),
        as_numpy=st.booleans(), seed=st.integers(0, 2**31 - 1))
-def test_values_are_shifted_rows(B, T, slots, copy, as_numpy, seed):
-    tr = DeviceTransfer(B, T, 'cpu', slots=slots, copy=copy)
+def test_values_are_shifted_rows(B, T, slots, mode, as_numpy, seed):
+    tr = DeviceTransfer(B, T, 'cpu', slots=slots, copy=mode == 'copy', views=mode == 'views')
     rng = np.random.default_rng(seed)
     for _ in range(slots + 2):
         rows = rng.integers(0, 2**20, size=(B, T + 1), dtype=np.int64)
@@ -58,10 +59,10 @@ def test_non_contiguous_and_reversed_inputs():
 
 @pytest.mark.parametrize('device', DEVICES)
 @pytest.mark.parametrize('slots', [1, 2, 3, 5])
-def test_lifetime_rule(device, slots):
-    """Batch i's tensors hold batch i until slot reuse: unchanged for slots-1 further puts, batch i+slots after."""
+def test_lifetime_rule_of_views(device, slots):
+    """views=True: batch i's tensors hold batch i until slot reuse: unchanged for slots-1 further puts, batch i+slots after."""
     B, T, n = 2, 3, 12
-    tr = DeviceTransfer(B, T, device, slots=slots)
+    tr = DeviceTransfer(B, T, device, slots=slots, views=True)
     out = []
     for i in range(n):
         out.append(tr(const(B, T, i)))
@@ -72,11 +73,41 @@ def test_lifetime_rule(device, slots):
 
 
 @pytest.mark.parametrize('device', DEVICES)
-def test_copy_mode_never_changes(device):
-    tr = DeviceTransfer(2, 3, device, slots=1, copy=True)
+@pytest.mark.parametrize('kw', [dict(slots=1), dict(slots=2), dict(slots=1, copy=True)])
+def test_owned_batches_never_change(device, kw):
+    """The default (and the old copy=True): every batch kept stays what was put, each in storage of its own."""
+    tr = DeviceTransfer(2, 3, device, **kw)
     out = [tr(const(2, 3, i)) for i in range(6)]
     assert [(int(x.min()), int(x.max()), int(y.min()), int(y.max())) for x, y in out] == [(i, i, i, i) for i in range(6)]
-    assert len({x.data_ptr() for x, _ in out}) == 6
+    assert len({x.untyped_storage().data_ptr() for x, _ in out}) == 6
+    assert all(y.untyped_storage().data_ptr() == x.untyped_storage().data_ptr() for x, y in out)   # one buffer per batch
+
+
+@settings(max_examples=30, deadline=None, derandomize=True)
+@given(slots=st.integers(1, 4), n=st.integers(1, 12), seed=st.integers(0, 2**31 - 1))
+def test_a_list_of_batches_is_the_batches_put(slots, n, seed):
+    """`[tr(r) for r in rows]` equals the batches taken one at a time and cloned at once, whatever the slots; with
+    views=True only the last `slots` batches do (what the option means)."""
+    rng = np.random.default_rng(seed)
+    rows = [rng.integers(0, 2**16, size=(3, 6)) for _ in range(n)]
+    t1 = DeviceTransfer(3, 5, 'cpu', slots=slots, views=True)
+    one = [tuple(t.clone() for t in t1(r)) for r in rows]            # one at a time, each cloned at once
+    tr = DeviceTransfer(3, 5, 'cpu', slots=slots)
+    kept = [tr(r) for r in rows]
+    assert all(torch.equal(a, c) and torch.equal(b, d) for (a, b), (c, d) in zip(kept, one))
+    vt = DeviceTransfer(3, 5, 'cpu', slots=slots, views=True)
+    kept = [vt(r) for r in rows]
+    same = [torch.equal(a, c) and torch.equal(b, d) for (a, b), (c, d) in zip(kept, one)]
+    assert same == [i >= n - slots for i in range(n)]          # random rows: a rewritten batch differs
+
+
+def test_copy_and_views_together_are_refused():
+    with pytest.raises(ValueError, match='copy=True and views=True contradict each other'):
+        DeviceTransfer(2, 3, 'cpu', copy=True, views=True)
+    for name in ('copy', 'views'):
+        for bad in ('no', 0, None):
+            with pytest.raises(ValueError, match=f"{name}={bad!r} is invalid: expected True or False"):
+                DeviceTransfer(2, 3, 'cpu', **{name: bad})
 
 
 def test_rows_are_not_aliased():
@@ -86,8 +117,16 @@ def test_rows_are_not_aliased():
     assert x.tolist() == [[0, 1, 2, 3], [5, 6, 7, 8]] and y.tolist() == [[1, 2, 3, 4], [6, 7, 8, 9]]
 
 
-def test_cpu_path_pins_nothing_and_returns_views_of_the_staging_buffer():
+def test_cpu_path_pins_nothing_and_writes_owned_batches_straight_from_the_rows():
     tr = DeviceTransfer(3, 4, 'cpu', slots=2)
+    assert tr.host_buffers == [] and tr.device_buffers == []
+    x, y = tr(const(3, 4, 7))
+    assert not x.is_pinned() and y.data_ptr() == x.data_ptr() + 3 * 4 * 8 and int(x.min()) == int(y.max()) == 7
+    assert tr.stats()['staged_bytes'] == 2 * 3 * 4 * 8 and tr.stats()['copies'] == 0
+
+
+def test_cpu_views_are_views_of_the_staging_buffer():
+    tr = DeviceTransfer(3, 4, 'cpu', slots=2, views=True)
     assert [b.is_pinned() for b in tr.host_buffers] == [False, False]
     assert tr.device_buffers is tr.host_buffers
     for s in range(4):
@@ -151,8 +190,10 @@ def test_cuda_requested_without_cuda_is_an_error():
 
 @needs_cuda
 def test_cuda_pinned_values_and_stats():
+    vt = DeviceTransfer(4, 64, 'cuda', slots=2, views=True)
+    assert all(b.is_pinned() for b in vt.host_buffers) and len(vt.device_buffers) == 2 and all(b.is_cuda for b in vt.device_buffers)
     tr = DeviceTransfer(4, 64, 'cuda', slots=2)
-    assert all(b.is_pinned() for b in tr.host_buffers) and all(b.is_cuda for b in tr.device_buffers)
+    assert len(tr.host_buffers) == 2 and all(b.is_pinned() for b in tr.host_buffers) and tr.device_buffers == []
     g = torch.Generator().manual_seed(0)
     for _ in range(5):
         rows = torch.randint(0, 50_000, (4, 65), generator=g)
@@ -180,3 +221,22 @@ def test_cuda_guard_under_gpu_lag():
     got, want = stress(tr)
     assert torch.equal(got, want)
     assert tr.stats()['stalls'] > 0 and tr.stats()['wait_s'] > 0
+
+
+@needs_cuda
+def test_cuda_owned_batches_survive_gpu_lag():
+    """Owned batches on the GPU: kept in a list while the GPU lags, each holds what was put, in storage of its own;
+    views=True shows the reuse."""
+    B, T, n = 8, 256, 8
+    for views in (False, True):
+        tr = DeviceTransfer(B, T, 'cuda', slots=2, views=views)
+        torch.cuda.synchronize()
+        out = []
+        for i in range(n):
+            out.append(tr(const(B, T, i)))
+            torch.cuda._sleep(5_000_000)   # the GPU lags behind the host
+        seen = [(int(x.min()), int(x.max()), int(y.min()), int(y.max())) for x, y in out]
+        if views: assert seen[:-2] != [(i,) * 4 for i in range(n - 2)] and seen[-2:] == [(n - 2,) * 4, (n - 1,) * 4]
+        else:
+            assert seen == [(i,) * 4 for i in range(n)]
+            assert len({x.untyped_storage().data_ptr() for x, _ in out}) == n

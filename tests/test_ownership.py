@@ -1,0 +1,77 @@
+"""A batch belongs to its caller: `[next(loader) for _ in range(n)]` keeps the batches as they were handed out, for both
+loaders and any prefetch; `views=True` gives nanochat's reused views back, and the drop-in keeps them."""
+import itertools
+
+import numpy as np
+import pytest
+import torch
+
+from nanochat_dl.arrow import write_token_file
+from nanochat_dl.dataloader import tokenizing_distributed_data_loader_bos_bestfit, tokenizing_distributed_data_loader_with_state_bos_bestfit
+from nanochat_dl.loader import PackedLoader
+from nanochat_dl.streaming import StreamingLoader
+from nanochat_dl.testing import write_toy_shards
+from nanochat_dl.tokenizer import Tokenizer
+
+
+def words(f, g, r): return ' '.join([f"w{f}{g}{r}x"] * (1 + (7 * f + 3 * g + 5 * r) % 23))
+
+
+@pytest.fixture(scope='module')
+def env(tmp_path_factory):
+    d = tmp_path_factory.mktemp('own')
+    files = write_toy_shards(d / 'toy', [[5, 3, 4], [2, 6, 1], [4, 4]], text_fn=words)
+    tok = Tokenizer.train_from_iterator([words(f, g, r) for f in range(3) for g in range(3) for r in range(6)], 270)
+    rng = np.random.default_rng(0)
+    for ds, n in (('web', 3), ('code', 2)):
+        for i in range(n):
+            write_token_file(d / 'root' / ds / f'{i}.arrow', [rng.integers(5, 900, int(rng.integers(0, 90))) for _ in range(40)])
+    return dict(dir=d, files=files, tok=tok, root=d / 'root')
+
+
+def packed(env, **kw):
+    return PackedLoader(env['tok'], files=env['files'], B=3, T=32, buffer_size=6, tokenizer_batch_size=4, device='cpu',
+                        tokenizer_threads=1, tokenize_in='threads', **kw)
+
+
+def streaming(env, **kw): return StreamingLoader(env['root'], 16, 2, n_logical_shards=4, shuffle_window=7, **kw)
+
+
+def kept_and_one_at_a_time(make, n=6, **kw):
+    "Which of `[next(ld) for _ in range(n)]` equal the batches taken one at a time and cloned at once."
+    with make(**kw) as ld: one = [(b.inputs.clone(), b.targets.clone()) for b in itertools.islice(ld, n)]
+    with make(**kw) as ld: kept = [next(ld) for _ in range(n)]
+    return [torch.equal(b.inputs, x) and torch.equal(b.targets, y) for b, (x, y) in zip(kept, one)], kept
+
+
+@pytest.mark.parametrize('loader', ['packed', 'streaming'])
+@pytest.mark.parametrize('prefetch', [0, 3])
+@pytest.mark.parametrize('slots', [1, 2, 3])
+def test_a_list_of_batches_is_what_was_handed_out(env, loader, prefetch, slots):
+    make = lambda **kw: (packed if loader == 'packed' else streaming)(env, prefetch=prefetch, slots=slots, **kw)
+    same, kept = kept_and_one_at_a_time(make)
+    assert same == [True] * 6
+    assert len({b.inputs.untyped_storage().data_ptr() for b in kept}) == 6
+    same, _ = kept_and_one_at_a_time(make, copy=True)                 # the old way to ask: accepted, the same
+    assert same == [True] * 6
+    same, kept = kept_and_one_at_a_time(make, views=True)             # the option's meaning: `slots` buffers, reused
+    assert same == [False] * (6 - slots) + [True] * slots
+    assert len({b.inputs.untyped_storage().data_ptr() for b in kept}) == slots
+
+
+@pytest.mark.parametrize('loader', ['packed', 'streaming'])
+def test_copy_with_views_is_refused(env, loader):
+    make = packed if loader == 'packed' else streaming
+    with pytest.raises(ValueError, match='copy=True and views=True contradict each other'): make(env, copy=True, views=True)
+    with pytest.raises(ValueError, match="views='no' is invalid: expected True or False"): make(env, views='no')
+
+
+def test_the_dropin_keeps_nanochats_reused_views(env):
+    """nanochat's loader reuses its buffers; the drop-in keeps that (views of two slots), for both functions."""
+    for fn in (tokenizing_distributed_data_loader_with_state_bos_bestfit, tokenizing_distributed_data_loader_bos_bestfit):
+        with fn(env['tok'], 3, 32, 'train', tokenizer_threads=1, tokenizer_batch_size=4, device='cpu', buffer_size=6,
+                data_dir=env['dir'] / 'toy') as dl:
+            assert dl.loader.transfer.transfer.views      # (the `TransferStage`'s `DeviceTransfer`)
+            got = [next(dl) for _ in range(4)]
+            assert [x.data_ptr() for x, *_ in got] == [got[0][0].data_ptr(), got[1][0].data_ptr()] * 2
+            assert torch.equal(got[0][0], got[2][0]) and not torch.equal(got[0][0], got[1][0])
