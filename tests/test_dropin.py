@@ -137,11 +137,12 @@ def test_nanochats_loop_resumes_bit_for_bit(env, clean_env, grad_accum_steps, B,
     steps = 24
     full, ckpts = nanochat_loop(env['tok'], steps, 3, **kw)
     assert max(s['dataloader_state_dict']['epoch'] for s in ckpts.values()) >= 2
+    again = {}
     for k in (3, 12, 21):
-        got, again = nanochat_loop(env['tok'], steps, 3, k, ckpts[k]['dataloader_state_dict'], **kw)
+        got, again[k] = nanochat_loop(env['tok'], steps, 3, k, ckpts[k]['dataloader_state_dict'], **kw)
         assert _same(got, {s: full[s] for s in range(k, steps)}), f"resumed at step {k}"
-        assert again == {s: c for s, c in ckpts.items() if s > k}
-    got, _ = nanochat_loop(env['tok'], steps, 3, 15, again[15]['dataloader_state_dict'], **kw)   # a state of a resumed run
+        assert again[k] == {s: c for s, c in ckpts.items() if s > k}
+    got, _ = nanochat_loop(env['tok'], steps, 3, 15, again[12][15]['dataloader_state_dict'], **kw)   # a state of a resumed run
     assert _same(got, {s: full[s] for s in range(15, steps)})
 
 
@@ -159,7 +160,8 @@ def test_dropin_state_keeps_nanochats_fields(env, clean_env):
 def test_dropin_resumes_from_older_states(env, clean_env):
     """nanochat's {pq_idx, rg_idx, epoch} resumes as nanochat's loader does; a state of `PackedLoader` (what the drop-in
     handed out before it resumed at its batch) resumes after its batch, as it always did, with a warning saying so."""
-    with dropin(env['tok'], 2, 32, 'train', data_dir=env['toy'], **KW) as dl: full = [next(dl) for _ in range(12)]
+    with dropin(env['tok'], 2, 32, 'train', data_dir=env['toy'], **KW) as dl:
+        full = [(x.clone(), y.clone(), s) for x, y, s in itertools.islice(dl, 12)]   # (the drop-in's tensors are views)
     nc = {k: full[5][2][k] for k in ('pq_idx', 'rg_idx', 'epoch')}
     with PackedLoader(env['tok'], 2, 32, 'train', env['toy'], resume_state_dict=nc, **KW) as ld: want = next(ld).inputs.clone()
     with warnings.catch_warnings(record=True) as caught:
