@@ -77,7 +77,8 @@ def get_nanochat_data_dir(env=None,  # environment variables to read (default: `
                          ) -> Path:
     "The folder nanochat's `list_parquet_files()` reads: `base_data_climbmix/` under `$NANOCHAT_BASE_DIR` (else `~/.cache/nanochat`) if it exists, else the legacy `base_data/`."
     env = os.environ if env is None else env
-    base = Path(env['NANOCHAT_BASE_DIR']) if env.get('NANOCHAT_BASE_DIR') else Path(env.get('HOME') or Path.home())/'.cache'/'nanochat'
+    home = Path(env.get('HOME') or Path.home())   # nanochat: os.path.expanduser('~')
+    base = Path(env['NANOCHAT_BASE_DIR']) if env.get('NANOCHAT_BASE_DIR') else home/'.cache'/'nanochat'
     return base/'base_data_climbmix' if (base/'base_data_climbmix').exists() else base/'base_data'
 
 # %% ../nbs/00_core.ipynb #0fe362ce

@@ -27,9 +27,10 @@ def _dropin_data_dir(data_dir,   # the drop-in's `data_dir=`
     else:
         out = get_nanochat_data_dir(env)
         if not out.is_dir():
-            raise FileNotFoundError(f"no shards where nanochat keeps them: neither {out.parent/'base_data_climbmix'} nor "
-                                    f"{out.parent/'base_data'} is a folder (nanochat's `python -m nanochat.dataset` downloads "
-                                    "them there); set NANOCHAT_DL_DATA_DIR (or pass data_dir=) to read shards elsewhere")
+            raise FileNotFoundError(f"no shards where nanochat keeps them: neither {out.parent/'base_data_climbmix'} "
+                                    f"nor {out.parent/'base_data'} is a folder (nanochat's `python -m nanochat.dataset` "
+                                    "downloads them there); set NANOCHAT_DL_DATA_DIR (or pass data_dir=) to read "
+                                    "shards elsewhere")
         line = f"{out} (nanochat's folder)"
     if line not in _named:
         _named.add(line)
@@ -43,7 +44,7 @@ class NanochatStream:
     "What the drop-in functions return: nanochat's tuples from a `PackedLoader` (kept in `.loader`), each state resuming *at* its batch; `close()` stops it."
     def __init__(self, loader,             # the `PackedLoader` that makes the batches
                  with_state:bool=True,     # yield `(inputs, targets, state_dict)`, or `(inputs, targets)`
-                 start=None):              # the state that resumes at the loader's first batch (default: `loader.state_dict()`)
+                 start=None):              # the state that resumes at the loader's first batch (default: its state)
         self.loader, self.with_state = loader, with_state
         self._at = loader.state_dict() if start is None else start
         self._where = {k: self._at[k] for k in _NANOCHAT_KEYS if k in self._at} or dict(pq_idx=0, rg_idx=0, epoch=1)
@@ -52,7 +53,7 @@ class NanochatStream:
         b = next(self.loader)
         if not self.with_state: return b.inputs, b.targets
         at, self._at = self._at, b.state   # the state before this batch resumes at it; this batch's, at the next one
-        self._where = {k: b.state[k] for k in _NANOCHAT_KEYS if k in b.state} or self._where   # nanochat's fields, for this batch
+        self._where = {k: b.state[k] for k in _NANOCHAT_KEYS if k in b.state} or self._where   # nanochat's, of this batch
         return b.inputs, b.targets, dict(self._where, at_batch=at)
     def close(self):
         "Stop the loader: its background thread and its tokenizer workers."
@@ -64,11 +65,11 @@ class NanochatStream:
 # %% ../nbs/09_dataloader.ipynb #d09a0006
 def _exact(sd): return sd['at_batch'] if isinstance(sd, dict) and 'at_batch' in sd else sd
 
-def _old_state(sd): return isinstance(sd, dict) and 'format' in sd   # a `PackedLoader` state: it resumes after its batch
+def _old_state(sd): return isinstance(sd, dict) and 'format' in sd   # a `PackedLoader` state: resumes after its batch
 
-_AFTER = ("resume_state_dict is a state of PackedLoader (as the drop-in handed out before its states resumed at their "
-          "batch, with 'at_batch'): it resumes after its batch, so nanochat's loop, which saves the state of a batch it has "
-          "fetched but not trained on, skips that batch once")
+_AFTER = ("resume_state_dict is a state of PackedLoader (as the drop-in handed out before its states resumed at "
+          "their batch, with 'at_batch'): it resumes after its batch, so nanochat's loop, which saves the state of a "
+          "batch it has fetched but not trained on, skips that batch once")
 
 def _dropin_resume(loader,  # a `PackedLoader` that has handed out no batch
                    sd):     # the drop-in's `resume_state_dict`
@@ -84,12 +85,12 @@ def _dropin_resume(loader,  # a `PackedLoader` that has handed out no batch
         return dict(inner)
     cfg, mine = inner.get('config'), loader.config
     who = (cfg.get('rank'), cfg.get('world_size')) if isinstance(cfg, dict) else None
-    if who is not None and who != (mine['rank'], mine['world_size']):   # nanochat's script hands every rank rank 0's state
+    if who is not None and who != (mine['rank'], mine['world_size']):   # nanochat's script gives every rank rank 0's
         nc = {k: sd[k] for k in _NANOCHAT_KEYS if k in sd}
-        warnings.warn(f"resume_state_dict was saved by rank {who[0]} of {who[1]}, and this loader is rank {mine['rank']} of "
-                      f"{mine['world_size']}: resuming as nanochat's loader does, approximately, after {nc or 'nothing'} in this "
-                      "rank's stride. Exact resume needs every rank's state: save the list of them (see the README) and pass "
-                      "it as resume_state_dict", stacklevel=3)
+        warnings.warn(f"resume_state_dict was saved by rank {who[0]} of {who[1]}, and this loader is rank "
+                      f"{mine['rank']} of {mine['world_size']}: resuming as nanochat's loader does, approximately, "
+                      f"after {nc or 'nothing'} in this rank's stride. Exact resume needs every rank's state: save the "
+                      "list of them (see the README) and pass it as resume_state_dict", stacklevel=3)
         if not nc: return loader.state_dict()
         loader.load_state_dict(nc)
         return nc
@@ -120,7 +121,7 @@ def tokenizing_distributed_data_loader_with_state_bos_bestfit(
         cache_dir=None,             # for a URI: the shards' local copies (default: one folder per URI under the base dir)
         cache_size=None):           # for a URI: bytes those copies may take (None: no cap)
     "nanochat's loader by name and signature: yields `(inputs, targets, state_dict)` forever, token for token nanochat's batches; `state_dict` resumes exactly, at its batch."
-    data_dir, saved, resume_state_dict = _dropin_data_dir(data_dir), resume_state_dict, None   # resumed below, once the loader knows its rank
+    data_dir, saved, resume_state_dict = _dropin_data_dir(data_dir), resume_state_dict, None   # resumed below
     loader = PackedLoader(tokenizer, B, T, split, data_dir, tokenizer_threads=tokenizer_threads, tokenizer_batch_size=tokenizer_batch_size,
                           device=_dropin_device(device), resume_state_dict=resume_state_dict, buffer_size=buffer_size,
                           cache_dir=cache_dir, cache_size=cache_size)

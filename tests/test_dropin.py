@@ -1,7 +1,8 @@
 """The drop-in inside nanochat's own training script: it reads the shards nanochat's `list_parquet_files()` reads, and
 the state it hands out with a batch resumes *at* that batch, which is what nanochat's loop saves (the state of the batch
 fetched but not yet trained on). Under torchrun, where nanochat saves rank 0's state only and every rank loads it, a
-foreign rank's state resumes as nanochat's loader would, with one warning; the list of every rank's states resumes exactly."""
+foreign rank's state resumes as nanochat's loader would, with one warning; the list of every rank's states resumes
+exactly."""
 import itertools, json, os, shutil, subprocess, sys, textwrap, warnings
 from pathlib import Path
 
@@ -36,12 +37,13 @@ def env(tmp_path_factory):
 
 @pytest.fixture
 def clean_env(monkeypatch):
-    for k in ('NANOCHAT_DL_DATA_DIR', 'NANOCHAT_DL_BASE_DIR', 'NANOCHAT_BASE_DIR', 'XDG_CACHE_HOME', 'RANK', 'WORLD_SIZE', 'LOCAL_RANK'):
+    for k in ('NANOCHAT_DL_DATA_DIR', 'NANOCHAT_DL_BASE_DIR', 'NANOCHAT_BASE_DIR', 'XDG_CACHE_HOME',
+              'RANK', 'WORLD_SIZE', 'LOCAL_RANK'):
         monkeypatch.delenv(k, raising=False)
     return monkeypatch
 
 
-# --- 1. which folder ---------------------------------------------------------------------------------------------------
+# --- 1. which folder ------------------------------------------------------------------------------------------------
 
 def _home(tmp_path, env, mp):
     "A home as a user has it after `nanochat-dl demo`: our default folder holds the sample shards."
@@ -65,8 +67,8 @@ def _folder_read(tok, capfd, **kw):
 @pytest.mark.parametrize('where', ['NANOCHAT_BASE_DIR', 'home'])
 @pytest.mark.parametrize('layout', ['climbmix', 'legacy', 'both'])
 def test_dropin_reads_nanochats_folder(env, tmp_path, clean_env, capfd, where, layout):
-    """With no data_dir= and no NANOCHAT_DL_* setting, the drop-in reads the folder nanochat's `list_parquet_files()` reads
-    ($NANOCHAT_BASE_DIR, else ~/.cache/nanochat; base_data_climbmix if it exists, else base_data), not our default
+    """With no data_dir= and no NANOCHAT_DL_* setting, the drop-in reads the folder nanochat's `list_parquet_files()`
+    reads ($NANOCHAT_BASE_DIR, else ~/.cache/nanochat; base_data_climbmix if it exists, else base_data), not our default
     folder, even when that one holds shards (as after `nanochat-dl demo`); it prints one line naming the folder."""
     home = _home(tmp_path, env, clean_env)
     base = home / '.cache' / 'nanochat'
@@ -82,12 +84,12 @@ def test_dropin_reads_nanochats_folder(env, tmp_path, clean_env, capfd, where, l
     ref = reference_loader(env['tok'], 2, 32, files=sorted(want.glob('*.parquet'))[:-1], tokenizer_threads=1,
                            tokenizer_batch_size=2, buffer_size=6)
     assert torch.equal(x, next(ref)[0])
-    with PackedLoader(env['tok'], 2, 32, device='cpu', tokenizer_threads=1) as ld:   # PackedLoader's own default stays ours
+    with PackedLoader(env['tok'], 2, 32, device='cpu', tokenizer_threads=1) as ld:   # PackedLoader's default stays ours
         assert {p.parent for p in ld.files} == {home / '.cache' / 'nanochat_dl' / 'base_data'}
 
 
 def test_dropin_settings_win_over_nanochats_folder(env, tmp_path, clean_env, capfd):
-    "NANOCHAT_DL_DATA_DIR, NANOCHAT_DL_BASE_DIR and data_dir= each say otherwise; nanochat's folder missing is named in the error."
+    "NANOCHAT_DL_DATA_DIR, NANOCHAT_DL_BASE_DIR and data_dir= each say otherwise; a missing nanochat folder is named."
     home = _home(tmp_path, env, clean_env)
     write_toy_shards(home / '.cache' / 'nanochat' / 'base_data_climbmix', LAYOUT, text_fn=words)
     assert _folder_read(env['tok'], capfd, data_dir=env['toy'])[0] == env['toy']
@@ -99,10 +101,10 @@ def test_dropin_settings_win_over_nanochats_folder(env, tmp_path, clean_env, cap
     clean_env.delenv('NANOCHAT_DL_DATA_DIR'); clean_env.delenv('NANOCHAT_DL_BASE_DIR')
     clean_env.setenv('NANOCHAT_BASE_DIR', str(tmp_path / 'empty'))
     with pytest.raises(FileNotFoundError) as e: dropin_pairs(env['tok'], 2, 32, 'train', **KW)
-    assert str(tmp_path / 'empty' / 'base_data_climbmix') in str(e.value) and str(tmp_path / 'empty' / 'base_data') in str(e.value)
+    for name in ('base_data_climbmix', 'base_data'): assert str(tmp_path / 'empty' / name) in str(e.value)
 
 
-# --- 2. nanochat's loop ------------------------------------------------------------------------------------------------
+# --- 2. nanochat's loop ---------------------------------------------------------------------------------------------
 
 def nanochat_loop(tok, steps, save_every, resume_from_step=-1, resume_state=None, grad_accum_steps=1, B=2, T=32, **kw):
     """scripts/base_train.py's loop, shape for shape: the first batch fetched before the loop; at the top of step k a
@@ -126,7 +128,10 @@ def nanochat_loop(tok, steps, save_every, resume_from_step=-1, resume_state=None
     return trained, checkpoints
 
 
-def _same(a, b): return a.keys() == b.keys() and all(torch.equal(x, x0) and torch.equal(y, y0) for k in a for (x, y), (x0, y0) in zip(a[k], b[k]))
+def _same(a, b):
+    "Two runs' trained batches, step by step, bit for bit."
+    return a.keys() == b.keys() and all(torch.equal(x, x0) and torch.equal(y, y0)
+                                        for k in a for (x, y), (x0, y0) in zip(a[k], b[k]))
 
 
 @pytest.mark.parametrize('grad_accum_steps,B,T,buffer_size', [(1, 2, 32, 6), (2, 3, 24, 1), (1, 1, 64, 20)])
@@ -142,12 +147,12 @@ def test_nanochats_loop_resumes_bit_for_bit(env, clean_env, grad_accum_steps, B,
         got, again[k] = nanochat_loop(env['tok'], steps, 3, k, ckpts[k]['dataloader_state_dict'], **kw)
         assert _same(got, {s: full[s] for s in range(k, steps)}), f"resumed at step {k}"
         assert again[k] == {s: c for s, c in ckpts.items() if s > k}
-    got, _ = nanochat_loop(env['tok'], steps, 3, 15, again[12][15]['dataloader_state_dict'], **kw)   # a state of a resumed run
+    got, _ = nanochat_loop(env['tok'], steps, 3, 15, again[12][15]['dataloader_state_dict'], **kw)  # resumed twice
     assert _same(got, {s: full[s] for s in range(15, steps)})
 
 
 def test_dropin_state_keeps_nanochats_fields(env, clean_env):
-    "The state's pq_idx, rg_idx and epoch are nanochat's for its batch (nanochat's log line reads them), and it stays small."
+    "The state's pq_idx, rg_idx and epoch are nanochat's for its batch (its log line reads them); it stays small."
     ref = reference_loader(env['tok'], 2, 32, files=sorted(env['toy'].glob('*.parquet'))[:-1], tokenizer_threads=1,
                            tokenizer_batch_size=2, buffer_size=6)
     with dropin(env['tok'], 2, 32, 'train', data_dir=env['toy'], **KW) as dl:
@@ -163,26 +168,30 @@ def test_dropin_resumes_from_older_states(env, clean_env):
     with dropin(env['tok'], 2, 32, 'train', data_dir=env['toy'], **KW) as dl:
         full = [(x.clone(), y.clone(), s) for x, y, s in itertools.islice(dl, 12)]   # (the drop-in's tensors are views)
     nc = {k: full[5][2][k] for k in ('pq_idx', 'rg_idx', 'epoch')}
-    with PackedLoader(env['tok'], 2, 32, 'train', env['toy'], resume_state_dict=nc, **KW) as ld: want = next(ld).inputs.clone()
+    with PackedLoader(env['tok'], 2, 32, 'train', env['toy'], resume_state_dict=nc, **KW) as ld:
+        want = next(ld).inputs.clone()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter('always')
         with dropin(env['tok'], 2, 32, 'train', data_dir=env['toy'], resume_state_dict=nc, **KW) as dl:
             assert torch.equal(next(dl)[0], want) and dl.loader.resumed == 'approximate'
     assert not [w for w in caught if 'resume' in str(w.message)]
-    with PackedLoader(env['tok'], 2, 32, 'train', env['toy'], **KW) as ld: old = [b.state for b in itertools.islice(ld, 6)][-1]
+    with PackedLoader(env['tok'], 2, 32, 'train', env['toy'], **KW) as ld:
+        old = [b.state for b in itertools.islice(ld, 6)][-1]
     with pytest.warns(UserWarning, match='after its batch'):
-        dl = dropin(env['tok'], 2, 32, 'train', data_dir=env['toy'], resume_state_dict=json.loads(json.dumps(old)), **KW)
+        dl = dropin(env['tok'], 2, 32, 'train', data_dir=env['toy'], resume_state_dict=json.loads(json.dumps(old)),
+                    **KW)
     with dl: assert [torch.equal(next(dl)[0], b[0]) for b in full[6:9]] == [True] * 3
 
 
-# --- 3. another rank's state -------------------------------------------------------------------------------------------
+# --- 3. another rank's state ----------------------------------------------------------------------------------------
 
 def _as_rank(mp, r, W): mp.setenv('RANK', str(r)); mp.setenv('WORLD_SIZE', str(W)); mp.setenv('LOCAL_RANK', str(r))
 
 
 def test_another_ranks_state_resumes_as_nanochat_would(env, clean_env):
-    """Rank 1 given rank 0's state (nanochat's script saves only rank 0's) resumes where nanochat's loader would on rank 1
-    (the row group after rank 0's, in rank 1's stride), warning once; given every rank's states, it resumes exactly."""
+    """Rank 1 given rank 0's state (nanochat's script saves only rank 0's) resumes where nanochat's loader would on
+    rank 1 (the row group after rank 0's, in rank 1's stride), warning once; given every rank's states, it resumes
+    exactly."""
     runs, ckpts = {}, {}
     for r in (0, 1):
         _as_rank(clean_env, r, 2)
@@ -238,7 +247,7 @@ for name in ('meta', 'meta_all'):                           # every rank loads r
     if name == 'meta':
         s0 = meta['dataloader_state_dict']
         nc = {key: s0[key] for key in ('pq_idx', 'rg_idx', 'epoch')}
-        with PackedLoader(tok, 2, 32, 'train', resume_state_dict=nc, **KW) as ld:   # nanochat's approximate resume on this rank
+        with PackedLoader(tok, 2, 32, 'train', resume_state_dict=nc, **KW) as ld:   # nanochat's resume on this rank
             start = ld.reader.state_dict()
             want = [next(ld).inputs.clone() for _ in range(steps - k)]
         res[name].update(nanochat=all((got[k + i][0][0] == w).all().item() for i, w in enumerate(want)), nc=nc,
@@ -253,16 +262,18 @@ dist.destroy_process_group()
 
 @pytest.mark.timeout(300)
 def test_torchrun_ranks_load_rank0s_checkpoint(env, tmp_path):
-    """torchrun, 2 ranks (gloo, CPU), nanochat's loop: with rank 0's checkpoint loaded by both ranks, nothing stops; rank 0
-    resumes exactly, rank 1 where nanochat's loader would, with one warning; with every rank's state saved, both exactly."""
+    """torchrun, 2 ranks (gloo, CPU), nanochat's loop: with rank 0's checkpoint loaded by both ranks, nothing stops;
+    rank 0 resumes exactly, rank 1 where nanochat's loader would, with one warning; with every rank's state saved, both
+    exactly."""
     torchrun = shutil.which('torchrun') or str(Path(sys.executable).parent / 'torchrun')
     if not Path(torchrun).exists(): pytest.skip('torchrun is not installed')
     script = tmp_path / 'worker.py'
     script.write_text(textwrap.dedent(WORKER))
     run_env = {k: v for k, v in os.environ.items() if not k.startswith('NANOCHAT')}
     run_env.update(NANOCHAT_DL_DATA_DIR=str(env['toy']), OMP_NUM_THREADS='1')
-    r = subprocess.run([torchrun, '--standalone', '--nproc_per_node', '2', str(script), str(env['tok_dir']), str(tmp_path),
-                        str(Path(__file__).parent)], capture_output=True, text=True, env=run_env, timeout=280)
+    r = subprocess.run([torchrun, '--standalone', '--nproc_per_node', '2', str(script), str(env['tok_dir']),
+                        str(tmp_path), str(Path(__file__).parent)],
+                       capture_output=True, text=True, env=run_env, timeout=280)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
     line = [l for l in r.stdout.splitlines() if l.startswith('RESULT ')]
     assert line, r.stdout[-3000:] + r.stderr[-3000:]
@@ -273,6 +284,6 @@ def test_torchrun_ranks_load_rank0s_checkpoint(env, tmp_path):
     assert r1['nanochat']                                                 # and nanochat's resume for rank 1
     n_rg = [len(g) for g in LAYOUT[:-1]]
     nc = r1['nc']
-    g = (nc['rg_idx'] // 2 + 1) * 2 + 1                                   # nanochat's rule: the next row group in rank 1's stride
+    g = (nc['rg_idx'] // 2 + 1) * 2 + 1                 # nanochat's rule: the next row group in rank 1's stride
     assert r1['start'] == ([nc['pq_idx'], g] if g < n_rg[nc['pq_idx']] else [nc['pq_idx'] + 1, 1])
     for r in (0, 1): assert res[r]['meta_all'] == dict(exact=True, warnings=[])
