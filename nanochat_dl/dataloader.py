@@ -81,8 +81,8 @@ def _dropin_resume(loader,  # a `PackedLoader` that has handed out no batch
         return loader.state_dict()
     inner = _exact(sd)
     if not _old_state(inner):   # nanochat's three fields: resumed from again, they give this batch again
-        loader.load_state_dict(inner)
-        return dict(inner)
+        loader.load_state_dict(inner)   # (anything else: its error says what is expected)
+        return dict(inner) if isinstance(inner, dict) else loader.state_dict()
     cfg, mine = inner.get('config'), loader.config
     who = (cfg.get('rank'), cfg.get('world_size')) if isinstance(cfg, dict) else None
     if who is not None and who != (mine['rank'], mine['world_size']):   # nanochat's script gives every rank rank 0's
