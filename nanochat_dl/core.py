@@ -4,7 +4,8 @@
 
 # %% auto #0
 __all__ = ['LOCK_FILE', 'LOCK_WAIT_S', 'DistInfo', 'get_dist_info', 'get_base_dir', 'get_data_dir', 'get_tokenizer_dir',
-           'atomic_write', 'check_int', 'file_in_the_way', 'human_bytes', 'usable_folder', 'folder_lock']
+           'get_nanochat_data_dir', 'atomic_write', 'check_int', 'file_in_the_way', 'human_bytes', 'usable_folder',
+           'folder_lock']
 
 # %% ../nbs/00_core.ipynb #4db050d3
 import os
@@ -70,6 +71,15 @@ def get_tokenizer_dir(env=None,  # environment variables to read (default: `os.e
                      ) -> Path:
     "Where a trained tokenizer is kept: `tokenizer/` under the base dir."
     return get_base_dir(env)/'tokenizer'
+
+# %% ../nbs/00_core.ipynb #c0a7e1d2
+def get_nanochat_data_dir(env=None,  # environment variables to read (default: `os.environ`)
+                         ) -> Path:
+    "The folder nanochat's `list_parquet_files()` reads: `base_data_climbmix/` under `$NANOCHAT_BASE_DIR` (else `~/.cache/nanochat`) if it exists, else the legacy `base_data/`."
+    env = os.environ if env is None else env
+    home = Path(env.get('HOME') or Path.home())   # nanochat: os.path.expanduser('~')
+    base = Path(env['NANOCHAT_BASE_DIR']) if env.get('NANOCHAT_BASE_DIR') else home/'.cache'/'nanochat'
+    return base/'base_data_climbmix' if (base/'base_data_climbmix').exists() else base/'base_data'
 
 # %% ../nbs/00_core.ipynb #0fe362ce
 import tempfile, json

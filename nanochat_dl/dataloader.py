@@ -8,10 +8,95 @@ __all__ = ['NanochatStream', 'tokenizing_distributed_data_loader_with_state_bos_
            'tokenizing_distributed_data_loader_bos_bestfit']
 
 # %% ../nbs/09_dataloader.ipynb #5001f5cf
-import warnings
+import os, sys, warnings
 import torch
+from .core import get_data_dir, get_nanochat_data_dir
 from .transfer import resolve_device
 from .loader import PackedLoader
+
+# %% ../nbs/09_dataloader.ipynb #d09a0002
+_named = set()   # the folders this process has named
+
+def _dropin_data_dir(data_dir,   # the drop-in's `data_dir=`
+                     env=None):  # environment variables to read (default: `os.environ`)
+    "What the drop-in passes to `PackedLoader` as `data_dir`: `data_dir`, else None when a `NANOCHAT_DL_*` setting names the shards, else nanochat's folder; names it on stderr once per process."
+    env = os.environ if env is None else env
+    if data_dir is not None: out, line = data_dir, f"{data_dir} (data_dir=)"
+    elif env.get('NANOCHAT_DL_DATA_DIR'): out, line = None, f"{env['NANOCHAT_DL_DATA_DIR']} ($NANOCHAT_DL_DATA_DIR)"
+    elif env.get('NANOCHAT_DL_BASE_DIR'): out, line = None, f"{get_data_dir(env=env)} ($NANOCHAT_DL_BASE_DIR)"
+    else:
+        out = get_nanochat_data_dir(env)
+        if not out.is_dir():
+            raise FileNotFoundError(f"no shards where nanochat keeps them: neither {out.parent/'base_data_climbmix'} "
+                                    f"nor {out.parent/'base_data'} is a folder (nanochat's `python -m nanochat.dataset` "
+                                    "downloads them there); set NANOCHAT_DL_DATA_DIR (or pass data_dir=) to read "
+                                    "shards elsewhere")
+        line = f"{out} (nanochat's folder)"
+    if line not in _named:
+        _named.add(line)
+        print(f"nanochat_dl: reading shards from {line}", file=sys.stderr, flush=True)
+    return out
+
+# %% ../nbs/09_dataloader.ipynb #d09a0005
+_NANOCHAT_KEYS = ('pq_idx', 'rg_idx', 'epoch')
+
+class NanochatStream:
+    "What the drop-in functions return: nanochat's tuples from a `PackedLoader` (kept in `.loader`), each state resuming *at* its batch; `close()` stops it."
+    def __init__(self, loader,             # the `PackedLoader` that makes the batches
+                 with_state:bool=True,     # yield `(inputs, targets, state_dict)`, or `(inputs, targets)`
+                 start=None):              # the state that resumes at the loader's first batch (default: its state)
+        self.loader, self.with_state = loader, with_state
+        self._at = loader.state_dict() if start is None else start
+        self._where = {k: self._at[k] for k in _NANOCHAT_KEYS if k in self._at} or dict(pq_idx=0, rg_idx=0, epoch=1)
+    def __iter__(self): return self
+    def __next__(self):
+        b = next(self.loader)
+        if not self.with_state: return b.inputs, b.targets
+        at, self._at = self._at, b.state   # the state before this batch resumes at it; this batch's, at the next one
+        self._where = {k: b.state[k] for k in _NANOCHAT_KEYS if k in b.state} or self._where   # nanochat's, of this batch
+        return b.inputs, b.targets, dict(self._where, at_batch=at)
+    def close(self):
+        "Stop the loader: its background thread and its tokenizer workers."
+        self.loader.close()
+    def __enter__(self): return self
+    def __exit__(self, *exc): self.close()
+    def __repr__(self): return f"NanochatStream({self.loader!r})"
+
+# %% ../nbs/09_dataloader.ipynb #d09a0006
+def _exact(sd): return sd['at_batch'] if isinstance(sd, dict) and 'at_batch' in sd else sd
+
+def _old_state(sd): return isinstance(sd, dict) and 'format' in sd   # a `PackedLoader` state: resumes after its batch
+
+_AFTER = ("resume_state_dict is a state of PackedLoader (as the drop-in handed out before its states resumed at "
+          "their batch, with 'at_batch'): it resumes after its batch, so nanochat's loop, which saves the state of a "
+          "batch it has fetched but not trained on, skips that batch once")
+
+def _dropin_resume(loader,  # a `PackedLoader` that has handed out no batch
+                   sd):     # the drop-in's `resume_state_dict`
+    "Resume `loader` from `sd` as nanochat's script needs (see the table above); returns the state that resumes at its first batch."
+    if sd is None: return loader.state_dict()
+    if isinstance(sd, (list, tuple)):   # every rank's states: exact (at another world size, rescaled)
+        if any(map(_old_state, sd)): warnings.warn(_AFTER, stacklevel=3)
+        loader.load_state_dict([_exact(s) for s in sd])
+        return loader.state_dict()
+    inner = _exact(sd)
+    if not _old_state(inner):   # nanochat's three fields: resumed from again, they give this batch again
+        loader.load_state_dict(inner)   # (anything else: its error says what is expected)
+        return dict(inner) if isinstance(inner, dict) else loader.state_dict()
+    cfg, mine = inner.get('config'), loader.config
+    who = (cfg.get('rank'), cfg.get('world_size')) if isinstance(cfg, dict) else None
+    if who is not None and who != (mine['rank'], mine['world_size']):   # nanochat's script gives every rank rank 0's
+        nc = {k: sd[k] for k in _NANOCHAT_KEYS if k in sd}
+        warnings.warn(f"resume_state_dict was saved by rank {who[0]} of {who[1]}, and this loader is rank "
+                      f"{mine['rank']} of {mine['world_size']}: resuming as nanochat's loader does, approximately, "
+                      f"after {nc or 'nothing'} in this rank's stride. Exact resume needs every rank's state: save the "
+                      "list of them (see the README) and pass it as resume_state_dict", stacklevel=3)
+        if not nc: return loader.state_dict()
+        loader.load_state_dict(nc)
+        return nc
+    if inner is sd: warnings.warn(_AFTER, stacklevel=3)
+    loader.load_state_dict(inner)
+    return loader.state_dict()
 
 # %% ../nbs/09_dataloader.ipynb #efbb7ad4
 def _dropin_device(device):
@@ -22,22 +107,6 @@ def _dropin_device(device):
         return 'cpu'
     return device
 
-class NanochatStream:
-    "What the drop-in functions return: nanochat's tuples from a `PackedLoader` (kept in `.loader`); `close()` stops it."
-    def __init__(self, loader,             # the `PackedLoader` that makes the batches
-                 with_state:bool=True):    # yield `(inputs, targets, state_dict)`, or `(inputs, targets)`
-        self.loader, self.with_state = loader, with_state
-    def __iter__(self): return self
-    def __next__(self):
-        b = next(self.loader)
-        return (b.inputs, b.targets, b.state) if self.with_state else (b.inputs, b.targets)
-    def close(self):
-        "Stop the loader: its background thread and its tokenizer workers."
-        self.loader.close()
-    def __enter__(self): return self
-    def __exit__(self, *exc): self.close()
-    def __repr__(self): return f"NanochatStream({self.loader!r})"
-
 def tokenizing_distributed_data_loader_with_state_bos_bestfit(
         tokenizer,                  # nanochat's tokenizer (or this package's): `encode`, `get_bos_token_id`; a tiktoken core is driven directly
         B,                          # rows per batch
@@ -46,16 +115,19 @@ def tokenizing_distributed_data_loader_with_state_bos_bestfit(
         tokenizer_threads=4,        # tokenizer worker processes (at most one per CPU)
         tokenizer_batch_size=128,   # documents per slice of a row group
         device="cuda",              # where the batches go ('cuda' falls back to the CPU, with a warning, when there is no CUDA)
-        resume_state_dict=None,     # a state this function yielded (exact resume), or nanochat's `{pq_idx, rg_idx, epoch}`
+        resume_state_dict=None,     # a state this function yielded (resumes at its batch), the list of every rank's, or nanochat's `{pq_idx, rg_idx, epoch}`
         buffer_size=1000,           # documents in the packing buffer
-        *, data_dir=None,           # the shards: a folder or a URI (`s3://bucket/prefix`, ...); default: $NANOCHAT_DL_DATA_DIR (which may be a URI too)
+        *, data_dir=None,           # the shards: a folder or a URI (`s3://bucket/prefix`, ...); default: $NANOCHAT_DL_DATA_DIR, else nanochat's folder
         cache_dir=None,             # for a URI: the shards' local copies (default: one folder per URI under the base dir)
         cache_size=None):           # for a URI: bytes those copies may take (None: no cap)
-    "nanochat's loader by name and signature: yields `(inputs, targets, state_dict)` forever, token for token nanochat's batches; `state_dict` resumes exactly."
+    "nanochat's loader by name and signature: yields `(inputs, targets, state_dict)` forever, token for token nanochat's batches; `state_dict` resumes exactly, at its batch."
+    data_dir, saved, resume_state_dict = _dropin_data_dir(data_dir), resume_state_dict, None   # resumed below
     loader = PackedLoader(tokenizer, B, T, split, data_dir, tokenizer_threads=tokenizer_threads, tokenizer_batch_size=tokenizer_batch_size,
                           device=_dropin_device(device), resume_state_dict=resume_state_dict, buffer_size=buffer_size,
                           cache_dir=cache_dir, cache_size=cache_size, views=True)   # nanochat's reused buffers
-    return NanochatStream(loader)
+    try: start = _dropin_resume(loader, saved)
+    except BaseException: loader.close(); raise
+    return NanochatStream(loader, start=start)
 
 def tokenizing_distributed_data_loader_bos_bestfit(
         tokenizer,                  # as `tokenizing_distributed_data_loader_with_state_bos_bestfit`
@@ -67,7 +139,7 @@ def tokenizing_distributed_data_loader_bos_bestfit(
         device="cuda",              # where the batches go
         resume_state_dict=None,     # a state to resume from
         buffer_size=1000,           # documents in the packing buffer
-        *, data_dir=None,           # the shards: a folder or a URI (default: $NANOCHAT_DL_DATA_DIR)
+        *, data_dir=None,           # the shards: a folder or a URI (default: $NANOCHAT_DL_DATA_DIR, else nanochat's folder)
         cache_dir=None,             # for a URI: the shards' local copies
         cache_size=None):           # for a URI: bytes those copies may take (None: no cap)
     "As `tokenizing_distributed_data_loader_with_state_bos_bestfit`, yielding `(inputs, targets)`."

@@ -40,7 +40,7 @@ if rank == 0:
     sets = [set(map(tuple, d)) for d in everyone]
     out = dict(world=world, docs=[len(s) for s in sets], shared=len(sets[0] & sets[1]),
                rgs=[sorted({g % world for _, g, _ in s}) for s in sets],
-               state_ranks=[states[-1]['config']['rank']], epochs=states[-1]['epoch'])
+               state_ranks=[states[-1]['at_batch']['config']['rank']], epochs=states[-1]['epoch'])
     print('RESULT ' + json.dumps(out), flush=True)
 dist.barrier()
 dist.destroy_process_group()

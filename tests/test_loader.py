@@ -76,7 +76,7 @@ def test_dropin_matches_reference(env, monkeypatch, B, T, tbs, buf, rank, ws):
             (x0, y0, s0), (x, y, s) = next(ref), next(dl)
             assert torch.equal(x0, x) and torch.equal(y0, y)
             assert s0 == {k: s[k] for k in s0}
-            assert s['config']['rank'] == rank and s['config']['world_size'] == ws
+            assert s['at_batch']['config']['rank'] == rank and s['at_batch']['config']['world_size'] == ws
     finally:
         dl.close(); ref.close()
 

@@ -1,0 +1,289 @@
+"""The drop-in inside nanochat's own training script: it reads the shards nanochat's `list_parquet_files()` reads, and
+the state it hands out with a batch resumes *at* that batch, which is what nanochat's loop saves (the state of the batch
+fetched but not yet trained on). Under torchrun, where nanochat saves rank 0's state only and every rank loads it, a
+foreign rank's state resumes as nanochat's loader would, with one warning; the list of every rank's states resumes
+exactly."""
+import itertools, json, os, shutil, subprocess, sys, textwrap, warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from nanochat_dl.dataloader import (tokenizing_distributed_data_loader_with_state_bos_bestfit as dropin,
+                                    tokenizing_distributed_data_loader_bos_bestfit as dropin_pairs)
+from nanochat_dl.dataset import make_sample_shards
+from nanochat_dl.loader import PackedLoader, reference_loader
+from nanochat_dl.testing import write_toy_shards
+from nanochat_dl.tokenizer import train_tokenizer
+
+
+def words(f, g, r): return ' '.join([f"w{f}{g}{r}x"] * (1 + (7 * f + 3 * g + 5 * r) % 23))
+def other(f, g, r): return ' '.join([f"z{r}{g}{f}q"] * (2 + (5 * f + 7 * g + 3 * r) % 19))
+
+LAYOUT = [[5, 3, 4, 2], [2, 6, 1, 3], [4, 4, 5], [3, 3, 3, 2], [2, 2]]
+KW = dict(tokenizer_threads=1, tokenizer_batch_size=2, device='cpu', buffer_size=6)   # many row groups, several epochs
+
+
+@pytest.fixture(scope='module')
+def env(tmp_path_factory):
+    d = tmp_path_factory.mktemp('dropin')
+    sample = d / 'sample'
+    make_sample_shards(sample)
+    tok = train_tokenizer(sample, vocab_size=1024, out_dir=d / 'tok', progress=False)
+    toy = d / 'toy'
+    write_toy_shards(toy, LAYOUT, text_fn=words)
+    return dict(dir=d, sample=sample, tok=tok, tok_dir=d / 'tok', toy=toy)
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    for k in ('NANOCHAT_DL_DATA_DIR', 'NANOCHAT_DL_BASE_DIR', 'NANOCHAT_BASE_DIR', 'XDG_CACHE_HOME',
+              'RANK', 'WORLD_SIZE', 'LOCAL_RANK'):
+        monkeypatch.delenv(k, raising=False)
+    return monkeypatch
+
+
+# --- 1. which folder ------------------------------------------------------------------------------------------------
+
+def _home(tmp_path, env, mp):
+    "A home as a user has it after `nanochat-dl demo`: our default folder holds the sample shards."
+    home = tmp_path / 'home'
+    shutil.copytree(env['sample'], home / '.cache' / 'nanochat_dl' / 'base_data')
+    mp.setenv('HOME', str(home))
+    return home
+
+
+def _folder_read(tok, capfd, **kw):
+    "The folder the drop-in reads, its first batch, and what it printed."
+    capfd.readouterr()
+    with dropin(tok, 2, 32, 'train', **KW, **kw) as dl:
+        folders = {p.parent for p in dl.loader.files}
+        x, y, _ = next(dl)
+    out = capfd.readouterr()
+    assert len(folders) == 1
+    return folders.pop(), x, (out.out + out.err).splitlines()
+
+
+@pytest.mark.parametrize('where', ['NANOCHAT_BASE_DIR', 'home'])
+@pytest.mark.parametrize('layout', ['climbmix', 'legacy', 'both'])
+def test_dropin_reads_nanochats_folder(env, tmp_path, clean_env, capfd, where, layout):
+    """With no data_dir= and no NANOCHAT_DL_* setting, the drop-in reads the folder nanochat's `list_parquet_files()`
+    reads ($NANOCHAT_BASE_DIR, else ~/.cache/nanochat; base_data_climbmix if it exists, else base_data), not our default
+    folder, even when that one holds shards (as after `nanochat-dl demo`); it prints one line naming the folder."""
+    home = _home(tmp_path, env, clean_env)
+    base = home / '.cache' / 'nanochat'
+    if where == 'NANOCHAT_BASE_DIR':
+        base = tmp_path / 'nanochat_base'
+        clean_env.setenv('NANOCHAT_BASE_DIR', str(base))
+    if layout in ('climbmix', 'both'): write_toy_shards(base / 'base_data_climbmix', LAYOUT, text_fn=words)
+    if layout in ('legacy', 'both'): write_toy_shards(base / 'base_data', LAYOUT[:3], text_fn=other)
+    want = base / ('base_data' if layout == 'legacy' else 'base_data_climbmix')
+    folder, x, lines = _folder_read(env['tok'], capfd)
+    assert folder == want
+    assert len(lines) == 1 and str(want) in lines[0], lines
+    ref = reference_loader(env['tok'], 2, 32, files=sorted(want.glob('*.parquet'))[:-1], tokenizer_threads=1,
+                           tokenizer_batch_size=2, buffer_size=6)
+    assert torch.equal(x, next(ref)[0])
+    with PackedLoader(env['tok'], 2, 32, device='cpu', tokenizer_threads=1) as ld:   # PackedLoader's default stays ours
+        assert {p.parent for p in ld.files} == {home / '.cache' / 'nanochat_dl' / 'base_data'}
+
+
+def test_dropin_settings_win_over_nanochats_folder(env, tmp_path, clean_env, capfd):
+    "NANOCHAT_DL_DATA_DIR, NANOCHAT_DL_BASE_DIR and data_dir= each say otherwise; a missing nanochat folder is named."
+    home = _home(tmp_path, env, clean_env)
+    write_toy_shards(home / '.cache' / 'nanochat' / 'base_data_climbmix', LAYOUT, text_fn=words)
+    assert _folder_read(env['tok'], capfd, data_dir=env['toy'])[0] == env['toy']
+    clean_env.setenv('NANOCHAT_DL_BASE_DIR', str(home / '.cache' / 'nanochat_dl'))
+    folder, _, lines = _folder_read(env['tok'], capfd)
+    assert folder == home / '.cache' / 'nanochat_dl' / 'base_data' and len(lines) == 1 and str(folder) in lines[0]
+    clean_env.setenv('NANOCHAT_DL_DATA_DIR', str(env['toy']))
+    assert _folder_read(env['tok'], capfd)[0] == env['toy']
+    clean_env.delenv('NANOCHAT_DL_DATA_DIR'); clean_env.delenv('NANOCHAT_DL_BASE_DIR')
+    clean_env.setenv('NANOCHAT_BASE_DIR', str(tmp_path / 'empty'))
+    with pytest.raises(FileNotFoundError) as e: dropin_pairs(env['tok'], 2, 32, 'train', **KW)
+    for name in ('base_data_climbmix', 'base_data'): assert str(tmp_path / 'empty' / name) in str(e.value)
+
+
+# --- 2. nanochat's loop ---------------------------------------------------------------------------------------------
+
+def nanochat_loop(tok, steps, save_every, resume_from_step=-1, resume_state=None, grad_accum_steps=1, B=2, T=32, **kw):
+    """scripts/base_train.py's loop, shape for shape: the first batch fetched before the loop; at the top of step k a
+    checkpoint saves the state that came with the batch fetched but not yet trained on (never at step 0 or at the resume
+    step, always at the last); each micro-step trains on x, y, then fetches the next x, y, state."""
+    train_loader = dropin(tok, B, T, split='train', resume_state_dict=resume_state, **{**KW, **kw})
+    x, y, dataloader_state_dict = next(train_loader)     # kick off load of the very first batch of data
+    step = 0 if resume_from_step == -1 else resume_from_step
+    trained, checkpoints = {}, {}
+    while True:
+        last_step = step == steps
+        if last_step or (step > 0 and step != resume_from_step and save_every > 0 and step % save_every == 0):
+            checkpoints[step] = json.loads(json.dumps({'step': step, 'dataloader_state_dict': dataloader_state_dict}))
+        if last_step: break
+        trained[step] = []
+        for micro_step in range(grad_accum_steps):
+            trained[step].append((x.clone(), y.clone()))   # loss = model(x, y); loss.backward()
+            x, y, dataloader_state_dict = next(train_loader)   # prefetch the next batch while the GPU is busy
+        step += 1
+    train_loader.close()
+    return trained, checkpoints
+
+
+def _same(a, b):
+    "Two runs' trained batches, step by step, bit for bit."
+    return a.keys() == b.keys() and all(torch.equal(x, x0) and torch.equal(y, y0)
+                                        for k in a for (x, y), (x0, y0) in zip(a[k], b[k]))
+
+
+@pytest.mark.parametrize('grad_accum_steps,B,T,buffer_size', [(1, 2, 32, 6), (2, 3, 24, 1), (1, 1, 64, 20)])
+def test_nanochats_loop_resumes_bit_for_bit(env, clean_env, grad_accum_steps, B, T, buffer_size):
+    """Resumed from any checkpoint nanochat's loop saved, the loop trains on exactly the batches the uninterrupted run
+    trained on, bit for bit (across epochs), and saves the same checkpoints; resumed twice, too."""
+    kw = dict(data_dir=env['toy'], grad_accum_steps=grad_accum_steps, B=B, T=T, buffer_size=buffer_size)
+    steps = 24
+    full, ckpts = nanochat_loop(env['tok'], steps, 3, **kw)
+    assert max(s['dataloader_state_dict']['epoch'] for s in ckpts.values()) >= 2
+    again = {}
+    for k in (3, 12, 21):
+        got, again[k] = nanochat_loop(env['tok'], steps, 3, k, ckpts[k]['dataloader_state_dict'], **kw)
+        assert _same(got, {s: full[s] for s in range(k, steps)}), f"resumed at step {k}"
+        assert again[k] == {s: c for s, c in ckpts.items() if s > k}
+    got, _ = nanochat_loop(env['tok'], steps, 3, 15, again[12][15]['dataloader_state_dict'], **kw)  # resumed twice
+    assert _same(got, {s: full[s] for s in range(15, steps)})
+
+
+def test_dropin_state_keeps_nanochats_fields(env, clean_env):
+    "The state's pq_idx, rg_idx and epoch are nanochat's for its batch (its log line reads them); it stays small."
+    ref = reference_loader(env['tok'], 2, 32, files=sorted(env['toy'].glob('*.parquet'))[:-1], tokenizer_threads=1,
+                           tokenizer_batch_size=2, buffer_size=6)
+    with dropin(env['tok'], 2, 32, 'train', data_dir=env['toy'], **KW) as dl:
+        for _ in range(30):
+            (_, _, s), (_, _, s0) = next(dl), next(ref)
+            assert {k: s[k] for k in s0} == s0
+            assert len(json.dumps(s)) < 8192
+
+
+def test_dropin_resumes_from_older_states(env, clean_env):
+    """nanochat's {pq_idx, rg_idx, epoch} resumes as nanochat's loader does; a state of `PackedLoader` (what the drop-in
+    handed out before it resumed at its batch) resumes after its batch, as it always did, with a warning saying so."""
+    with dropin(env['tok'], 2, 32, 'train', data_dir=env['toy'], **KW) as dl:
+        full = [(x.clone(), y.clone(), s) for x, y, s in itertools.islice(dl, 12)]   # (the drop-in's tensors are views)
+    nc = {k: full[5][2][k] for k in ('pq_idx', 'rg_idx', 'epoch')}
+    with PackedLoader(env['tok'], 2, 32, 'train', env['toy'], resume_state_dict=nc, **KW) as ld:
+        want = next(ld).inputs.clone()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter('always')
+        with dropin(env['tok'], 2, 32, 'train', data_dir=env['toy'], resume_state_dict=nc, **KW) as dl:
+            assert torch.equal(next(dl)[0], want) and dl.loader.resumed == 'approximate'
+    assert not [w for w in caught if 'resume' in str(w.message)]
+    with PackedLoader(env['tok'], 2, 32, 'train', env['toy'], **KW) as ld:
+        old = [b.state for b in itertools.islice(ld, 6)][-1]
+    with pytest.warns(UserWarning, match='after its batch'):
+        dl = dropin(env['tok'], 2, 32, 'train', data_dir=env['toy'], resume_state_dict=json.loads(json.dumps(old)),
+                    **KW)
+    with dl: assert [torch.equal(next(dl)[0], b[0]) for b in full[6:9]] == [True] * 3
+
+
+# --- 3. another rank's state ----------------------------------------------------------------------------------------
+
+def _as_rank(mp, r, W): mp.setenv('RANK', str(r)); mp.setenv('WORLD_SIZE', str(W)); mp.setenv('LOCAL_RANK', str(r))
+
+
+def test_another_ranks_state_resumes_as_nanochat_would(env, clean_env):
+    """Rank 1 given rank 0's state (nanochat's script saves only rank 0's) resumes where nanochat's loader would on
+    rank 1 (the row group after rank 0's, in rank 1's stride), warning once; given every rank's states, it resumes
+    exactly."""
+    runs, ckpts = {}, {}
+    for r in (0, 1):
+        _as_rank(clean_env, r, 2)
+        runs[r], ckpts[r] = nanochat_loop(env['tok'], 12, 4, data_dir=env['toy'])
+    s0 = ckpts[0][8]['dataloader_state_dict']
+    nc = {k: s0[k] for k in ('pq_idx', 'rg_idx', 'epoch')}
+    with PackedLoader(env['tok'], 2, 32, 'train', env['toy'], rank=1, world_size=2, resume_state_dict=nc, **KW) as ld:
+        want = [(b.inputs.clone(), b.targets.clone()) for b in itertools.islice(ld, 4)]
+    _as_rank(clean_env, 1, 2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter('always')
+        got, _ = nanochat_loop(env['tok'], 12, 4, 8, s0, data_dir=env['toy'])
+    mine = [w for w in caught if 'every rank' in str(w.message)]
+    assert len(mine) == 1 and 'rank 0 of 2' in str(mine[0].message), [str(w.message) for w in caught]
+    assert _same(got, {8 + i: [b] for i, b in enumerate(want)})
+    both = [ckpts[r][8]['dataloader_state_dict'] for r in (0, 1)]
+    for r in (0, 1):
+        _as_rank(clean_env, r, 2)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter('always')
+            got, _ = nanochat_loop(env['tok'], 12, 4, 8, both, data_dir=env['toy'])
+        assert not caught, [str(w.message) for w in caught]
+        assert _same(got, {s: runs[r][s] for s in range(8, 12)}), f"rank {r}"
+
+
+WORKER = """
+import json, os, sys, warnings
+import torch.distributed as dist
+sys.path.insert(0, sys.argv[3])
+from test_dropin import nanochat_loop, KW
+from nanochat_dl.loader import PackedLoader
+from nanochat_dl.tokenizer import Tokenizer
+
+dist.init_process_group('gloo')
+rank, world = dist.get_rank(), dist.get_world_size()
+tok, out = Tokenizer.load(sys.argv[1]), sys.argv[2]
+steps, k = 12, 6
+full, ckpts = nanochat_loop(tok, steps, k)
+everyone = [None] * world                                   # the README's lines: every rank's state, gathered
+dist.all_gather_object(everyone, ckpts[k]['dataloader_state_dict'])
+if rank == 0:                                               # nanochat's save_checkpoint: rank 0 writes the metadata
+    with open(f'{out}/meta_{k:06d}.json', 'w') as f: json.dump(ckpts[k], f)
+    with open(f'{out}/meta_all_{k:06d}.json', 'w') as f: json.dump(dict(ckpts[k], dataloader_state_dict=everyone), f)
+dist.barrier()
+res = {}
+for name in ('meta', 'meta_all'):                           # every rank loads rank 0's file, as nanochat's script does
+    with open(f'{out}/{name}_{k:06d}.json') as f: meta = json.load(f)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter('always')
+        got, _ = nanochat_loop(tok, steps, k, k, meta['dataloader_state_dict'])
+    exact = all(all((a == b).all().item() for (a, _), (b, _) in zip(got[s], full[s])) for s in range(k, steps))
+    res[name] = dict(exact=exact, warnings=[str(w.message) for w in caught])
+    if name == 'meta':
+        s0 = meta['dataloader_state_dict']
+        nc = {key: s0[key] for key in ('pq_idx', 'rg_idx', 'epoch')}
+        with PackedLoader(tok, 2, 32, 'train', resume_state_dict=nc, **KW) as ld:   # nanochat's resume on this rank
+            start = ld.reader.state_dict()
+            want = [next(ld).inputs.clone() for _ in range(steps - k)]
+        res[name].update(nanochat=all((got[k + i][0][0] == w).all().item() for i, w in enumerate(want)), nc=nc,
+                         start=[start['file'], start['rg']])
+gathered = [None] * world
+dist.all_gather_object(gathered, res)
+if rank == 0: print('RESULT ' + json.dumps(gathered), flush=True)
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.timeout(300)
+def test_torchrun_ranks_load_rank0s_checkpoint(env, tmp_path):
+    """torchrun, 2 ranks (gloo, CPU), nanochat's loop: with rank 0's checkpoint loaded by both ranks, nothing stops;
+    rank 0 resumes exactly, rank 1 where nanochat's loader would, with one warning; with every rank's state saved, both
+    exactly."""
+    torchrun = shutil.which('torchrun') or str(Path(sys.executable).parent / 'torchrun')
+    if not Path(torchrun).exists(): pytest.skip('torchrun is not installed')
+    script = tmp_path / 'worker.py'
+    script.write_text(textwrap.dedent(WORKER))
+    run_env = {k: v for k, v in os.environ.items() if not k.startswith('NANOCHAT')}
+    run_env.update(NANOCHAT_DL_DATA_DIR=str(env['toy']), OMP_NUM_THREADS='1')
+    r = subprocess.run([torchrun, '--standalone', '--nproc_per_node', '2', str(script), str(env['tok_dir']),
+                        str(tmp_path), str(Path(__file__).parent)],
+                       capture_output=True, text=True, env=run_env, timeout=280)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+    line = [l for l in r.stdout.splitlines() if l.startswith('RESULT ')]
+    assert line, r.stdout[-3000:] + r.stderr[-3000:]
+    res = json.loads(line[-1][7:])
+    r0, r1 = res[0]['meta'], res[1]['meta']
+    assert r0['exact'] and not r0['warnings']                           # rank 0's own state: exact, silent
+    assert len(r1['warnings']) == 1 and 'every rank' in r1['warnings'][0]   # rank 1: one warning
+    assert r1['nanochat']                                                 # and nanochat's resume for rank 1
+    n_rg = [len(g) for g in LAYOUT[:-1]]
+    nc = r1['nc']
+    g = (nc['rg_idx'] // 2 + 1) * 2 + 1                 # nanochat's rule: the next row group in rank 1's stride
+    assert r1['start'] == ([nc['pq_idx'], g] if g < n_rg[nc['pq_idx']] else [nc['pq_idx'] + 1, 1])
+    for r in (0, 1): assert res[r]['meta_all'] == dict(exact=True, warnings=[])
