@@ -178,3 +178,27 @@ def test_resume_is_exact_across_epochs_twice(env, strategy, size):
         sd, at = json.loads(json.dumps(got[-1].state)), c
     for a, b in zip(full, got):
         assert a.inputs.equal(b.inputs) and a.targets.equal(b.targets) and a.state == b.state and a.packed.metrics == b.packed.metrics
+
+
+def test_a_state_from_before_loads(env):
+    "A state saved before entry rows were kept (no `entered`) still resumes: its entries enter at the load, and epochs still end."
+    from nanochat_dl.loader import _checksum
+    kw = dict(files=env['files'], **KW, strategy='bestfit-split', buffer_size=16)
+    with PackedLoader(env['tok'], **kw) as ld:
+        for _ in range(7): sd = next(ld).state
+    sd = json.loads(json.dumps(sd))
+    assert min(sd['stages']['pack']['buffer']['offset']) >= 0   # nothing held: a state an older version could have written
+    del sd['stages']['pack']['entered']
+    sd['checksum'] = _checksum(sd)
+    led = Ledger(env['lens']); s = led.stream()
+    with PackedLoader(env['tok'], **kw, resume_state_dict=sd) as ld:
+        assert ld.resumed == 'exact' and set(ld.packer.entered_rows()) == {ld.packer.metrics_state()['rows']}
+        for i in range(60): led.add(s, next(ld).packed, True, f"batch {i}")
+
+
+def test_bestfit_crop_has_no_age_limit():
+    "nanochat's rule stays nanochat's: no age limit can be set, and `epoch_of` changes nothing."
+    with pytest.raises(ValueError, match="only the strategies"): Packer(8, strategy='bestfit-crop', max_wait=5)
+    p = Packer(8, 4, 'bestfit-crop', bos_id=0, epoch_of=lambda k: k[0])
+    assert p.max_wait is None and p.epoch_of is None
+    assert Packer(8, 4, 'bestfit-pad').max_wait == 256 and Packer(8, 4, 'bestfit-pad', max_wait=None).max_wait is None
