@@ -22,8 +22,8 @@ from fastcore.basics import patch
 from .shards import RowGroupReader, RowGroupTexts, Slice, split_files, split_shards, read_documents, nanochat_state, open_shard_bytes, row_group_plan
 from .remote import cache_metrics, pin_copies, unpin_copies
 from .stages import Stage, Doc
-from .packing import (Packer, ReferencePacker, PackedBatch, FlatDocs, STRATEGIES, GUARDED, HELD, position_ids,
-                                 cu_seqlens, entered_runs, entered_rows)
+from .packing import (Packer, ReferencePacker, PackedBatch, FlatDocs, STRATEGIES, GUARDED, HELD,
+                                 position_ids, cu_seqlens, entered_runs, entered_rows)
 from .transfer import DeviceTransfer, SingleBufferTransfer, resolve_device
 from .tokenizer import tokenizer_fingerprint
 from .encode import Request, make_encoder, _check_timeout
@@ -297,7 +297,7 @@ def address_entries(cols,   # columns from `address_columns`
 
 @patch
 def epoch_floor(self:EncodeStage) -> int | None:
-    "The lowest epoch still to come from the source while, after a rescale, it catches up columns (None otherwise: its epochs only rise)."
+    "The lowest epoch still to come from the source while it catches up columns after a rescale (else None: epochs only rise)."
     el = self._above['source'].get('elastic') if self._above is not None and 'source' in self._above else None
     if self._above is None: el = getattr(self.upstream, 'elastic', None)
     cols = el and el['columns']
@@ -426,7 +426,8 @@ def _checksum(sd) -> str:
     src, last, pack = st['source'], st['source']['last'], st['pack']
     data = json.dumps([sd['format'], sd.get('pq_idx'), sd.get('rg_idx'), sd.get('epoch'), sorted(src['cursor'].items()),
                        last and sorted(last.items()), st['batch']['step'], sorted(pack['metrics'].items()), st['encode'], st['transfer']]
-                      + ([src['elastic']] if 'elastic' in src else []) + ([pack['entered']] if 'entered' in pack else []),
+                      + ([src['elastic']] if 'elastic' in src else [])
+                      + ([pack['entered']] if 'entered' in pack else []),
                       separators=(',', ':')).encode()
     crc, adler = zlib.crc32(data), zlib.adler32(data)
     for c in _BUFFER_COLUMNS:   # the columns as little-endian int64s: the same bytes on every machine and Python
@@ -478,8 +479,8 @@ def _check_columns(cols, ranges) -> int:
 def _check_buffer(cols, cfg, reader, cursor, elastic=None):
     "Every buffered entry: an address this rank has read (before `cursor`), in reading order, none twice, at an offset where the strategy starts a piece, or `HELD` aside (whole, last; after a rescale, `elastic`: entries of epochs before `align` only before their column's cursor)."
     big, strategy = 1 << 62, cfg['strategy']
-    n = _check_columns(_as_dict(cols, _BUF, _BUFFER_COLUMNS), dict(epoch=(1, cursor[0][0] + 1), file=(0, len(reader.files)), rg=(0, big),
-                       row=(0, big), offset=(-big if strategy in GUARDED else 0, big)))
+    n = _check_columns(_as_dict(cols, _BUF, _BUFFER_COLUMNS), dict(epoch=(1, cursor[0][0] + 1), file=(0, len(reader.files)),
+                       rg=(0, big), row=(0, big), offset=(-big if strategy in GUARDED else 0, big)))
     C, T = cfg['T'] + 1, cfg['T']
     split, most = strategy == 'bestfit-split', cfg['buffer_size'] + cfg['tokenizer_batch_size'] - 1
     docs = len(set(zip(*(cols[c] for c in _BUFFER_COLUMNS[:4])))) if split else n
@@ -492,8 +493,9 @@ def _check_buffer(cols, cfg, reader, cursor, elastic=None):
         key, at = (e, f, g, r), f"{_name(_BUF)}: entry {i}"
         if (o == HELD) != (held.setdefault(key, o) == HELD):
             raise ValueError(f"{at} ({key}): a document held aside whole (offset {HELD}) has no other entry")
-        if o < 0 and i and cols['offset'][i - 1] >= 0: prev = None   # the ones held aside: after the rest, in reading order
-        if o >= 0 and i and cols['offset'][i - 1] < 0: raise ValueError(f"{at} ({key}) comes after an entry held aside: those come last")
+        if o < 0 and i and cols['offset'][i - 1] >= 0: prev = None   # those held aside: after the rest, in reading order
+        if o >= 0 and i and cols['offset'][i - 1] < 0:
+            raise ValueError(f"{at} ({key}) comes after an entry held aside: those come last")
         o = o if o >= -1 else -2 - o   # a piece held aside at offset o is saved as -2 - o
         j = seen.setdefault((key, o) if split else key, i)
         if j != i:
@@ -519,17 +521,19 @@ def _check_buffer(cols, cfg, reader, cursor, elastic=None):
         prev = (pos, o)
 
 def _check_ages(pack, cfg):
-    "The pack stage's `entered`: runs `[count, row]`, rows non-decreasing and not after the rows made, one per entry not held aside."
+    "The pack stage's `entered`: runs `[count, row]`, rows non-decreasing, none after the rows made, one per entry not held."
     P, rows, offs = ('stages', 'pack'), pack['metrics']['rows'], pack['buffer']['offset']
     if 'entered' not in pack: return   # a state from before: its entries enter at the load
     runs, prev, total = pack['entered'], 0, 0
     if not isinstance(runs, list): raise TypeError(f"{_name(P + ('entered',))} must be a list of [count, row] runs")
     for i, x in enumerate(runs):
-        if not (isinstance(x, list) and len(x) == 2): raise ValueError(f"{_name(P + ('entered', i))}={x!r:.60}: expected [count, row]")
+        if not (isinstance(x, list) and len(x) == 2):
+            raise ValueError(f"{_name(P + ('entered', i))}={x!r:.60}: expected [count, row]")
         total += _as_int(x[0], P + ('entered', i, 0), 1)
         prev = _as_int(x[1], P + ('entered', i, 1), prev, rows + 1)
     n = sum(1 for o in offs if o >= 0)
-    if total != n: raise ValueError(f"{_name(P + ('entered',))} counts {total} entries: expected one per buffered entry not held aside ({n})")
+    if total != n:
+        raise ValueError(f"{_name(P + ('entered',))} counts {total} entries: expected one per buffered entry not held ({n})")
 
 def _check_source(src, cfg, reader, present, sd) -> tuple:
     "The source stage's state: the reader's cursor, and the last slice (nanochat's three fields, also at the top); the cursor's place in reading order."
@@ -758,8 +762,9 @@ class PackedLoader(Stage):
                                 text_column=text_column, utf8_errors=utf8_errors)
         encoder = make_encoder(tokenizer, tokenizer_threads, tokenize_in, worker_timeout)   # from here on, a failure must close it again
         try:
+            # an address starts with its epoch: with `bestfit-pad` and `bestfit-split`, every epoch ends
             packer = Packer(self.T, buffer_size, strategy, bos_id=encoder.bos, pad_id=pad_id, max_docs_per_row=max_docs_per_row,
-                            epoch_of=itemgetter(0))   # an address starts with its epoch: `bestfit-pad` and `bestfit-split` end every epoch
+                            epoch_of=itemgetter(0))
             self.config = dict(split=split, B=self.B, T=self.T, strategy=strategy, buffer_size=packer.buffer_size,
                                tokenizer_batch_size=reader.batch_size, rank=reader.rank, world_size=reader.world_size,
                                shuffle=reader.shuffle, seed=reader.seed, text_column=text_column, pad_id=packer.pad_id,

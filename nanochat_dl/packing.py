@@ -93,7 +93,7 @@ class FlatDocs(Sequence):
     def __repr__(self): return f"FlatDocs({len(self)} documents, {self.ntokens} tokens)"
 
 # %% ../nbs/06_packing.ipynb #34d84d10
-HELD = -1   # the offset a state gives a whole document the epoch guard holds aside (`Packer`); a piece at offset o aside: -2 - o
+HELD = -1   # a state's offset for a whole document the epoch guard holds aside (a piece at offset o: -2 - o)
 _COUNTERS = ('docs_in', 'doc_tokens', 'floor_tokens', 'tokens_in', 'emitted', 'cropped', 'padded', 'placed', 'truncated', 'rows')
 _MAX_EMPTY_PULLS = 1000
 
@@ -111,7 +111,8 @@ def entered_runs(rows,  # the row each buffer entry entered at, in buffer order 
 def entered_rows(runs  # `[[count, row], ...]` from `entered_runs`
                 ) -> list:
     "The inverse of `entered_runs`."
-    if not isinstance(runs, list) or not all(isinstance(x, list) and len(x) == 2 and type(x[0]) is int and x[0] > 0 for x in runs):
+    ok = lambda x: isinstance(x, list) and len(x) == 2 and type(x[0]) is int and x[0] > 0
+    if not isinstance(runs, list) or not all(map(ok, runs)):
         raise ValueError(f"entered={str(runs)[:80]}: expected runs [[count, row], ...] with counts > 0")
     return [r for n, r in runs for _ in range(n)]
 
@@ -128,8 +129,8 @@ class _PackerBase:
         buffered_tokens="tokens in the buffer now", buffered_docs="buffer entries now",
         total_tokens_in="cumulative", total_emitted="cumulative", total_cropped="cumulative", total_padded="cumulative",
         total_crop_pct="cumulative crop_pct", total_waste_pct="cumulative waste_pct",
-        oldest_wait="the largest wait, in rows (rows made since a piece entered the buffer until the row it was placed in), "
-                    "among the pieces placed in this batch")
+        oldest_wait="the largest wait, in rows (rows made since a piece entered the buffer until the row it was "
+                    "placed in), among the pieces placed in this batch")
 
     def __init__(self, T, buffer_size, bos_id):
         self.T = check_int('T', T, 1)
@@ -206,7 +207,7 @@ class _PackerBase:
         self._row = self._tot['rows']
 
     def state_dict(self) -> dict:
-        "Everything needed to continue exactly: buffer addresses in order, when each entered, counters, and the settings they depend on."
+        "All it takes to continue exactly: buffer addresses in order, when each entered, counters, and the settings they need."
         return dict(strategy=self.strategy, T=self.T, buffer_size=self.buffer_size, buffer=self.buffer_state(),
                     entered=entered_runs(self.entered_rows()), metrics=self.metrics_state())
 
@@ -222,7 +223,8 @@ class _PackerBase:
         if len(docs) != len(keys): raise ValueError(f"fetch returned {len(docs)} documents for {len(keys)} keys")
         self.load_metrics_state(state['metrics'])   # first: entries of a state without `entered` enter at its row count
         entered = state.get('entered')
-        self.restore([(doc, key, off) for doc, (key, off) in zip(docs, state['buffer'])], None if entered is None else entered_rows(entered))
+        self.restore([(doc, key, off) for doc, (key, off) in zip(docs, state['buffer'])],
+                     None if entered is None else entered_rows(entered))
 
     held = 0   # documents waiting aside (only `Packer`'s epoch guard holds any)
 
@@ -230,10 +232,10 @@ class _PackerBase:
         "The rows `m` restored entries entered at (`entered`, or the row count now: an old state has none), checked."
         if entered is None: return [self._row] * m
         rows = list(entered)
-        if len(rows) != m or any(type(r) is not int for r in rows) or (rows and (min(rows) < 0 or max(rows) > self._row)) \
-                or any(a > b for a, b in zip(rows, rows[1:])):
-            raise ValueError(f"entered: expected {m} non-decreasing row numbers between 0 and {self._row} (one per buffered entry not "
-                             f"held aside), got {str(rows)[:80]}")
+        bad = any(type(r) is not int for r in rows) or (rows and (min(rows) < 0 or max(rows) > self._row))
+        if len(rows) != m or bad or any(a > b for a, b in zip(rows, rows[1:])):
+            raise ValueError(f"entered: expected {m} non-decreasing row numbers between 0 and {self._row} (one per "
+                             f"buffered entry not held aside), got {str(rows)[:80]}")
         return rows
 
     def _check_B(self, B): return check_int('B', B, 1)
@@ -406,8 +408,8 @@ class Packer(_PackerBase):
                  bos_id=None,                # when given, every document must start with it; needed by 'bestfit-split'
                  pad_id=None,                # what padding is written with (default: `bos_id`, else 0)
                  max_docs_per_row=None,      # at most this many segments per row (None: no cap)
-                 max_wait='auto',            # rows a piece may wait before it goes first (`GUARDED` strategies; None: no age limit)
-                 epoch_of=None):             # `epoch_of(key)` -> the epoch of a document: turns on the epoch guard (`GUARDED`)
+                 max_wait='auto',            # rows a piece may wait before it goes first (`GUARDED`; None: no limit)
+                 epoch_of=None):             # `epoch_of(key)` -> a document's epoch: the epoch guard (`GUARDED`)
         super().__init__(T, buffer_size, bos_id)
         if strategy not in STRATEGIES:
             raise ValueError(f"unknown strategy {strategy!r}: expected one of {list(STRATEGIES)}")
@@ -424,14 +426,15 @@ class Packer(_PackerBase):
         guarded = strategy in GUARDED
         if max_wait == 'auto': max_wait = MAX_WAIT if guarded else None
         elif max_wait is not None:
-            if not guarded: raise ValueError(f"max_wait={max_wait!r}: only the strategies {list(GUARDED)} have an age limit")
+            if not guarded: raise ValueError(f"max_wait={max_wait!r}: only the strategies {list(GUARDED)} have one")
             max_wait = check_int('max_wait', max_wait, 0)
-        if epoch_of is not None and not callable(epoch_of): raise TypeError(f"epoch_of must be callable, got {type(epoch_of).__name__}")
+        if epoch_of is not None and not callable(epoch_of):
+            raise TypeError(f"epoch_of must be callable, got {type(epoch_of).__name__}")
         self.max_wait, self.epoch_of = max_wait, epoch_of if guarded else None
         self._clear()
 
     def _clear(self):
-        # seq -> (source, start, key, offset, length, entered), in insertion order, hence buffer order. The entry's tokens are
+        # seq -> (source, start, key, offset, length, entered row), in insertion order, hence buffer order. Its tokens are
         # source[start + offset : start + offset + length] (a bestfit-split continuation: BOS, then one token fewer);
         # `source` is the document itself (start 0) or the flat array of a `FlatDocs` it arrived in
         self._ent = {}
@@ -442,8 +445,9 @@ class Packer(_PackerBase):
         # for greedy/concat every entry goes through this FIFO
         self._long = deque() if (self._longfirst or self._fifo_mode) else []
         self.buffered_tokens = 0
-        self._held = []  # (source, start, key, length, offset): what the epoch guard keeps aside, in reading order; offset
-                         # `HELD`: a whole document (split when let in); else one piece (held on a restore from other ranks)
+        # (source, start, key, length, offset): what the epoch guard keeps aside, in reading order; offset `HELD`:
+        # a whole document (split when let in); else one piece (held on a restore from other ranks)
+        self._held = []
         self._ep = {}    # epoch -> pieces buffered (with `epoch_of`)
         self._head = 0   # no buffered entry has a smaller seq
 
@@ -476,7 +480,7 @@ class Packer(_PackerBase):
         C, T, n0 = self.C, self.T, self.buffered_tokens
         if self._fifo_mode:
             for src, s, key, L in items:
-                if L > C and (s or len(src) != L): src, s = src[s:s + L].copy(), 0   # a long stay: do not pin a whole array
+                if L > C and (s or len(src) != L): src, s = src[s:s + L].copy(), 0   # a long stay: pin no whole array
                 self._add(src, s, key, 0, L)
         else:   # the best-fit rules: short entries inline (the hot path), long ones through `_add`
             ent, qs, lens, seq, n, split, now = self._ent, self._q, self._lens, self._seq, 0, self._split, self._row
@@ -507,7 +511,8 @@ class Packer(_PackerBase):
         if not q: del lens[i]
         return seq
 
-    epoch_floor = None   # `epoch_floor()` -> the lowest epoch the pull may still bring when it can go down (a rescaled loader's), or None
+    # `epoch_floor()` -> the lowest epoch the pull may still bring where it can go down (a rescaled loader's), or None
+    epoch_floor = None
 
     def _low(self):
         "The oldest epoch buffered or still to come (None: nothing buffered, nothing older to come)."
@@ -516,7 +521,7 @@ class Packer(_PackerBase):
         return f if low is None or (f is not None and f < low) else low
 
     def _refill(self, pull):
-        "Fill the buffer to `buffer_size` entries: documents held aside first, as far as the epoch guard lets them in; then pulls."
+        "Fill the buffer to `buffer_size` entries: held documents first, as far as the epoch guard lets them; then pulls."
         ent, size = self._ent, self.buffer_size
         while len(ent) < size:
             if self._held:
@@ -526,11 +531,14 @@ class Packer(_PackerBase):
             self._intake(pull)   # (with documents held: the pull still owes an older epoch)
 
     def _release(self):
-        "Let the held documents in, in order, each unless it is two epochs past the oldest one buffered or still to come."
+        "Let the held documents in, in order, each unless two epochs past the oldest one buffered or still to come."
         held, ep, eo, keep, i = self._held, self._ep, self.epoch_of, [], 0
+        es = [eo(x[2]) for x in held]
+        first = min(es, default=None)   # a held document of an older epoch (pulled after newer ones) counts as still to come
         while i < len(held):
-            e, j, seq, low = eo(held[i][2]), i + 1, self._seq, self._low()
-            while j < len(held) and eo(held[j][2]) == e: j += 1
+            e, j, seq, low = es[i], i + 1, self._seq, self._low()
+            low = first if low is None or first < low else low
+            while j < len(held) and es[j] == e: j += 1
             if low is not None and e >= low + 2: keep += held[i:j]
             elif all(x[4] == HELD for x in held[i:j]): self._admit([x[:4] for x in held[i:j]])
             else:
@@ -542,14 +550,14 @@ class Packer(_PackerBase):
         self._held = keep
 
     def _late(self) -> bool:
-        "Whether the row must start with the entry that entered first: documents are held aside, or it waited over `max_wait` rows."
+        "Whether the row must start with the entry that entered first: some are held aside, or it waited over `max_wait`."
         h, ent = self._head, self._ent
         while h not in ent: h += 1
         self._head = h
         return bool(self._held) or (self.max_wait is not None and self._row - ent[h][5] > self.max_wait)
 
     def _pop_head(self) -> int:
-        "Take the entry that entered first (`_late` found it): it is first among those of its length, or first of the long ones."
+        "Take the entry that entered first (`_late` found it): first among those of its length, or of the long ones."
         seq = self._head
         L = self._ent[seq][4]
         got = self._long.popleft() if L > self.C else self._pop_len(bisect.bisect_left(self._lens, L))
@@ -565,7 +573,7 @@ class Packer(_PackerBase):
             if mdr is not None and len(segs) == mdr: break   # the rest of the row is padding
             if len(ent) < size: self._refill(pull)
             rem = C - pos
-            if pos == 0 and guard and self._late(): seq = self._pop_head()   # an epoch must drain, or a piece waited too long
+            if pos == 0 and guard and self._late(): seq = self._pop_head()   # an epoch must drain, or a piece is late
             elif mdr is not None and len(segs) == mdr - 1:   # the last segment allowed: it should fill the row
                 i = bisect.bisect_left(lens, rem)
                 if i < len(lens): seq = self._pop_len(i)     # the shortest that reaches the end
@@ -675,7 +683,7 @@ class Packer(_PackerBase):
         return [[key, off] for key, off in zip(*self.buffer_keys())]
 
     def buffer_keys(self) -> tuple:
-        "`buffer_state()` as two lists, `(keys, offsets)`: cheaper, for a loader that saves its state with every batch (held documents last)."
+        "`buffer_state()` as two lists, `(keys, offsets)` (held documents last): cheaper, for a state with every batch."
         entries = list(self._ent.values())
         return ([e[2] for e in entries] + [h[2] for h in self._held],
                 [e[3] for e in entries] + [HELD if h[4] == HELD else -2 - h[4] for h in self._held])
@@ -684,11 +692,11 @@ class Packer(_PackerBase):
         "The row each buffer entry entered at, in buffer order (documents held aside have not entered)."
         return [e[5] for e in self._ent.values()]
 
-    def restore(self, items,    # `(tokens, key, offset)` triples in buffer order; tokens: the whole document; offset < 0: held aside
-                entered=None):  # the row each entry not held entered at (None: the row count now, the epoch guard applied afresh)
+    def restore(self, items,    # `(tokens, key, offset)` in buffer order; tokens: the whole document; offset < 0: held
+                entered=None):  # the row each entry not held entered at (None: the row count now, the guard applied afresh)
         "Rebuild the buffer from `(tokens, key, offset)` triples in buffer order (tokens: the whole original document)."
         items, eo = list(items), self.epoch_of
-        if entered is None and eo is not None and items:   # an old state, or buffers of other ranks: the guard decides again
+        if entered is None and eo is not None and items:   # an old state, or other ranks' buffers: the guard decides again
             es, f = [eo(k) for _, k, o in items if o >= 0], self.epoch_floor() if self.epoch_floor is not None else None
             e0 = min(es + ([f] if f is not None else []), default=None)
             items = [(d, k, -2 - o if o >= 0 and e0 is not None and eo(k) >= e0 + 2 else o) for d, k, o in items]
@@ -697,7 +705,7 @@ class Packer(_PackerBase):
         for doc, key, offset in items:
             self._check_doc(doc, key)
             if offset >= 0: entries.append((doc, key, offset, self._piece_len(doc, offset)))
-            elif eo is None: raise ValueError(f"document {key!r} held aside (offset {offset}), but this packer has no epoch guard")
+            elif eo is None: raise ValueError(f"document {key!r} held aside (offset {offset}), but this packer has no guard")
             elif offset == HELD: keep.append((doc, 0, key, len(doc), HELD))
             else: keep.append((doc, 0, key, self._piece_len(doc, -2 - offset), -2 - offset))
         self._clear()
