@@ -22,7 +22,8 @@ from fastcore.basics import patch
 from .shards import RowGroupReader, RowGroupTexts, Slice, split_files, split_shards, read_documents, nanochat_state, open_shard_bytes, row_group_plan
 from .remote import cache_metrics, pin_copies, unpin_copies
 from .stages import Stage, Doc
-from .packing import Packer, ReferencePacker, PackedBatch, FlatDocs, STRATEGIES, position_ids, cu_seqlens
+from .packing import (Packer, ReferencePacker, PackedBatch, FlatDocs, STRATEGIES, GUARDED, HELD,
+                                 position_ids, cu_seqlens, entered_runs, entered_rows)
 from .transfer import DeviceTransfer, SingleBufferTransfer, resolve_device
 from .tokenizer import tokenizer_fingerprint
 from .encode import Request, make_encoder, _check_timeout
@@ -294,6 +295,14 @@ def address_entries(cols,   # columns from `address_columns`
         raise ValueError(f"a pack stage's buffer must be a dict of equally long lists {list(names)}, got {str(cols)[:120]}")
     return [(tuple(a[:-1]), a[-1]) for a in zip(*(cols[c] for c in names))]
 
+@patch
+def epoch_floor(self:EncodeStage) -> int | None:
+    "The lowest epoch still to come from the source while it catches up columns after a rescale (else None: epochs only rise)."
+    el = self._above['source'].get('elastic') if self._above is not None and 'source' in self._above else None
+    if self._above is None: el = getattr(self.upstream, 'elastic', None)
+    cols = el and el['columns']
+    return min(v[0] for v in (cols.values() if isinstance(cols, dict) else cols)) if cols else None
+
 class PackStage(Stage):
     "Packing as a stage: documents from `upstream` (items `Doc` or `Docs`, with addresses) into `packer`'s buffer, rows out; state: the buffer's addresses and offsets, and the packer's counters."
     name = 'pack'
@@ -301,6 +310,7 @@ class PackStage(Stage):
                  packer,                                      # a `Packer` (or `ReferencePacker`)
                  fields=('epoch', 'file', 'rg', 'row')):      # names of the parts of an address: the state's columns
         self.upstream, self.packer, self.fields = upstream, packer, tuple(fields)
+        packer.epoch_floor = getattr(upstream, 'epoch_floor', None)   # a rescaled source catches up older epochs first
         self.pack_cpu_s = 0.0   # this thread's CPU packing, the upstream's work left out
     def pull(self):
         "The packer's pull: the next item's documents and addresses."
@@ -317,14 +327,17 @@ class PackStage(Stage):
         return batch
     def __next__(self) -> PackedBatch: return self.next_rows(1)
     def state_dict(self) -> dict:
-        return dict(buffer=address_columns(*self.packer.buffer_keys(), self.fields), metrics=self.packer.metrics_state())
-    def load_state_dict(self, state): # `{'buffer': columns, 'metrics': counters}` from `state_dict()`
-        "Rebuild the buffer: its documents fetched from the stage above by address, each entry at its offset; the counters as saved."
+        p = self.packer
+        return dict(buffer=address_columns(*p.buffer_keys(), self.fields), metrics=p.metrics_state(),
+                    entered=entered_runs(p.entered_rows()))
+    def load_state_dict(self, state): # `{'buffer': columns, 'metrics': counters, 'entered': runs}` from `state_dict()`
+        "Rebuild the buffer: its documents fetched from the stage above by address, each entry at its offset (`HELD`: aside), entered when it did (an older state without `entered`: at the load); the counters as saved."
         entries = address_entries(state['buffer'], self.fields)
         docs = self.upstream.fetch(list(dict.fromkeys(a for a, _ in entries))) if entries else []
         tokens = {d.address: d.tokens for d in docs}
-        self.packer.restore([(tokens[a], a, off) for a, off in entries])
         self.packer.load_metrics_state(state['metrics'])
+        ent = state.get('entered')
+        self.packer.restore([(tokens[a], a, off) for a, off in entries], None if ent is None else entered_rows(ent))
         return self
 
 class BatchStage(Stage):
@@ -413,7 +426,9 @@ def _checksum(sd) -> str:
     src, last, pack = st['source'], st['source']['last'], st['pack']
     data = json.dumps([sd['format'], sd.get('pq_idx'), sd.get('rg_idx'), sd.get('epoch'), sorted(src['cursor'].items()),
                        last and sorted(last.items()), st['batch']['step'], sorted(pack['metrics'].items()), st['encode'], st['transfer']]
-                      + ([src['elastic']] if 'elastic' in src else []), separators=(',', ':')).encode()
+                      + ([src['elastic']] if 'elastic' in src else [])
+                      + ([pack['entered']] if 'entered' in pack else []),
+                      separators=(',', ':')).encode()
     crc, adler = zlib.crc32(data), zlib.adler32(data)
     for c in _BUFFER_COLUMNS:   # the columns as little-endian int64s: the same bytes on every machine and Python
         col = pack['buffer'][c]
@@ -462,25 +477,31 @@ def _check_columns(cols, ranges) -> int:
     return lens['row']
 
 def _check_buffer(cols, cfg, reader, cursor, elastic=None):
-    "Every buffered entry: an address this rank has read (before `cursor`), in reading order, none twice, at an offset where the strategy starts a piece (after a rescale, `elastic`: entries of epochs before `align` only before their column's cursor)."
-    big = 1 << 62
-    n = _check_columns(_as_dict(cols, _BUF, _BUFFER_COLUMNS),
-                       dict(epoch=(1, cursor[0][0] + 1), file=(0, len(reader.files)), rg=(0, big), row=(0, big), offset=(0, big)))
-    strategy, C, T = cfg['strategy'], cfg['T'] + 1, cfg['T']
+    "Every buffered entry: an address this rank has read (before `cursor`), in reading order, none twice, at an offset where the strategy starts a piece, or `HELD` aside (whole, last; after a rescale, `elastic`: entries of epochs before `align` only before their column's cursor)."
+    big, strategy = 1 << 62, cfg['strategy']
+    n = _check_columns(_as_dict(cols, _BUF, _BUFFER_COLUMNS), dict(epoch=(1, cursor[0][0] + 1), file=(0, len(reader.files)),
+                       rg=(0, big), row=(0, big), offset=(-big if strategy in GUARDED else 0, big)))
+    C, T = cfg['T'] + 1, cfg['T']
     split, most = strategy == 'bestfit-split', cfg['buffer_size'] + cfg['tokenizer_batch_size'] - 1
     docs = len(set(zip(*(cols[c] for c in _BUFFER_COLUMNS[:4])))) if split else n
     align = elastic['align'] if elastic else None   # entries of earlier epochs came from other ranks, or from columns caught up
     if docs > most and align is None:
         raise ValueError(f"{_name(_BUF)} holds {docs} documents{f' (in {n} pieces)' if split else ''}: a loader with "
                          f"buffer_size={cfg['buffer_size']} and tokenizer_batch_size={cfg['tokenizer_batch_size']} holds at most {most}")
-    seen, prev, name = {}, None, lambda f: Path(reader.files[f]).name
+    seen, prev, name, held = {}, None, lambda f: Path(reader.files[f]).name, {}
     for i, (e, f, g, r, o) in enumerate(zip(*(cols[c] for c in _BUFFER_COLUMNS))):
         key, at = (e, f, g, r), f"{_name(_BUF)}: entry {i}"
+        if (o == HELD) != (held.setdefault(key, o) == HELD):
+            raise ValueError(f"{at} ({key}): a document held aside whole (offset {HELD}) has no other entry")
+        if o < 0 and i and cols['offset'][i - 1] >= 0: prev = None   # those held aside: after the rest, in reading order
+        if o >= 0 and i and cols['offset'][i - 1] < 0:
+            raise ValueError(f"{at} ({key}) comes after an entry held aside: those come last")
+        o = o if o >= -1 else -2 - o   # a piece held aside at offset o is saved as -2 - o
         j = seen.setdefault((key, o) if split else key, i)
         if j != i:
             if split or o == cols['offset'][j]: raise ValueError(f"{at} duplicates entry {j} ({key}, offset {o})")
             raise ValueError(f"{at} repeats the document of entry {j} ({key}): under strategy {strategy!r} a document has one entry")
-        if not (o == 0 or (split and o >= C and (o - C) % T == 0) or strategy == 'concat'):
+        if not (o == 0 or o == HELD or (split and o >= C and (o - C) % T == 0) or strategy == 'concat'):
             raise ValueError(f"{at} ({key}) has offset={o}, where strategy {strategy!r} starts no piece "
                              f"(expected 0{f', or {C} + k*{T}' if split else ''})")
         place = reader._place(e, f, g)
@@ -498,6 +519,21 @@ def _check_buffer(cols, cfg, reader, cursor, elastic=None):
         if prev is not None and (pos, o) <= prev:
             raise ValueError(f"{at} ({key}, offset {o}) comes before entry {i - 1} in reading order: the buffer keeps documents in the order they were read")
         prev = (pos, o)
+
+def _check_ages(pack, cfg):
+    "The pack stage's `entered`: runs `[count, row]`, rows non-decreasing, none after the rows made, one per entry not held."
+    P, rows, offs = ('stages', 'pack'), pack['metrics']['rows'], pack['buffer']['offset']
+    if 'entered' not in pack: return   # a state from before: its entries enter at the load
+    runs, prev, total = pack['entered'], 0, 0
+    if not isinstance(runs, list): raise TypeError(f"{_name(P + ('entered',))} must be a list of [count, row] runs")
+    for i, x in enumerate(runs):
+        if not (isinstance(x, list) and len(x) == 2):
+            raise ValueError(f"{_name(P + ('entered', i))}={x!r:.60}: expected [count, row]")
+        total += _as_int(x[0], P + ('entered', i, 0), 1)
+        prev = _as_int(x[1], P + ('entered', i, 1), prev, rows + 1)
+    n = sum(1 for o in offs if o >= 0)
+    if total != n:
+        raise ValueError(f"{_name(P + ('entered',))} counts {total} entries: expected one per buffered entry not held ({n})")
 
 def _check_source(src, cfg, reader, present, sd) -> tuple:
     "The source stage's state: the reader's cursor, and the last slice (nanochat's three fields, also at the top); the cursor's place in reading order."
@@ -554,10 +590,11 @@ def _check_state(sd, cfg, fingerprint, reader, counters):
     for k in ('encode', 'transfer'): _as_dict(st[k], ('stages', k), ())   # they hold nothing
     cursor = _check_source(st['source'], cfg, reader, present, sd)
     _as_int(_as_dict(st['batch'], ('stages', 'batch'), ('step',))['step'], ('stages', 'batch', 'step'))
-    pack = _as_dict(st['pack'], ('stages', 'pack'), ('buffer', 'metrics'))
+    pack = _as_dict(st['pack'], ('stages', 'pack'), ('buffer', 'metrics'), optional=('entered',))   # since issue 18
     for k in _as_dict(pack['metrics'], ('stages', 'pack', 'metrics'), counters): _as_int(pack['metrics'][k], ('stages', 'pack', 'metrics', k))
     el = st['source'].get('elastic')
     _check_buffer(pack['buffer'], cfg, reader, cursor, el and dict(align=el['align'], columns={v[2]: v for v in el['columns']}, plan=ColumnPlan(reader)))
+    _check_ages(pack, cfg)
     if not isinstance(sd['checksum'], str) or sd['checksum'] != _checksum(sd):
         raise ValueError(f"resume_state_dict['checksum'] does not match the state's contents: the state was changed after the loader handed "
                          f"it out, and exact resume needs it as it was; {_APPROX}")
@@ -726,7 +763,9 @@ class PackedLoader(Stage):
                                 text_column=text_column, utf8_errors=utf8_errors)
         encoder = make_encoder(tokenizer, tokenizer_threads, tokenize_in, worker_timeout)   # from here on, a failure must close it again
         try:
-            packer = Packer(self.T, buffer_size, strategy, bos_id=encoder.bos, pad_id=pad_id, max_docs_per_row=max_docs_per_row)
+            # an address starts with its epoch: with `bestfit-pad` and `bestfit-split`, every epoch ends
+            packer = Packer(self.T, buffer_size, strategy, bos_id=encoder.bos, pad_id=pad_id, max_docs_per_row=max_docs_per_row,
+                            epoch_of=itemgetter(0))
             self.config = dict(split=split, B=self.B, T=self.T, strategy=strategy, buffer_size=packer.buffer_size,
                                tokenizer_batch_size=reader.batch_size, rank=reader.rank, world_size=reader.world_size,
                                shuffle=reader.shuffle, seed=reader.seed, text_column=text_column, pad_id=packer.pad_id,

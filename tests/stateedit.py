@@ -14,10 +14,13 @@ def paths(x, path=()) -> list:
 
 
 def edited(state, path, value):
-    "A copy of `state` with the field at `path` set to `value` (or deleted, for `DELETE`); None where that leaves the state as it was (the same JSON) or would delete a list item."
+    "A copy of `state` with the field at `path` set to `value` (or deleted, for `DELETE`); None where that leaves the state as it was (the same JSON), would delete a list item, or `path` is not in `state` (another rank's state, whose lists differ in length)."
     bad = json.loads(json.dumps(state))
     parent = bad
-    for k in path[:-1]: parent = parent[k]
+    for k in path[:-1]:
+        if isinstance(parent, list) and not (isinstance(k, int) and k < len(parent)) or isinstance(parent, dict) and k not in parent: return None
+        parent = parent[k]
+    if isinstance(parent, list) and path[-1] >= len(parent): return None
     if value is not DELETE: parent[path[-1]] = value
     elif isinstance(parent, dict): del parent[path[-1]]
     else: return None
