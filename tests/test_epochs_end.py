@@ -202,3 +202,26 @@ def test_bestfit_crop_has_no_age_limit():
     p = Packer(8, 4, 'bestfit-crop', bos_id=0, epoch_of=lambda k: k[0])
     assert p.max_wait is None and p.epoch_of is None
     assert Packer(8, 4, 'bestfit-pad').max_wait == 256 and Packer(8, 4, 'bestfit-pad', max_wait=None).max_wait is None
+
+
+def test_entered_huge_run_refused_without_expanding():
+    "A hand-edited `entered` with a huge count is refused by its total before the runs are expanded (no memory blow-up)."
+    import resource
+    from nanochat_dl.packing import Packer, entered_rows
+    docs = [np.array([1] + [5] * (n - 1)) for n in (3, 40, 7, 20)]
+    p = Packer(16, 4, 'bestfit-pad', bos_id=1, epoch_of=lambda k: k[0])
+    cnt = iter(range(10 ** 6))
+    def pull():
+        e, d = divmod(next(cnt), len(docs))
+        return [docs[d]], [(e, d)]
+    p.next_batch(2, pull)
+    sd = json.loads(json.dumps(p.state_dict()))
+    sd['entered'] = [[10 ** 12, 0]]
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    resource.setrlimit(resource.RLIMIT_AS, (4 << 30, hard))
+    try:
+        with pytest.raises(ValueError, match='entered'):
+            Packer(16, 4, 'bestfit-pad', bos_id=1, epoch_of=lambda k: k[0]).load_state_dict(
+                sd, lambda keys: [docs[k[1]] for k in keys])
+        with pytest.raises(ValueError, match='entered'): entered_rows([[10 ** 12, 0]], 3)
+    finally: resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
