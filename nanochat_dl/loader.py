@@ -337,7 +337,8 @@ class PackStage(Stage):
         tokens = {d.address: d.tokens for d in docs}
         self.packer.load_metrics_state(state['metrics'])
         ent = state.get('entered')
-        self.packer.restore([(tokens[a], a, off) for a, off in entries], None if ent is None else entered_rows(ent))
+        ent = None if ent is None else entered_rows(ent, sum(1 for _, o in entries if o >= 0))
+        self.packer.restore([(tokens[a], a, off) for a, off in entries], ent)
         return self
 
 class BatchStage(Stage):

@@ -97,6 +97,8 @@ HELD = -1   # a state's offset for a whole document the epoch guard holds aside 
 _COUNTERS = ('docs_in', 'doc_tokens', 'floor_tokens', 'tokens_in', 'emitted', 'cropped', 'padded', 'placed', 'truncated', 'rows')
 _MAX_EMPTY_PULLS = 1000
 
+def _ge0(o): return isinstance(o, (int, np.integer)) and o >= 0   # a buffer entry that is not held aside
+
 def _pct(a, b): return 100.0 * a / b if b else 0.0
 
 def entered_runs(rows,  # the row each buffer entry entered at, in buffer order (non-decreasing)
@@ -108,12 +110,16 @@ def entered_runs(rows,  # the row each buffer entry entered at, in buffer order 
         else: out.append([1, r])
     return out
 
-def entered_rows(runs  # `[[count, row], ...]` from `entered_runs`
+def entered_rows(runs,   # `[[count, row], ...]` from `entered_runs`
+                 n=None, # the entries they must count (checked before the runs are expanded; None: unchecked)
                 ) -> list:
     "The inverse of `entered_runs`."
     ok = lambda x: isinstance(x, list) and len(x) == 2 and type(x[0]) is int and x[0] > 0
     if not isinstance(runs, list) or not all(map(ok, runs)):
         raise ValueError(f"entered={str(runs)[:80]}: expected runs [[count, row], ...] with counts > 0")
+    if n is not None and sum(x[0] for x in runs) != n:   # a hand-edited count of 10**12 must not fill memory
+        raise ValueError(f"entered={str(runs)[:80]}: the runs count {sum(x[0] for x in runs)} entries, expected {n} "
+                         f"(one per buffered entry not held aside)")
     return [r for n, r in runs for _ in range(n)]
 
 class _PackerBase:
@@ -224,7 +230,7 @@ class _PackerBase:
         self.load_metrics_state(state['metrics'])   # first: entries of a state without `entered` enter at its row count
         entered = state.get('entered')
         self.restore([(doc, key, off) for doc, (key, off) in zip(docs, state['buffer'])],
-                     None if entered is None else entered_rows(entered))
+                     None if entered is None else entered_rows(entered, sum(1 for _, o in state['buffer'] if _ge0(o))))
 
     held = 0   # documents waiting aside (only `Packer`'s epoch guard holds any)
 
