@@ -225,3 +225,20 @@ def test_entered_huge_run_refused_without_expanding():
                 sd, lambda keys: [docs[k[1]] for k in keys])
         with pytest.raises(ValueError, match='entered'): entered_rows([[10 ** 12, 0]], 3)
     finally: resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+
+
+@pytest.mark.parametrize('bad', ['x', None, 1.0, -1.5, [0]])
+def test_packer_state_with_a_bad_offset_names_the_offset(bad):
+    "A hand-edited offset in `Packer.load_state_dict`'s buffer is refused as an offset (not as a miscount of `entered`, nor a TypeError)."
+    from nanochat_dl.packing import Packer
+    docs = [np.array([1] + [5] * (n - 1)) for n in (3, 40, 7, 20)]
+    cnt = iter(range(10 ** 6))
+    def pull():
+        e, d = divmod(next(cnt), len(docs))
+        return [docs[d]], [(e, d)]
+    p = Packer(16, 4, 'bestfit-pad', bos_id=1, epoch_of=lambda k: k[0])
+    p.next_batch(2, pull)
+    sd = json.loads(json.dumps(p.state_dict()))
+    sd['buffer'][0][1] = bad
+    with pytest.raises(ValueError, match='offset'):
+        Packer(16, 4, 'bestfit-pad', bos_id=1, epoch_of=lambda k: k[0]).load_state_dict(sd, lambda ks: [docs[k[1]] for k in ks])
