@@ -733,7 +733,7 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                      'nanochat_dl.packing._PackerBase.state_dict': ( 'packing.html#_packerbase.state_dict',
                                                                                      'nanochat_dl/packing.py'),
                                      'nanochat_dl.packing._Phi': ('packing.html#_phi', 'nanochat_dl/packing.py'),
-                                     'nanochat_dl.packing._ge0': ('packing.html#_ge0', 'nanochat_dl/packing.py'),
+                                     'nanochat_dl.packing._aside': ('packing.html#_aside', 'nanochat_dl/packing.py'),
                                      'nanochat_dl.packing._pct': ('packing.html#_pct', 'nanochat_dl/packing.py'),
                                      'nanochat_dl.packing.calibrate_lognormal': ( 'packing.html#calibrate_lognormal',
                                                                                   'nanochat_dl/packing.py'),

@@ -97,7 +97,7 @@ HELD = -1   # a state's offset for a whole document the epoch guard holds aside 
 _COUNTERS = ('docs_in', 'doc_tokens', 'floor_tokens', 'tokens_in', 'emitted', 'cropped', 'padded', 'placed', 'truncated', 'rows')
 _MAX_EMPTY_PULLS = 1000
 
-def _ge0(o): return isinstance(o, (int, np.integer)) and o >= 0   # a buffer entry that is not held aside
+def _aside(o): return isinstance(o, (int, np.integer)) and o < 0   # a state's offset for an entry held aside
 
 def _pct(a, b): return 100.0 * a / b if b else 0.0
 
@@ -229,8 +229,8 @@ class _PackerBase:
         if len(docs) != len(keys): raise ValueError(f"fetch returned {len(docs)} documents for {len(keys)} keys")
         self.load_metrics_state(state['metrics'])   # first: entries of a state without `entered` enter at its row count
         entered = state.get('entered')
-        self.restore([(doc, key, off) for doc, (key, off) in zip(docs, state['buffer'])],
-                     None if entered is None else entered_rows(entered, sum(1 for _, o in state['buffer'] if _ge0(o))))
+        if entered is not None: entered = entered_rows(entered, sum(1 for _, o in state['buffer'] if not _aside(o)))
+        self.restore([(doc, key, off) for doc, (key, off) in zip(docs, state['buffer'])], entered)
 
     held = 0   # documents waiting aside (only `Packer`'s epoch guard holds any)
 
@@ -702,6 +702,8 @@ class Packer(_PackerBase):
                 entered=None):  # the row each entry not held entered at (None: the row count now, the guard applied afresh)
         "Rebuild the buffer from `(tokens, key, offset)` triples in buffer order (tokens: the whole original document)."
         items, eo = list(items), self.epoch_of
+        for doc, _, o in items:   # (a hand-edited state: refused by its offset, not by a comparison failing later)
+            if not isinstance(o, (int, np.integer)) or isinstance(o, bool): self._piece_len(doc, o)
         if entered is None and eo is not None and items:   # an old state, or other ranks' buffers: the guard decides again
             es, f = [eo(k) for _, k, o in items if o >= 0], self.epoch_floor() if self.epoch_floor is not None else None
             e0 = min(es + ([f] if f is not None else []), default=None)
