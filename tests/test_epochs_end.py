@@ -242,3 +242,20 @@ def test_packer_state_with_a_bad_offset_names_the_offset(bad):
     sd['buffer'][0][1] = bad
     with pytest.raises(ValueError, match='offset'):
         Packer(16, 4, 'bestfit-pad', bos_id=1, epoch_of=lambda k: k[0]).load_state_dict(sd, lambda ks: [docs[k[1]] for k in ks])
+
+
+def test_a_held_entry_at_a_wrong_offset_is_named_as_saved(env):
+    "A hand-edited offset of an entry held aside (-2 - o, o where no piece starts) is refused quoting the offset as the state has it."
+    from nanochat_dl.loader import _checksum
+    kw = dict(files=env['files'], **KW, strategy='bestfit-pad', buffer_size=64)
+    with PackedLoader(env['tok'], **kw) as ld:
+        for _ in range(80):
+            sd = next(ld).state
+            if min(sd['stages']['pack']['buffer']['offset'], default=0) < 0: break
+    sd = json.loads(json.dumps(sd))
+    offs = sd['stages']['pack']['buffer']['offset']
+    i = offs.index(-1)
+    offs[i] = -7   # a piece held aside at offset 5: bestfit-pad starts none there
+    sd['checksum'] = _checksum(sd)
+    with pytest.raises(ValueError, match=rf"entry {i} .*offset=-7"):
+        PackedLoader(env['tok'], **kw, resume_state_dict=sd)
