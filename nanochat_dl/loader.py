@@ -497,13 +497,14 @@ def _check_buffer(cols, cfg, reader, cursor, elastic=None):
         if o < 0 and i and cols['offset'][i - 1] >= 0: prev = None   # those held aside: after the rest, in reading order
         if o >= 0 and i and cols['offset'][i - 1] < 0:
             raise ValueError(f"{at} ({key}) comes after an entry held aside: those come last")
-        o = o if o >= -1 else -2 - o   # a piece held aside at offset o is saved as -2 - o
+        o0, o = o, o if o >= -1 else -2 - o   # a piece held aside at offset o is saved as -2 - o
         j = seen.setdefault((key, o) if split else key, i)
         if j != i:
             if split or o == cols['offset'][j]: raise ValueError(f"{at} duplicates entry {j} ({key}, offset {o})")
             raise ValueError(f"{at} repeats the document of entry {j} ({key}): under strategy {strategy!r} a document has one entry")
         if not (o == 0 or o == HELD or (split and o >= C and (o - C) % T == 0) or strategy == 'concat'):
-            raise ValueError(f"{at} ({key}) has offset={o}, where strategy {strategy!r} starts no piece "
+            raise ValueError(f"{at} ({key}) has offset={o0}{f' (held aside: a piece at {o})' if o0 < -1 else ''}, "
+                             f"where strategy {strategy!r} starts no piece "
                              f"(expected 0{f', or {C} + k*{T}' if split else ''})")
         place = reader._place(e, f, g)
         if place is None:
