@@ -22,8 +22,8 @@ def late_documents(loader, lens, steps):
                 k = s.key
                 if k.epoch > top.get(k.dataset, 0):
                     top[k.dataset] = k.epoch
-                    e = k.epoch - 2                  # every document of epoch e must be whole by now
-                    late |= {(d, f, i, e) for (d, f, i), L in lens.items() if d == k.dataset and L and got[(d, f, i, e)] < L}
+                    e = k.epoch - 2                  # every document of epoch e must be whole by now (epochs count from 1)
+                    if e >= 1: late |= {(d, f, i, e) for (d, f, i), L in lens.items() if d == k.dataset and L and got[(d, f, i, e)] < L}
                 got[(k.dataset, k.file, k.doc, k.epoch)] += s.length
     loader.close()
     return late
