@@ -187,6 +187,7 @@ def _merge_entries(self:World) -> list:
         for k, (i, g, e, a, off, n, L) in enumerate(items):
             sh = int(np.searchsorted(self.sets[i].cur.bounds, g, 'right')) - 1
             self._check_owned(i, [g], np.array([sh]), np.array([u]), lambda _: f"{self._where(u, 'packer', 'entries')}[{k}]")
+            off = max(off, 0)                                # a piece held aside is whole
             out.append((i, g, e, a + off, n - off, L, sh, u, k))
     return out
 

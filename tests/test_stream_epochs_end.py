@@ -36,8 +36,7 @@ def small(tmp_path_factory):
     return r, {('web', 'a.arrow', i): L for i, L in enumerate(tr.open('web', 'a.arrow').lens.tolist())}
 
 
-# Defect reproductions (issue 18 item 1): both fail on today's code; xfail(strict) until the epoch guard lands.
-@pytest.mark.xfail(strict=True, reason='issue 18 item 1: the best-fit pack buffer passes a document over for ever')
+# Defect reproductions (issue 18 item 1): each failed before its fix.
 @pytest.mark.parametrize('pack_buffer', [1000, 64])
 def test_pack_buffer_lets_no_document_wait_past_two_epochs(small, pack_buffer):
     r, lens = small
@@ -46,7 +45,6 @@ def test_pack_buffer_lets_no_document_wait_past_two_epochs(small, pack_buffer):
     assert late_documents(ld, lens, 400) == set()
 
 
-@pytest.mark.xfail(strict=True, reason='issue 18 item 1: the shuffle window can keep a document past its epoch + 2')
 def test_shuffle_window_lets_no_document_wait_past_two_epochs(small):
     r, lens = small
     ld = StreamingLoader(r, 64, 4, rank=0, world_size=1, n_logical_shards=8, shuffle_window=40, pack='concat', prefetch=0)
