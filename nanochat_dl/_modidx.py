@@ -938,6 +938,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                       'nanochat_dl/streaming.py'),
                                        'nanochat_dl.streaming.BestFitRows._late': ( 'streaming.html#bestfitrows._late',
                                                                                     'nanochat_dl/streaming.py'),
+                                       'nanochat_dl.streaming.BestFitRows._overdue': ( 'streaming.html#bestfitrows._overdue',
+                                                                                       'nanochat_dl/streaming.py'),
                                        'nanochat_dl.streaming.BestFitRows._placed': ( 'streaming.html#bestfitrows._placed',
                                                                                       'nanochat_dl/streaming.py'),
                                        'nanochat_dl.streaming.BestFitRows._pop_all': ( 'streaming.html#bestfitrows._pop_all',

@@ -1290,11 +1290,18 @@ def restore(self:BestFitRows, items,   # `(tokens, key, offset)` in order, offse
         if o == HELD: self._held.append(x)
         else: self._row = next(rows); self._put(*x)
     self._row = now
-    if entered is None and self.guard: self._held = [(p, L, k) for p, L, k in self._pop_all()] + self._held; self._release()
+    if self.guard and (entered is None or self._overdue()): self._held = self._pop_all() + self._held; self._release()   # the guard applied afresh
     self._base, self._log = list(self.entries((self._added, [], 0))), []
 
 
 # %% ../nbs/13_streaming.ipynb #ep13bf05
+@patch
+def _overdue(self:BestFitRows) -> bool:
+    "Whether a buffered piece is two epochs past the oldest of its dataset buffered or held (a rescaled state's buffer can be)."
+    lo = {d: min(es) for d, es in self._ep.items() if es}
+    for _, _, k in self._held: lo[k[0]] = min(lo.get(k[0], k[2]), k[2])
+    return any(max(es) >= lo[d] + 2 for d, es in self._ep.items() if es)
+
 @patch
 def _pop_all(self:BestFitRows) -> list:
     "Empty the buffer (not what is held), returning `(tokens, length, key)` in the order they entered."
