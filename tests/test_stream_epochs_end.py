@@ -85,3 +85,15 @@ def test_delivered_shares_stay_within_a_point_of_the_weights(tmp_path):
     assert abs(m['delivered_shares']['a'] - a[-1] / tot[-1]) < 1e-9            # the metric counts what the rows hold
     assert abs(m['total_shares']['a'] - 0.375) < 1e-3                           # what the mixer took in
     assert m['oldest_wait'] >= 0
+
+
+@pytest.mark.parametrize('kw', [dict(pack='bestfit', max_chunk=30, shuffle_window=20, pack_buffer=200),
+                                dict(pack='pad', shuffle_window=7), dict(pack='concat', max_chunk=16, shuffle_window=30),
+                                dict(pack='bestfit', pack_buffer=5000, shuffle_window=0)])
+def test_mixed_datasets_end_their_epochs(tmp_path, kw):
+    "Two datasets of 150 and 40 documents, every mode: no document of epoch e is whole only after epoch e+2 began (before: 688, 0, 3, 5334 late)."
+    r = toy_root(tmp_path/'root', {'web': {'a.arrow': 150}, 'code': {'x.arrow': 40}}, empty=0.05)
+    tr = TokenRoot(r)
+    lens = {(d, f.file, i): L for d in tr.datasets for f in tr.files[d] for i, L in enumerate(tr.open(d, f.file).lens.tolist())}
+    ld = StreamingLoader(r, 64, 4, rank=0, world_size=1, n_logical_shards=8, prefetch=0, **kw)
+    assert late_documents(ld, lens, 600) == set()
