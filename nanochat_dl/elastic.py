@@ -187,6 +187,7 @@ def _merge_entries(self:World) -> list:
         for k, (i, g, e, a, off, n, L) in enumerate(items):
             sh = int(np.searchsorted(self.sets[i].cur.bounds, g, 'right')) - 1
             self._check_owned(i, [g], np.array([sh]), np.array([u]), lambda _: f"{self._where(u, 'packer', 'entries')}[{k}]")
+            off = max(off, 0)                                # a piece held aside is whole
             out.append((i, g, e, a + off, n - off, L, sh, u, k))
     return out
 
@@ -258,7 +259,8 @@ def state_for(self:World, rank:int,       # the rank of the unit ...
     config = dict(cfg, rank=r, world_size=W, worker=w, n_workers=nw, **({} if self.batch_size is None else dict(batch_size=self.batch_size)))
     fp = dict(data={k: dict(v) for k, v in self.fingerprint['data'].items()}, tokenizer=self.fingerprint['tokenizer'])
     return dict(format=FORMAT, run=_lineage(self.run, self.step, [self.W, self.nws], [W, nw]), step=self.step, config=config,
-                fingerprint=fp, datasets=datasets, packer=dict(entries=[[i, g, e, a, 0] for i, g, e, a, _ in entries], metrics=metrics))
+                fingerprint=fp, datasets=datasets, packer=dict(entries=[[i, g, e, a, 0] for i, g, e, a, _ in entries], metrics=metrics,
+                                                      **(dict(entered=[[0, len(entries)]] if entries else []) if cfg['pack'] == 'bestfit' else {})))   # all enter at row 0
 
 def _lineage(run, step, old, new) -> str:
     "The id of a run after a rescale at `step` from world `old` to world `new`: a digest of the four, the same on every new rank."

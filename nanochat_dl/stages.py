@@ -11,6 +11,7 @@ __all__ = ['Stage', 'check_state', 'Doc', 'ListSource', 'mix64', 'draw_base', 'd
 import itertools, json, math
 from typing import Any, NamedTuple
 import numpy as np
+from fastcore.basics import patch
 from .core import check_int
 
 # %% ../nbs/04_stages.ipynb #8ae4e4cf
@@ -114,63 +115,128 @@ def mix64s(base: int, k0: int, n: int) -> list:
 # %% ../nbs/04_stages.ipynb #88082fb2
 def _key(a) -> tuple: return tuple(a)   # an address read back from JSON is a list
 
+class _Swap(NamedTuple):   # a journal entry: slots `a` and `b` trade places
+    a: int
+    b: int
+
 class ShuffleBuffer(Stage):
     "Hand out documents from a random slot of a window of `window` documents, refilled from `upstream`; state: the window's addresses and a draw counter."
     def __init__(self, upstream,        # the stage whose items (with an `.address`) are shuffled
                  window:int=10_000,     # documents held; 0 passes items through unchanged
                  seed:int=0,            # with `stream`, decides every draw
-                 stream:int=0):         # keeps this buffer's draws apart from other buffers' (e.g. the rank)
+                 stream:int=0,          # keeps this buffer's draws apart from other buffers' (e.g. the rank)
+                 epoch_of=None):        # `epoch_of(item)` -> its epoch: the oldest epoch in the window goes first (None: no epochs)
         self.upstream, self.window = upstream, check_int('window', window, 0)
         self.seed, self.stream = check_int('seed', seed, 0), check_int('stream', stream, 0)
-        self.buf, self.drawn, self.done = [], 0, False
+        self.buf, self.drawn, self.done, self.epoch_of = [], 0, False, epoch_of
         self._hash = draw_base(self.seed, self.stream)   # draw k is (mix64(hash ^ k) * n) >> 64, i.e. draw_index
         self._hs, self._h0 = [], 0                        # mix64(hash ^ k) for k in [h0, h0 + len(hs)), made in blocks
         self._copy, self._log = [], []                    # the window at some moment, and every change since
+        self._old, self._e0 = 0, None                     # with `epoch_of`: slots [0, old) hold the window's oldest epoch, e0
     def __next__(self):
         return next(self.upstream) if self.window == 0 else self.draw(self.upstream.__next__)
-    def draw(self, pull):  # `() -> item`, raising StopIteration at the end: what fills the window (the upstream's next, or a faster path to it)
-        "Fill the window from `pull` (a window holding more than its slots, after a rescale, draws without refilling), then hand out a random slot."
-        buf, log = self.buf, self._log
-        while len(buf) < self.window and not self.done:
-            try: x = pull()
-            except StopIteration: self.done = True; break
-            buf.append(x); log.append(x)
-        if not buf: raise StopIteration
-        k = self.drawn - self._h0
-        if not 0 <= k < len(self._hs): self._hs, self._h0, k = mix64s(self._hash, self.drawn, 1024), self.drawn, 0
-        j = (self._hs[k] * len(buf)) >> 64
-        self.drawn += 1
-        item, buf[j] = buf[j], buf[-1]   # the last slot moves into the hole
-        buf.pop(); log.append(j)
-        if len(log) > 2 * self.window + 64: self._copy, self._log = list(buf), []
-        return item
-    def snapshot(self):
-        "The state as it is now, in O(1): the last copy of the window and how many changes since; `state_of` reads it later."
-        return self._copy, self._log, len(self._log), self.drawn
-    def window_of(self, snap) -> list:
-        "The window's items at `snap`, in slot order: the copy, with the changes replayed."
-        copy, log, n, _ = snap
-        buf = list(copy)
-        for op in itertools.islice(log, n):
-            if type(op) is int: buf[op] = buf[-1]; buf.pop()
-            else: buf.append(op)
-        return buf
-    def state_of(self, snap) -> dict:
-        "`state_dict()` as it was when `snap` was taken."
-        return dict(window=self.window, seed=self.seed, stream=self.stream, drawn=snap[3],
-                    addresses=[list(it.address) for it in self.window_of(snap)])
-    def state_dict(self) -> dict: return self.state_of(self.snapshot())
-    def load_state_dict(self, state):
-        for k in ('window', 'seed', 'stream'):
-            if state.get(k) != getattr(self, k):
-                raise ValueError(f"shuffle state has {k}={state.get(k)!r}, this buffer has {k}={getattr(self, k)!r}: exact resume needs the same")
-        addrs = [_key(a) for a in state['addresses']]
-        if len(addrs) > self.window: raise ValueError(f"shuffle state holds {len(addrs)} addresses for a window of {self.window}")
-        if len(set(addrs)) != len(addrs): raise ValueError("shuffle state holds an address twice: that document would be delivered twice")
-        self.drawn, self.done = check_int("shuffle state['drawn']", state['drawn'], 0), False
-        self.buf = list(self.upstream.fetch(addrs)) if addrs else []
-        self._copy, self._log = list(self.buf), []
-        return self
+
+
+# %% ../nbs/04_stages.ipynb #ep0a1d01
+@patch
+def draw(self:ShuffleBuffer, pull):  # `() -> item`, raising StopIteration at the end: what fills the window (the upstream's next, or a faster path to it)
+    "Fill the window from `pull` (a window holding more than its slots, after a rescale, draws without refilling), then hand out a random slot (of the oldest epoch, with `epoch_of`)."
+    buf, eo = self.buf, self.epoch_of
+    while len(buf) < self.window and not self.done:
+        try: x = pull()
+        except StopIteration: self.done = True; break
+        buf.append(x); self._log.append(x)
+        if eo is not None: self._entered(x)
+    if not buf: raise StopIteration
+    k = self.drawn - self._h0
+    if not 0 <= k < len(self._hs): self._hs, self._h0, k = mix64s(self._hash, self.drawn, 1024), self.drawn, 0
+    n = len(buf) if eo is None else self._old
+    j = (self._hs[k] * n) >> 64
+    self.drawn += 1
+    log = self._log
+    if n < len(buf) and j != n - 1:                  # keep the oldest epoch in front: the hole moves to its last slot
+        buf[j], buf[n - 1] = buf[n - 1], buf[j]; log.append(_Swap(j, n - 1))
+    if n < len(buf): j = n - 1
+    item, buf[j] = buf[j], buf[-1]   # the last slot moves into the hole
+    buf.pop(); log.append(j)
+    if eo is not None:
+        self._old -= 1
+        if not self._old and buf: self._partition()
+    if len(log) > 2 * self.window + 64: self._copy, self._log = list(buf), []
+    return item
+
+
+# %% ../nbs/04_stages.ipynb #ep0a1d02
+@patch
+def _entered(self:ShuffleBuffer, x):
+    "Keep the front slots for the oldest epoch as item `x` (just appended) comes in."
+    e, buf = self.epoch_of(x), self.buf
+    if self._old and e > self._e0: return
+    if not self._old or e == self._e0:
+        n, self._e0 = self._old, e
+        if n < len(buf) - 1: buf[n], buf[-1] = buf[-1], buf[n]; self._log.append(_Swap(n, len(buf) - 1))
+        self._old += 1
+    else: self._partition()                           # older than the window's oldest (a rescaled source catching up)
+
+@patch
+def _partition(self:ShuffleBuffer):
+    "Put the window's oldest epoch in front (in place, order kept otherwise) and start a new journal."
+    buf = self.buf
+    if self.epoch_of is None: self._old = len(buf)
+    elif buf:
+        es = [self.epoch_of(x) for x in buf]
+        self._e0 = min(es)
+        buf[:] = [x for x, e in zip(buf, es) if e == self._e0] + [x for x, e in zip(buf, es) if e != self._e0]
+        self._old = es.count(self._e0)
+    else: self._old = 0
+    self._copy, self._log = list(buf), []
+
+@patch
+def restore(self:ShuffleBuffer, items):
+    "Fill the window with `items` (a loaded state's, in slot order; the oldest epoch is put in front)."
+    self.buf = list(items)
+    self._partition()
+
+
+# %% ../nbs/04_stages.ipynb #ep0a1d03
+@patch
+def snapshot(self:ShuffleBuffer):
+    "The state as it is now, in O(1): the last copy of the window and how many changes since; `state_of` reads it later."
+    return self._copy, self._log, len(self._log), self.drawn
+
+@patch
+def window_of(self:ShuffleBuffer, snap) -> list:
+    "The window's items at `snap`, in slot order: the copy, with the changes replayed."
+    copy, log, n, _ = snap
+    buf = list(copy)
+    for op in itertools.islice(log, n):
+        t = type(op)
+        if t is int: buf[op] = buf[-1]; buf.pop()
+        elif t is _Swap: buf[op.a], buf[op.b] = buf[op.b], buf[op.a]
+        else: buf.append(op)
+    return buf
+
+@patch
+def state_of(self:ShuffleBuffer, snap) -> dict:
+    "`state_dict()` as it was when `snap` was taken."
+    return dict(window=self.window, seed=self.seed, stream=self.stream, drawn=snap[3],
+                addresses=[list(it.address) for it in self.window_of(snap)])
+
+@patch
+def state_dict(self:ShuffleBuffer) -> dict: return self.state_of(self.snapshot())
+
+@patch
+def load_state_dict(self:ShuffleBuffer, state):
+    for k in ('window', 'seed', 'stream'):
+        if state.get(k) != getattr(self, k):
+            raise ValueError(f"shuffle state has {k}={state.get(k)!r}, this buffer has {k}={getattr(self, k)!r}: exact resume needs the same")
+    addrs = [_key(a) for a in state['addresses']]
+    if len(addrs) > self.window: raise ValueError(f"shuffle state holds {len(addrs)} addresses for a window of {self.window}")
+    if len(set(addrs)) != len(addrs): raise ValueError("shuffle state holds an address twice: that document would be delivered twice")
+    self.drawn, self.done = check_int("shuffle state['drawn']", state['drawn'], 0), False
+    self.restore(self.upstream.fetch(addrs) if addrs else [])
+    return self
+
 
 # %% ../nbs/04_stages.ipynb #f5d26138
 class Pipeline(Stage):
