@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from itertools import repeat
 from typing import Any, NamedTuple
 import numpy as np
+from fastcore.basics import patch
 from fastcore.script import call_parse
 from .core import check_int
 
@@ -122,6 +123,7 @@ def entered_rows(runs,   # `[[count, row], ...]` from `entered_runs`
                          f"(one per buffered entry not held aside)")
     return [r for n, r in runs for _ in range(n)]
 
+# %% ../nbs/06_packing.ipynb #34d84dc0
 class _PackerBase:
     "Checks, pulls and counters shared by `ReferencePacker` and `Packer`."
     strategy = 'bestfit-crop'
@@ -156,103 +158,116 @@ class _PackerBase:
             first = int(doc[0]) if isinstance(doc[0], (int, np.integer)) else doc[0]
             raise ValueError(f"document {key!r} starts with token {first!r}, not bos_id={self.bos_id}")
 
-    def _pull(self, pull):
-        "Call `pull()` once, check what came back and count it."
-        got = pull()
-        try: docs, keys = got
-        except (TypeError, ValueError):
-            raise TypeError(f"pull() must return a pair (docs, keys), got {type(got).__name__}") from None
-        if len(docs) != len(keys):
-            raise ValueError(f"pull() returned {len(docs)} documents but {len(keys)} keys: expected one key per document")
-        if not len(docs):
-            self._empty_pulls += 1
-            if self._empty_pulls >= _MAX_EMPTY_PULLS:
-                raise RuntimeError(f"pull() returned no documents {self._empty_pulls} times in a row: the stream looks dry")
-            return docs, keys
-        self._empty_pulls = 0
-        C, bos, n, floor = self.C, self.bos_id, 0, 0
-        if type(docs) is FlatDocs:             # lengths and first tokens checked in bulk
-            lens = docs.lens
-            bad = lens == 0
-            if bos is not None and not bad.any(): bad = docs.flat[docs.starts] != bos
-            if bad.any(): i = int(np.argmax(bad)); self._check_doc(docs[i], keys[i])
-            n, floor = docs.ntokens, int(np.maximum(lens - C, 0).sum())
-        else:
-            for doc, key in zip(docs, keys):
-                L = len(doc)
-                if L == 0 or (bos is not None and doc[0] != bos) or (type(doc) is np.ndarray and doc.ndim != 1):
-                    self._check_doc(doc, key)
-                n += L
-                if L > C: floor += L - C
-        tot = self._tot
-        tot['docs_in'] += len(docs); tot['doc_tokens'] += n; tot['floor_tokens'] += floor
-        return docs, keys
-
-    def _metrics(self, before, B) -> dict:
-        t = self._tot
-        d = {k: t[k] - before[k] for k in t}
-        return dict(
-            tokens_in=d['tokens_in'], tokens_emitted=d['emitted'], tokens_cropped=d['cropped'], tokens_padded=d['padded'],
-            crop_pct=_pct(d['cropped'], d['emitted'] - d['padded'] + d['cropped']), pad_pct=_pct(d['padded'], d['emitted']),
-            waste_pct=_pct(d['cropped'] + d['padded'], d['emitted'] + d['cropped']),
-            floor_pct=_pct(t['floor_tokens'], t['doc_tokens']),
-            docs_per_row=d['placed'] / B, docs_truncated_pct=_pct(d['truncated'], d['placed']),
-            buffered_tokens=self.buffered_tokens, buffered_docs=len(self),
-            total_tokens_in=t['tokens_in'], total_emitted=t['emitted'], total_cropped=t['cropped'], total_padded=t['padded'],
-            total_crop_pct=_pct(t['cropped'], t['emitted'] - t['padded'] + t['cropped']),
-            total_waste_pct=_pct(t['cropped'] + t['padded'], t['emitted'] + t['cropped']), oldest_wait=self._wait)
-
-    def metrics_state(self) -> dict:
-        "The cumulative counters (JSON-able). They never change which rows come out."
-        return dict(self._tot)
-
-    def load_metrics_state(self, state):
-        missing = [k for k in _COUNTERS if k not in state]
-        if missing: raise ValueError(f"metrics state lacks {missing}")
-        self._tot = {k: int(state[k]) for k in _COUNTERS}
-        self._row = self._tot['rows']
-
-    def state_dict(self) -> dict:
-        "All it takes to continue exactly: buffer addresses in order, when each entered, counters, and the settings they need."
-        return dict(strategy=self.strategy, T=self.T, buffer_size=self.buffer_size, buffer=self.buffer_state(),
-                    entered=entered_runs(self.entered_rows()), metrics=self.metrics_state())
-
-    def load_state_dict(self, state,  # what `state_dict()` returned (after a trip through JSON, say)
-                        fetch):       # `fetch(keys)` -> the documents at `keys`, whole, as they were pulled
-        "Restore from `state_dict()`; `fetch(keys)` returns the tokens of the documents at `keys` (re-read, re-tokenized)."
-        # strategy and T must match; a different buffer_size is allowed (the batches then differ from an uninterrupted run)
-        for k in ('strategy', 'T'):
-            if state[k] != getattr(self, k):
-                raise ValueError(f"state was saved with {k}={state[k]!r}, this packer has {k}={getattr(self, k)!r}")
-        keys = [key for key, _ in state['buffer']]
-        docs = fetch(keys) if keys else []
-        if len(docs) != len(keys): raise ValueError(f"fetch returned {len(docs)} documents for {len(keys)} keys")
-        self.load_metrics_state(state['metrics'])   # first: entries of a state without `entered` enter at its row count
-        entered = state.get('entered')
-        if entered is not None: entered = entered_rows(entered, sum(1 for _, o in state['buffer'] if not _aside(o)))
-        self.restore([(doc, key, off) for doc, (key, off) in zip(docs, state['buffer'])], entered)
-
     held = 0   # documents waiting aside (only `Packer`'s epoch guard holds any)
 
-    def _entered(self, entered, m) -> list:
-        "The rows `m` restored entries entered at (`entered`, or the row count now: an old state has none), checked."
-        if entered is None: return [self._row] * m
-        rows = list(entered)
-        bad = any(type(r) is not int for r in rows) or (rows and (min(rows) < 0 or max(rows) > self._row))
-        if len(rows) != m or bad or any(a > b for a, b in zip(rows, rows[1:])):
-            raise ValueError(f"entered: expected {m} non-decreasing row numbers between 0 and {self._row} (one per "
-                             f"buffered entry not held aside), got {str(rows)[:80]}")
-        return rows
+# %% ../nbs/06_packing.ipynb #34d84d01
+@patch
+def _pull(self:_PackerBase, pull):
+    "Call `pull()` once, check what came back and count it."
+    got = pull()
+    try: docs, keys = got
+    except (TypeError, ValueError):
+        raise TypeError(f"pull() must return a pair (docs, keys), got {type(got).__name__}") from None
+    if len(docs) != len(keys):
+        raise ValueError(f"pull() returned {len(docs)} documents but {len(keys)} keys: expected one key per document")
+    if not len(docs):
+        self._empty_pulls += 1
+        if self._empty_pulls >= _MAX_EMPTY_PULLS:
+            raise RuntimeError(f"pull() returned no documents {self._empty_pulls} times in a row: the stream looks dry")
+        return docs, keys
+    self._empty_pulls = 0
+    C, bos, n, floor = self.C, self.bos_id, 0, 0
+    if type(docs) is FlatDocs:             # lengths and first tokens checked in bulk
+        lens = docs.lens
+        bad = lens == 0
+        if bos is not None and not bad.any(): bad = docs.flat[docs.starts] != bos
+        if bad.any(): i = int(np.argmax(bad)); self._check_doc(docs[i], keys[i])
+        n, floor = docs.ntokens, int(np.maximum(lens - C, 0).sum())
+    else:
+        for doc, key in zip(docs, keys):
+            L = len(doc)
+            if L == 0 or (bos is not None and doc[0] != bos) or (type(doc) is np.ndarray and doc.ndim != 1):
+                self._check_doc(doc, key)
+            n += L
+            if L > C: floor += L - C
+    tot = self._tot
+    tot['docs_in'] += len(docs); tot['doc_tokens'] += n; tot['floor_tokens'] += floor
+    return docs, keys
 
-    def _check_B(self, B): return check_int('B', B, 1)
+# %% ../nbs/06_packing.ipynb #34d84d02
+@patch
+def _metrics(self:_PackerBase, before, B) -> dict:
+    t = self._tot
+    d = {k: t[k] - before[k] for k in t}
+    return dict(
+        tokens_in=d['tokens_in'], tokens_emitted=d['emitted'], tokens_cropped=d['cropped'], tokens_padded=d['padded'],
+        crop_pct=_pct(d['cropped'], d['emitted'] - d['padded'] + d['cropped']), pad_pct=_pct(d['padded'], d['emitted']),
+        waste_pct=_pct(d['cropped'] + d['padded'], d['emitted'] + d['cropped']),
+        floor_pct=_pct(t['floor_tokens'], t['doc_tokens']),
+        docs_per_row=d['placed'] / B, docs_truncated_pct=_pct(d['truncated'], d['placed']),
+        buffered_tokens=self.buffered_tokens, buffered_docs=len(self),
+        total_tokens_in=t['tokens_in'], total_emitted=t['emitted'], total_cropped=t['cropped'], total_padded=t['padded'],
+        total_crop_pct=_pct(t['cropped'], t['emitted'] - t['padded'] + t['cropped']),
+        total_waste_pct=_pct(t['cropped'] + t['padded'], t['emitted'] + t['cropped']), oldest_wait=self._wait)
 
-    def _rows(self, B, out):
-        "The array to write `B` rows into: a new one, or `out` (e.g. a numpy view of a pinned staging tensor)."
-        if out is None: return np.empty((B, self.C), dtype=np.int64)
-        if not isinstance(out, np.ndarray) or out.shape != (B, self.C) or out.dtype != np.int64:
-            raise ValueError(f"out must be an int64 numpy array of shape ({B}, {self.C}), got "
-                             f"{type(out).__name__} {getattr(out, 'shape', '')} {getattr(out, 'dtype', '')}")
-        return out
+@patch
+def metrics_state(self:_PackerBase) -> dict:
+    "The cumulative counters (JSON-able). They never change which rows come out."
+    return dict(self._tot)
+
+@patch
+def load_metrics_state(self:_PackerBase, state):
+    missing = [k for k in _COUNTERS if k not in state]
+    if missing: raise ValueError(f"metrics state lacks {missing}")
+    self._tot = {k: int(state[k]) for k in _COUNTERS}
+    self._row = self._tot['rows']
+
+# %% ../nbs/06_packing.ipynb #34d84d03
+@patch
+def state_dict(self:_PackerBase) -> dict:
+    "All it takes to continue exactly: buffer addresses in order, when each entered, counters, and the settings they need."
+    return dict(strategy=self.strategy, T=self.T, buffer_size=self.buffer_size, buffer=self.buffer_state(),
+                entered=entered_runs(self.entered_rows()), metrics=self.metrics_state())
+
+@patch
+def load_state_dict(self:_PackerBase, state,  # what `state_dict()` returned (after a trip through JSON, say)
+                    fetch):       # `fetch(keys)` -> the documents at `keys`, whole, as they were pulled
+    "Restore from `state_dict()`; `fetch(keys)` returns the tokens of the documents at `keys` (re-read, re-tokenized)."
+    # strategy and T must match; a different buffer_size is allowed (the batches then differ from an uninterrupted run)
+    for k in ('strategy', 'T'):
+        if state[k] != getattr(self, k):
+            raise ValueError(f"state was saved with {k}={state[k]!r}, this packer has {k}={getattr(self, k)!r}")
+    keys = [key for key, _ in state['buffer']]
+    docs = fetch(keys) if keys else []
+    if len(docs) != len(keys): raise ValueError(f"fetch returned {len(docs)} documents for {len(keys)} keys")
+    self.load_metrics_state(state['metrics'])   # first: entries of a state without `entered` enter at its row count
+    entered = state.get('entered')
+    if entered is not None: entered = entered_rows(entered, sum(1 for _, o in state['buffer'] if not _aside(o)))
+    self.restore([(doc, key, off) for doc, (key, off) in zip(docs, state['buffer'])], entered)
+
+# %% ../nbs/06_packing.ipynb #34d84d04
+@patch
+def _entered(self:_PackerBase, entered, m) -> list:
+    "The rows `m` restored entries entered at (`entered`, or the row count now: an old state has none), checked."
+    if entered is None: return [self._row] * m
+    rows = list(entered)
+    bad = any(type(r) is not int for r in rows) or (rows and (min(rows) < 0 or max(rows) > self._row))
+    if len(rows) != m or bad or any(a > b for a, b in zip(rows, rows[1:])):
+        raise ValueError(f"entered: expected {m} non-decreasing row numbers between 0 and {self._row} (one per "
+                         f"buffered entry not held aside), got {str(rows)[:80]}")
+    return rows
+
+@patch
+def _check_B(self:_PackerBase, B): return check_int('B', B, 1)
+
+@patch
+def _rows(self:_PackerBase, B, out):
+    "The array to write `B` rows into: a new one, or `out` (e.g. a numpy view of a pinned staging tensor)."
+    if out is None: return np.empty((B, self.C), dtype=np.int64)
+    if not isinstance(out, np.ndarray) or out.shape != (B, self.C) or out.dtype != np.int64:
+        raise ValueError(f"out must be an int64 numpy array of shape ({B}, {self.C}), got "
+                         f"{type(out).__name__} {getattr(out, 'shape', '')} {getattr(out, 'dtype', '')}")
+    return out
 
 # %% ../nbs/06_packing.ipynb #d81f64d1
 class ReferencePacker(_PackerBase):
@@ -268,76 +283,87 @@ class ReferencePacker(_PackerBase):
 
     def __len__(self): return len(self.buffer)
 
-    def _refill(self, pull):
-        while len(self.buffer) < self.buffer_size:
-            docs, keys = self._pull(pull)
-            for doc, key in zip(docs, keys):
-                self.buffer.append((doc, key)); self.entered.append(self._row)
-                self.buffered_tokens += len(doc); self._tot['tokens_in'] += len(doc)
+# %% ../nbs/06_packing.ipynb #d81f6401
+@patch
+def _refill(self:ReferencePacker, pull):
+    while len(self.buffer) < self.buffer_size:
+        docs, keys = self._pull(pull)
+        for doc, key in zip(docs, keys):
+            self.buffer.append((doc, key)); self.entered.append(self._row)
+            self.buffered_tokens += len(doc); self._tot['tokens_in'] += len(doc)
 
-    def next_batch(self, B,    # rows in the batch
-                   pull,       # `pull() -> (docs, keys)`: the next documents, when the buffer needs more
-                   out=None,   # an int64 array [B, T+1] to write the rows into (default: a new one)
-                  ) -> PackedBatch:
-        "Pack `B` rows of `T+1` tokens from documents supplied by `pull` (into `out` if given)."
-        B, C, tot = self._check_B(B), self.C, self._tot
-        before = dict(tot)
-        rows, segments = self._rows(B, out), []
-        self._wait = 0
-        for r in range(B):
-            pos, segs, self._row = 0, [], tot['rows'] + r
-            while pos < C:
-                self._refill(pull)
-                remaining = C - pos
-                best, best_len = -1, 0                     # largest document that fits, first one on ties
-                for i, (doc, _) in enumerate(self.buffer):
-                    if best_len < len(doc) <= remaining: best, best_len = i, len(doc)
-                if best < 0:                               # nothing fits: the shortest one, first on ties
-                    best = min(range(len(self.buffer)), key=lambda i: len(self.buffer[i][0]))
-                doc, key = self.buffer.pop(best)
-                self._wait = max(self._wait, self._row - self.entered.pop(best))
-                n = min(len(doc), remaining)
-                rows[r, pos:pos + n] = doc[:n]
-                segs.append(Segment(pos, n, key, 0, len(doc) - n))
-                self.buffered_tokens -= len(doc)
-                tot['cropped'] += len(doc) - n; tot['placed'] += 1; tot['truncated'] += n < len(doc)
-                pos += n
-            segments.append(segs)
-        tot['emitted'] += B * C; tot['rows'] += B
-        return PackedBatch(rows, segments, self._metrics(before, B))
+@patch
+def next_batch(self:ReferencePacker, B,    # rows in the batch
+               pull,       # `pull() -> (docs, keys)`: the next documents, when the buffer needs more
+               out=None,   # an int64 array [B, T+1] to write the rows into (default: a new one)
+              ) -> PackedBatch:
+    "Pack `B` rows of `T+1` tokens from documents supplied by `pull` (into `out` if given)."
+    B, C, tot = self._check_B(B), self.C, self._tot
+    before = dict(tot)
+    rows, segments = self._rows(B, out), []
+    self._wait = 0
+    for r in range(B):
+        pos, segs, self._row = 0, [], tot['rows'] + r
+        while pos < C:
+            self._refill(pull)
+            remaining = C - pos
+            best, best_len = -1, 0                     # largest document that fits, first one on ties
+            for i, (doc, _) in enumerate(self.buffer):
+                if best_len < len(doc) <= remaining: best, best_len = i, len(doc)
+            if best < 0:                               # nothing fits: the shortest one, first on ties
+                best = min(range(len(self.buffer)), key=lambda i: len(self.buffer[i][0]))
+            doc, key = self.buffer.pop(best)
+            self._wait = max(self._wait, self._row - self.entered.pop(best))
+            n = min(len(doc), remaining)
+            rows[r, pos:pos + n] = doc[:n]
+            segs.append(Segment(pos, n, key, 0, len(doc) - n))
+            self.buffered_tokens -= len(doc)
+            tot['cropped'] += len(doc) - n; tot['placed'] += 1; tot['truncated'] += n < len(doc)
+            pos += n
+        segments.append(segs)
+    tot['emitted'] += B * C; tot['rows'] += B
+    return PackedBatch(rows, segments, self._metrics(before, B))
 
-    def piece(self, doc,   # a whole document, as it was pulled
-              offset=0,    # where the buffer entry starts in it (always 0 here)
-             ) -> np.ndarray:
-        "The tokens of the buffer entry for `doc`: the whole document (this rule never splits one)."
-        if offset != 0: raise ValueError(f"offset={offset!r}: strategy 'bestfit-crop' buffers whole documents only (offset 0)")
-        return np.asarray(doc, dtype=np.int64)
+# %% ../nbs/06_packing.ipynb #d81f6402
+@patch
+def piece(self:ReferencePacker, doc,   # a whole document, as it was pulled
+          offset=0,    # where the buffer entry starts in it (always 0 here)
+         ) -> np.ndarray:
+    "The tokens of the buffer entry for `doc`: the whole document (this rule never splits one)."
+    if offset != 0: raise ValueError(f"offset={offset!r}: strategy 'bestfit-crop' buffers whole documents only (offset 0)")
+    return np.asarray(doc, dtype=np.int64)
 
-    def buffer_lengths(self) -> np.ndarray:
-        "Tokens of each buffer entry, in buffer order (int64)."
-        return np.array([len(d) for d, _ in self.buffer], dtype=np.int64)
+@patch
+def buffer_lengths(self:ReferencePacker) -> np.ndarray:
+    "Tokens of each buffer entry, in buffer order (int64)."
+    return np.array([len(d) for d, _ in self.buffer], dtype=np.int64)
 
-    def buffer_state(self) -> list:
-        "The buffer as `[key, offset]` entries in order (offset is always 0 here: whole documents only)."
-        return [[key, 0] for _, key in self.buffer]
+@patch
+def buffer_state(self:ReferencePacker) -> list:
+    "The buffer as `[key, offset]` entries in order (offset is always 0 here: whole documents only)."
+    return [[key, 0] for _, key in self.buffer]
 
-    def entered_rows(self) -> list:
-        "The row each buffer entry entered at, in buffer order."
-        return list(self.entered)
+@patch
+def entered_rows(self:ReferencePacker) -> list:
+    "The row each buffer entry entered at, in buffer order."
+    return list(self.entered)
 
-    def restore(self, items,      # `(tokens, key, offset)` triples in buffer order (offset always 0)
-                entered=None):    # the row each entered at (default: the row count now)
-        "Rebuild the buffer from `(tokens, key, offset)` triples in buffer order."
-        items = list(items)
-        entered = self._entered(entered, len(items))
-        buf = []
-        for doc, key, offset in items:
-            if offset != 0:
-                raise ValueError(f"document {key!r}: offset={offset!r}, but strategy 'bestfit-crop' buffers whole documents only (offset 0)")
-            self._check_doc(doc, key)
-            buf.append((doc, key))
-        self.buffer, self.buffered_tokens, self.entered = buf, sum(len(d) for d, _ in buf), entered
-    load_buffer = restore
+# %% ../nbs/06_packing.ipynb #d81f6403
+@patch
+def restore(self:ReferencePacker, items,      # `(tokens, key, offset)` triples in buffer order (offset always 0)
+            entered=None):    # the row each entered at (default: the row count now)
+    "Rebuild the buffer from `(tokens, key, offset)` triples in buffer order."
+    items = list(items)
+    entered = self._entered(entered, len(items))
+    buf = []
+    for doc, key, offset in items:
+        if offset != 0:
+            raise ValueError(f"document {key!r}: offset={offset!r}, but strategy 'bestfit-crop' buffers whole documents only (offset 0)")
+        self._check_doc(doc, key)
+        buf.append((doc, key))
+    self.buffer, self.buffered_tokens, self.entered = buf, sum(len(d) for d, _ in buf), entered
+
+ReferencePacker.load_buffer = ReferencePacker.restore
 
 # %% ../nbs/06_packing.ipynb #e90477e7
 class ListPull:
@@ -439,290 +465,320 @@ class Packer(_PackerBase):
         self.max_wait, self.epoch_of = max_wait, epoch_of if guarded else None
         self._clear()
 
-    def _clear(self):
-        # seq -> (source, start, key, offset, length, entered row), in insertion order, hence buffer order. Its tokens are
-        # source[start + offset : start + offset + length] (a bestfit-split continuation: BOS, then one token fewer);
-        # `source` is the document itself (start 0) or the flat array of a `FlatDocs` it arrived in
-        self._ent = {}
-        self._seq = 0    # next sequence number
-        self._q = {}     # length -> deque of seqs, for entries of length <= T+1
-        self._lens = []  # sorted lengths whose deque is not empty
-        # entries longer than T+1: a heap of (length, seq); a FIFO for the strategies that take them first;
-        # for greedy/concat every entry goes through this FIFO
-        self._long = deque() if (self._longfirst or self._fifo_mode) else []
-        self.buffered_tokens = 0
-        # (source, start, key, length, offset): what the epoch guard keeps aside, in reading order; offset `HELD`:
-        # a whole document (split when let in); else one piece (held on a restore from other ranks)
-        self._held = []
-        self._ep = {}    # epoch -> pieces buffered (with `epoch_of`)
-        self._head = 0   # no buffered entry has a smaller seq
-
     def __len__(self): return len(self._ent) + len(self._held)
     @property
     def held(self) -> int: return len(self._held)
 
-    def _add(self, src, start, key, offset, L):
-        seq = self._seq; self._seq += 1
-        self._ent[seq] = (src, start, key, offset, L, self._row)
-        self.buffered_tokens += L
-        if self._fifo_mode: self._long.append(seq)
-        elif L <= self.C:
-            q = self._q.get(L)
-            if q is None: q = self._q[L] = deque()
-            if not q: bisect.insort(self._lens, L)
-            q.append(seq)
-        elif self._longfirst: self._long.append(seq)
-        else: heapq.heappush(self._long, (L, seq))
-
-    def _intake(self, pull):
-        docs, keys = self._pull(pull)
-        items = (zip(repeat(docs.flat), docs.starts.tolist(), keys, docs.lens.tolist()) if type(docs) is FlatDocs
-                 else zip(docs, repeat(0), keys, map(len, docs)))
-        if self.epoch_of is None: return self._admit(items)
-        self._held += ((*it, HELD) for it in items)
-        self._release()
-
-    def _admit(self, items):  # `(source, start, key, length)` of whole documents, in reading order
-        C, T, n0 = self.C, self.T, self.buffered_tokens
-        if self._fifo_mode:
-            for src, s, key, L in items:
-                if L > C and (s or len(src) != L): src, s = src[s:s + L].copy(), 0   # a long stay: pin no whole array
-                self._add(src, s, key, 0, L)
-        else:   # the best-fit rules: short entries inline (the hot path), long ones through `_add`
-            ent, qs, lens, seq, n, split, now = self._ent, self._q, self._lens, self._seq, 0, self._split, self._row
-            for src, s, key, L in items:
-                if L > C:
-                    if s or len(src) != L: src, s = src[s:s + L].copy(), 0
-                    self._seq = seq
-                    if split:                  # pieces: doc[:T+1], then BOS + the next T tokens, ...
-                        self._add(src, s, key, 0, C)
-                        for off in range(C, L, T): self._add(src, s, key, off, 1 + min(T, L - off))
-                    else: self._add(src, s, key, 0, L)
-                    seq = self._seq
-                    continue
-                ent[seq] = (src, s, key, 0, L, now)
-                q = qs.get(L)
-                if q is None: q = qs[L] = deque()
-                if not q: bisect.insort(lens, L)
-                q.append(seq)
-                seq += 1; n += L
-            self._seq = seq; self.buffered_tokens += n
-        self._tot['tokens_in'] += self.buffered_tokens - n0
-
-    def _pop_len(self, i):
-        "Pop the earliest entry among those of length `self._lens[i]`."
-        lens = self._lens
-        q = self._q[lens[i]]
-        seq = q.popleft()
-        if not q: del lens[i]
-        return seq
-
     # `epoch_floor()` -> the lowest epoch the pull may still bring where it can go down (a rescaled loader's), or None
     epoch_floor = None
 
-    def _low(self):
-        "The oldest epoch buffered or still to come (None: nothing buffered, nothing older to come)."
-        ep, f = self._ep, self.epoch_floor() if self.epoch_floor is not None else None
-        low = min(ep) if ep else None
-        return f if low is None or (f is not None and f < low) else low
+# %% ../nbs/06_packing.ipynb #fbd0f300
+@patch
+def _clear(self:Packer):
+    # seq -> (source, start, key, offset, length, entered row), in insertion order, hence buffer order. Its tokens are
+    # source[start + offset : start + offset + length] (a bestfit-split continuation: BOS, then one token fewer);
+    # `source` is the document itself (start 0) or the flat array of a `FlatDocs` it arrived in
+    self._ent = {}
+    self._seq = 0    # next sequence number
+    self._q = {}     # length -> deque of seqs, for entries of length <= T+1
+    self._lens = []  # sorted lengths whose deque is not empty
+    # entries longer than T+1: a heap of (length, seq); a FIFO for the strategies that take them first;
+    # for greedy/concat every entry goes through this FIFO
+    self._long = deque() if (self._longfirst or self._fifo_mode) else []
+    self.buffered_tokens = 0
+    # (source, start, key, length, offset): what the epoch guard keeps aside, in reading order; offset `HELD`:
+    # a whole document (split when let in); else one piece (held on a restore from other ranks)
+    self._held = []
+    self._ep = {}    # epoch -> pieces buffered (with `epoch_of`)
+    self._head = 0   # no buffered entry has a smaller seq
 
-    def _refill(self, pull):
-        "Fill the buffer to `buffer_size` entries: held documents first, as far as the epoch guard lets them; then pulls."
-        ent, size = self._ent, self.buffer_size
-        while len(ent) < size:
-            if self._held:
-                self._release()
-                if not self._held: continue
-                if ent and self._low() == min(self._ep): return   # kept out: the buffer drains its oldest epoch first
-            self._intake(pull)   # (with documents held: the pull still owes an older epoch)
+@patch
+def _add(self:Packer, src, start, key, offset, L):
+    seq = self._seq; self._seq += 1
+    self._ent[seq] = (src, start, key, offset, L, self._row)
+    self.buffered_tokens += L
+    if self._fifo_mode: self._long.append(seq)
+    elif L <= self.C:
+        q = self._q.get(L)
+        if q is None: q = self._q[L] = deque()
+        if not q: bisect.insort(self._lens, L)
+        q.append(seq)
+    elif self._longfirst: self._long.append(seq)
+    else: heapq.heappush(self._long, (L, seq))
 
-    def _release(self):
-        "Let the held documents in, in order, each unless two epochs past the oldest one buffered or still to come."
-        held, ep, eo, keep, i = self._held, self._ep, self.epoch_of, [], 0
-        es = [eo(x[2]) for x in held]
-        first = min(es, default=None)   # a held document of an older epoch (pulled after newer ones) counts as still to come
-        while i < len(held):
-            e, j, seq, low = es[i], i + 1, self._seq, self._low()
-            low = first if low is None or first < low else low
-            while j < len(held) and es[j] == e: j += 1
-            if low is not None and e >= low + 2: keep += held[i:j]
-            elif all(x[4] == HELD for x in held[i:j]): self._admit([x[:4] for x in held[i:j]])
-            else:
-                for x in held[i:j]:
-                    if x[4] == HELD: self._admit((x[:4],))
-                    else: self._add(*x[:3], x[4], x[3])
-            if seq != self._seq: ep[e] = ep.get(e, 0) + self._seq - seq
-            i = j
-        self._held = keep
+# %% ../nbs/06_packing.ipynb #fbd0f301
+@patch
+def _intake(self:Packer, pull):
+    docs, keys = self._pull(pull)
+    items = (zip(repeat(docs.flat), docs.starts.tolist(), keys, docs.lens.tolist()) if type(docs) is FlatDocs
+             else zip(docs, repeat(0), keys, map(len, docs)))
+    if self.epoch_of is None: return self._admit(items)
+    self._held += ((*it, HELD) for it in items)
+    self._release()
 
-    def _late(self) -> bool:
-        "Whether the row must start with the entry that entered first: some are held aside, or it waited over `max_wait`."
-        h, ent = self._head, self._ent
-        while h not in ent: h += 1
-        self._head = h
-        return bool(self._held) or (self.max_wait is not None and self._row - ent[h][5] > self.max_wait)
+@patch
+def _admit(self:Packer, items):  # `(source, start, key, length)` of whole documents, in reading order
+    C, T, n0 = self.C, self.T, self.buffered_tokens
+    if self._fifo_mode:
+        for src, s, key, L in items:
+            if L > C and (s or len(src) != L): src, s = src[s:s + L].copy(), 0   # a long stay: pin no whole array
+            self._add(src, s, key, 0, L)
+    else:   # the best-fit rules: short entries inline (the hot path), long ones through `_add`
+        ent, qs, lens, seq, n, split, now = self._ent, self._q, self._lens, self._seq, 0, self._split, self._row
+        for src, s, key, L in items:
+            if L > C:
+                if s or len(src) != L: src, s = src[s:s + L].copy(), 0
+                self._seq = seq
+                if split:                  # pieces: doc[:T+1], then BOS + the next T tokens, ...
+                    self._add(src, s, key, 0, C)
+                    for off in range(C, L, T): self._add(src, s, key, off, 1 + min(T, L - off))
+                else: self._add(src, s, key, 0, L)
+                seq = self._seq
+                continue
+            ent[seq] = (src, s, key, 0, L, now)
+            q = qs.get(L)
+            if q is None: q = qs[L] = deque()
+            if not q: bisect.insort(lens, L)
+            q.append(seq)
+            seq += 1; n += L
+        self._seq = seq; self.buffered_tokens += n
+    self._tot['tokens_in'] += self.buffered_tokens - n0
 
-    def _pop_head(self) -> int:
-        "Take the entry that entered first (`_late` found it): first among those of its length, or of the long ones."
-        seq = self._head
-        L = self._ent[seq][4]
-        got = self._long.popleft() if L > self.C else self._pop_len(bisect.bisect_left(self._lens, L))
-        assert got == seq, (got, seq)
-        return seq
+# %% ../nbs/06_packing.ipynb #fbd0f302
+@patch
+def _pop_len(self:Packer, i):
+    "Pop the earliest entry among those of length `self._lens[i]`."
+    lens = self._lens
+    q = self._q[lens[i]]
+    seq = q.popleft()
+    if not q: del lens[i]
+    return seq
 
-    def _row_bestfit(self, pieces, pull):
-        C, lens, qs, longq, ent = self.C, self._lens, self._q, self._long, self._ent
-        size, mdr, longfirst, pad = self.buffer_size, self.max_docs_per_row, self._longfirst, self.strategy == 'bestfit-pad'
-        segs, pos, cropped, now, wait, eo = [], 0, 0, self._row, self._wait, self.epoch_of
-        guard = eo is not None or self.max_wait is not None
-        while pos < C:
-            if mdr is not None and len(segs) == mdr: break   # the rest of the row is padding
-            if len(ent) < size: self._refill(pull)
-            rem = C - pos
-            if pos == 0 and guard and self._late(): seq = self._pop_head()   # an epoch must drain, or a piece is late
-            elif mdr is not None and len(segs) == mdr - 1:   # the last segment allowed: it should fill the row
-                i = bisect.bisect_left(lens, rem)
-                if i < len(lens): seq = self._pop_len(i)     # the shortest that reaches the end
-                elif longq: seq = longq.popleft() if longfirst else heapq.heappop(longq)[1]
-                else: seq = self._pop_len(len(lens) - 1)     # none reaches: the largest, then padding
-            elif pos == 0 and longfirst and longq: seq = longq.popleft()
-            else:
-                i = bisect.bisect_right(lens, rem) - 1       # the largest length <= rem
-                if i >= 0:                                   # (the hot path: `_pop_len` inline)
-                    q = qs[lens[i]]; seq = q.popleft()
-                    if not q: del lens[i]
-                elif pad: break
-                elif lens: seq = self._pop_len(0)            # nothing fits: the shortest
-                elif longfirst: seq = longq.popleft()
-                else: seq = heapq.heappop(longq)[1]
-            src, s, key, off, L, r0 = ent.pop(seq)
-            if now - r0 > wait: wait = now - r0
-            if eo is not None:
-                e = eo(key); c = self._ep[e] - 1
-                if c: self._ep[e] = c
-                else: del self._ep[e]
-            n = L if L <= rem else rem
-            if off == 0: pieces.append(src[s:s + n])
-            else: s += off; pieces += (self._bos1, src[s:s + n - 1])   # a continuation piece: BOS first
-            self.buffered_tokens -= L
-            segs.append((pos, n, key, off, L - n))
-            cropped += L - n
-            pos += n
-        if pos < C: pieces.append(self._padrow[pos:])
-        self._wait = wait
-        return segs, cropped, C - pos
+@patch
+def _low(self:Packer):
+    "The oldest epoch buffered or still to come (None: nothing buffered, nothing older to come)."
+    ep, f = self._ep, self.epoch_floor() if self.epoch_floor is not None else None
+    low = min(ep) if ep else None
+    return f if low is None or (f is not None and f < low) else low
 
-    def _row_fifo(self, pieces, pull):
-        C, fifo, ent = self.C, self._long, self._ent
-        mdr, concat = self.max_docs_per_row, self.strategy == 'concat'
-        segs, pos, cropped = [], 0, 0
-        while pos < C:
-            if mdr is not None and len(segs) == mdr: break   # the rest of the row is padding
-            while len(ent) < self.buffer_size: self._intake(pull)
-            rem, seq = C - pos, fifo[0]
-            src, s, key, off, L, r0 = ent[seq]
-            self._wait = max(self._wait, self._row - r0)
-            n = L if L <= rem else rem
-            pieces.append(src[s + off:s + off + n])
-            segs.append((pos, n, key, off, 0 if concat else L - n))
-            self.buffered_tokens -= n
-            if concat and n < L: ent[seq] = (src, s, key, off + n, L - n, r0)   # the rest stays first in line
-            else:
-                fifo.popleft(); del ent[seq]
-                self.buffered_tokens -= L - n; cropped += L - n
-            pos += n
-        if pos < C: pieces.append(self._padrow[pos:])
-        return segs, cropped, C - pos
+@patch
+def _refill(self:Packer, pull):
+    "Fill the buffer to `buffer_size` entries: held documents first, as far as the epoch guard lets them; then pulls."
+    ent, size = self._ent, self.buffer_size
+    while len(ent) < size:
+        if self._held:
+            self._release()
+            if not self._held: continue
+            if ent and self._low() == min(self._ep): return   # kept out: the buffer drains its oldest epoch first
+        self._intake(pull)   # (with documents held: the pull still owes an older epoch)
 
-    def next_batch(self, B,    # rows in the batch
-                   pull,       # `pull() -> (docs, keys)`: the next documents, when the buffer needs more
-                   out=None,   # an int64 array [B, T+1] to write the rows into (default: a new one)
-                  ) -> PackedBatch:
-        "Pack `B` rows of `T+1` tokens from documents supplied by `pull` (into `out` if given)."
-        B, C, tot = self._check_B(B), self.C, self._tot
-        before = dict(tot)
-        rows, segments = self._rows(B, out), []
-        fill = self._row_fifo if self._fifo_mode else self._row_bestfit
-        placed = truncated = cropped = padded = 0
-        pieces = []   # the rows' contents, left to right and top to bottom: views of documents, BOS tokens, padding
-        self._wait = 0
-        for r in range(B):
-            self._row = tot['rows'] + r
-            segs, c, p = fill(pieces, pull)
-            segments.append(segs)
-            placed += len(segs); cropped += c; padded += p
-            truncated += sum(1 for s in segs if s[4])
-        # one copy for the whole batch (converting int32 or Python ints to int64 on the way)
-        # (casting as an assignment would: documents given as floats or Python ints are written as int64)
-        if rows.flags.c_contiguous: np.concatenate(pieces, out=rows.reshape(-1), casting='unsafe')
-        else: rows[...] = np.concatenate(pieces).reshape(B, C)
-        tot['placed'] += placed; tot['truncated'] += truncated; tot['cropped'] += cropped; tot['padded'] += padded
-        tot['emitted'] += B * C; tot['rows'] += B
-        return PackedBatch(rows, segments, self._metrics(before, B))
+# %% ../nbs/06_packing.ipynb #fbd0f303
+@patch
+def _release(self:Packer):
+    "Let the held documents in, in order, each unless two epochs past the oldest one buffered or still to come."
+    held, ep, eo, keep, i = self._held, self._ep, self.epoch_of, [], 0
+    es = [eo(x[2]) for x in held]
+    first = min(es, default=None)   # a held document of an older epoch (pulled after newer ones) counts as still to come
+    while i < len(held):
+        e, j, seq, low = es[i], i + 1, self._seq, self._low()
+        low = first if low is None or first < low else low
+        while j < len(held) and es[j] == e: j += 1
+        if low is not None and e >= low + 2: keep += held[i:j]
+        elif all(x[4] == HELD for x in held[i:j]): self._admit([x[:4] for x in held[i:j]])
+        else:
+            for x in held[i:j]:
+                if x[4] == HELD: self._admit((x[:4],))
+                else: self._add(*x[:3], x[4], x[3])
+        if seq != self._seq: ep[e] = ep.get(e, 0) + self._seq - seq
+        i = j
+    self._held = keep
 
-    def piece(self, doc,   # a whole document, as it was pulled
-              offset=0,    # where the buffer entry starts in it
-             ) -> np.ndarray:
-        "The tokens of the buffer entry that starts at `offset` of `doc`, under this packer's strategy."
-        L = self._piece_len(doc, offset)
-        if self._split and offset > 0: return np.concatenate([[self.bos_id], np.asarray(doc[offset:offset + L - 1])]).astype(np.int64)
-        return np.asarray(doc[offset:offset + L], dtype=np.int64)
+@patch
+def _late(self:Packer) -> bool:
+    "Whether the row must start with the entry that entered first: some are held aside, or it waited over `max_wait`."
+    h, ent = self._head, self._ent
+    while h not in ent: h += 1
+    self._head = h
+    return bool(self._held) or (self.max_wait is not None and self._row - ent[h][5] > self.max_wait)
 
-    def _piece_len(self, doc, offset):
-        L, C, T = len(doc), self.C, self.T
-        if isinstance(offset, (int, np.integer)) and not isinstance(offset, bool):
-            if self._split:
-                if offset == 0: return min(L, C)
-                if C <= offset < L and (offset - C) % T == 0: return 1 + min(T, L - offset)
-            elif self.strategy == 'concat':
-                if 0 <= offset < L: return L - offset
-            elif offset == 0: return L
-        raise ValueError(f"offset={offset!r} is not where a buffer entry can start under strategy {self.strategy!r} "
-                         f"(document of {L} tokens)")
+@patch
+def _pop_head(self:Packer) -> int:
+    "Take the entry that entered first (`_late` found it): first among those of its length, or of the long ones."
+    seq = self._head
+    L = self._ent[seq][4]
+    got = self._long.popleft() if L > self.C else self._pop_len(bisect.bisect_left(self._lens, L))
+    assert got == seq, (got, seq)
+    return seq
 
-    def buffer_lengths(self) -> np.ndarray:
-        "Tokens of each buffer entry, in buffer order (int64): for a loader that wants to know what waits there."
-        return np.fromiter((e[4] for e in self._ent.values()), np.int64, len(self._ent))
+# %% ../nbs/06_packing.ipynb #fbd0f304
+@patch
+def _row_bestfit(self:Packer, pieces, pull):
+    C, lens, qs, longq, ent = self.C, self._lens, self._q, self._long, self._ent
+    size, mdr, longfirst, pad = self.buffer_size, self.max_docs_per_row, self._longfirst, self.strategy == 'bestfit-pad'
+    segs, pos, cropped, now, wait, eo = [], 0, 0, self._row, self._wait, self.epoch_of
+    guard = eo is not None or self.max_wait is not None
+    while pos < C:
+        if mdr is not None and len(segs) == mdr: break   # the rest of the row is padding
+        if len(ent) < size: self._refill(pull)
+        rem = C - pos
+        if pos == 0 and guard and self._late(): seq = self._pop_head()   # an epoch must drain, or a piece is late
+        elif mdr is not None and len(segs) == mdr - 1:   # the last segment allowed: it should fill the row
+            i = bisect.bisect_left(lens, rem)
+            if i < len(lens): seq = self._pop_len(i)     # the shortest that reaches the end
+            elif longq: seq = longq.popleft() if longfirst else heapq.heappop(longq)[1]
+            else: seq = self._pop_len(len(lens) - 1)     # none reaches: the largest, then padding
+        elif pos == 0 and longfirst and longq: seq = longq.popleft()
+        else:
+            i = bisect.bisect_right(lens, rem) - 1       # the largest length <= rem
+            if i >= 0:                                   # (the hot path: `_pop_len` inline)
+                q = qs[lens[i]]; seq = q.popleft()
+                if not q: del lens[i]
+            elif pad: break
+            elif lens: seq = self._pop_len(0)            # nothing fits: the shortest
+            elif longfirst: seq = longq.popleft()
+            else: seq = heapq.heappop(longq)[1]
+        src, s, key, off, L, r0 = ent.pop(seq)
+        if now - r0 > wait: wait = now - r0
+        if eo is not None:
+            e = eo(key); c = self._ep[e] - 1
+            if c: self._ep[e] = c
+            else: del self._ep[e]
+        n = L if L <= rem else rem
+        if off == 0: pieces.append(src[s:s + n])
+        else: s += off; pieces += (self._bos1, src[s:s + n - 1])   # a continuation piece: BOS first
+        self.buffered_tokens -= L
+        segs.append((pos, n, key, off, L - n))
+        cropped += L - n
+        pos += n
+    if pos < C: pieces.append(self._padrow[pos:])
+    self._wait = wait
+    return segs, cropped, C - pos
 
-    def buffer_state(self) -> list:
-        "The buffer as `[key, offset]` entries in order: enough, with the documents re-read, to rebuild it exactly."
-        return [[key, off] for key, off in zip(*self.buffer_keys())]
+# %% ../nbs/06_packing.ipynb #fbd0f305
+@patch
+def _row_fifo(self:Packer, pieces, pull):
+    C, fifo, ent = self.C, self._long, self._ent
+    mdr, concat = self.max_docs_per_row, self.strategy == 'concat'
+    segs, pos, cropped = [], 0, 0
+    while pos < C:
+        if mdr is not None and len(segs) == mdr: break   # the rest of the row is padding
+        while len(ent) < self.buffer_size: self._intake(pull)
+        rem, seq = C - pos, fifo[0]
+        src, s, key, off, L, r0 = ent[seq]
+        self._wait = max(self._wait, self._row - r0)
+        n = L if L <= rem else rem
+        pieces.append(src[s + off:s + off + n])
+        segs.append((pos, n, key, off, 0 if concat else L - n))
+        self.buffered_tokens -= n
+        if concat and n < L: ent[seq] = (src, s, key, off + n, L - n, r0)   # the rest stays first in line
+        else:
+            fifo.popleft(); del ent[seq]
+            self.buffered_tokens -= L - n; cropped += L - n
+        pos += n
+    if pos < C: pieces.append(self._padrow[pos:])
+    return segs, cropped, C - pos
 
-    def buffer_keys(self) -> tuple:
-        "`buffer_state()` as two lists, `(keys, offsets)` (held documents last): cheaper, for a state with every batch."
-        entries = list(self._ent.values())
-        return ([e[2] for e in entries] + [h[2] for h in self._held],
-                [e[3] for e in entries] + [HELD if h[4] == HELD else -2 - h[4] for h in self._held])
+# %% ../nbs/06_packing.ipynb #fbd0f306
+@patch
+def next_batch(self:Packer, B,    # rows in the batch
+               pull,       # `pull() -> (docs, keys)`: the next documents, when the buffer needs more
+               out=None,   # an int64 array [B, T+1] to write the rows into (default: a new one)
+              ) -> PackedBatch:
+    "Pack `B` rows of `T+1` tokens from documents supplied by `pull` (into `out` if given)."
+    B, C, tot = self._check_B(B), self.C, self._tot
+    before = dict(tot)
+    rows, segments = self._rows(B, out), []
+    fill = self._row_fifo if self._fifo_mode else self._row_bestfit
+    placed = truncated = cropped = padded = 0
+    pieces = []   # the rows' contents, left to right and top to bottom: views of documents, BOS tokens, padding
+    self._wait = 0
+    for r in range(B):
+        self._row = tot['rows'] + r
+        segs, c, p = fill(pieces, pull)
+        segments.append(segs)
+        placed += len(segs); cropped += c; padded += p
+        truncated += sum(1 for s in segs if s[4])
+    # one copy for the whole batch (converting int32 or Python ints to int64 on the way)
+    # (casting as an assignment would: documents given as floats or Python ints are written as int64)
+    if rows.flags.c_contiguous: np.concatenate(pieces, out=rows.reshape(-1), casting='unsafe')
+    else: rows[...] = np.concatenate(pieces).reshape(B, C)
+    tot['placed'] += placed; tot['truncated'] += truncated; tot['cropped'] += cropped; tot['padded'] += padded
+    tot['emitted'] += B * C; tot['rows'] += B
+    return PackedBatch(rows, segments, self._metrics(before, B))
 
-    def entered_rows(self) -> list:
-        "The row each buffer entry entered at, in buffer order (documents held aside have not entered)."
-        return [e[5] for e in self._ent.values()]
+@patch
+def piece(self:Packer, doc,   # a whole document, as it was pulled
+          offset=0,    # where the buffer entry starts in it
+         ) -> np.ndarray:
+    "The tokens of the buffer entry that starts at `offset` of `doc`, under this packer's strategy."
+    L = self._piece_len(doc, offset)
+    if self._split and offset > 0: return np.concatenate([[self.bos_id], np.asarray(doc[offset:offset + L - 1])]).astype(np.int64)
+    return np.asarray(doc[offset:offset + L], dtype=np.int64)
 
-    def restore(self, items,    # `(tokens, key, offset)` in buffer order; tokens: the whole document; offset < 0: held
-                entered=None):  # the row each entry not held entered at (None: the row count now, the guard applied afresh)
-        "Rebuild the buffer from `(tokens, key, offset)` triples in buffer order (tokens: the whole original document)."
-        items, eo = list(items), self.epoch_of
-        for doc, _, o in items:   # (a hand-edited state: refused by its offset, not by a comparison failing later)
-            if not isinstance(o, (int, np.integer)) or isinstance(o, bool): self._piece_len(doc, o)
-        if entered is None and eo is not None and items:   # an old state, or other ranks' buffers: the guard decides again
-            es, f = [eo(k) for _, k, o in items if o >= 0], self.epoch_floor() if self.epoch_floor is not None else None
-            e0 = min(es + ([f] if f is not None else []), default=None)
-            items = [(d, k, -2 - o if o >= 0 and e0 is not None and eo(k) >= e0 + 2 else o) for d, k, o in items]
-        entered = self._entered(entered, sum(1 for it in items if it[2] >= 0))
-        entries, keep = [], []
-        for doc, key, offset in items:
-            self._check_doc(doc, key)
-            if offset >= 0: entries.append((doc, key, offset, self._piece_len(doc, offset)))
-            elif eo is None: raise ValueError(f"document {key!r} held aside (offset {offset}), but this packer has no guard")
-            elif offset == HELD: keep.append((doc, 0, key, len(doc), HELD))
-            else: keep.append((doc, 0, key, self._piece_len(doc, -2 - offset), -2 - offset))
-        self._clear()
-        row = self._row
-        for (doc, key, offset, L), self._row in zip(entries, entered):
-            self._add(doc, 0, key, offset, L)
-            if eo is not None: e = eo(key); self._ep[e] = self._ep.get(e, 0) + 1
-        self._row, self._held = row, keep
-    load_buffer = restore
+# %% ../nbs/06_packing.ipynb #fbd0f307
+@patch
+def _piece_len(self:Packer, doc, offset):
+    L, C, T = len(doc), self.C, self.T
+    if isinstance(offset, (int, np.integer)) and not isinstance(offset, bool):
+        if self._split:
+            if offset == 0: return min(L, C)
+            if C <= offset < L and (offset - C) % T == 0: return 1 + min(T, L - offset)
+        elif self.strategy == 'concat':
+            if 0 <= offset < L: return L - offset
+        elif offset == 0: return L
+    raise ValueError(f"offset={offset!r} is not where a buffer entry can start under strategy {self.strategy!r} "
+                     f"(document of {L} tokens)")
+
+@patch
+def buffer_lengths(self:Packer) -> np.ndarray:
+    "Tokens of each buffer entry, in buffer order (int64): for a loader that wants to know what waits there."
+    return np.fromiter((e[4] for e in self._ent.values()), np.int64, len(self._ent))
+
+@patch
+def buffer_state(self:Packer) -> list:
+    "The buffer as `[key, offset]` entries in order: enough, with the documents re-read, to rebuild it exactly."
+    return [[key, off] for key, off in zip(*self.buffer_keys())]
+
+@patch
+def buffer_keys(self:Packer) -> tuple:
+    "`buffer_state()` as two lists, `(keys, offsets)` (held documents last): cheaper, for a state with every batch."
+    entries = list(self._ent.values())
+    return ([e[2] for e in entries] + [h[2] for h in self._held],
+            [e[3] for e in entries] + [HELD if h[4] == HELD else -2 - h[4] for h in self._held])
+
+@patch
+def entered_rows(self:Packer) -> list:
+    "The row each buffer entry entered at, in buffer order (documents held aside have not entered)."
+    return [e[5] for e in self._ent.values()]
+
+# %% ../nbs/06_packing.ipynb #fbd0f308
+@patch
+def restore(self:Packer, items,    # `(tokens, key, offset)` in buffer order; tokens: the whole document; offset < 0: held
+            entered=None):  # the row each entry not held entered at (None: the row count now, the guard applied afresh)
+    "Rebuild the buffer from `(tokens, key, offset)` triples in buffer order (tokens: the whole original document)."
+    items, eo = list(items), self.epoch_of
+    for doc, _, o in items:   # (a hand-edited state: refused by its offset, not by a comparison failing later)
+        if not isinstance(o, (int, np.integer)) or isinstance(o, bool): self._piece_len(doc, o)
+    if entered is None and eo is not None and items:   # an old state, or other ranks' buffers: the guard decides again
+        es, f = [eo(k) for _, k, o in items if o >= 0], self.epoch_floor() if self.epoch_floor is not None else None
+        e0 = min(es + ([f] if f is not None else []), default=None)
+        items = [(d, k, -2 - o if o >= 0 and e0 is not None and eo(k) >= e0 + 2 else o) for d, k, o in items]
+    entered = self._entered(entered, sum(1 for it in items if it[2] >= 0))
+    entries, keep = [], []
+    for doc, key, offset in items:
+        self._check_doc(doc, key)
+        if offset >= 0: entries.append((doc, key, offset, self._piece_len(doc, offset)))
+        elif eo is None: raise ValueError(f"document {key!r} held aside (offset {offset}), but this packer has no guard")
+        elif offset == HELD: keep.append((doc, 0, key, len(doc), HELD))
+        else: keep.append((doc, 0, key, self._piece_len(doc, -2 - offset), -2 - offset))
+    self._clear()
+    row = self._row
+    for (doc, key, offset, L), self._row in zip(entries, entered):
+        self._add(doc, 0, key, offset, L)
+        if eo is not None: e = eo(key); self._ep[e] = self._ep.get(e, 0) + 1
+    self._row, self._held = row, keep
+
+Packer.load_buffer = Packer.restore
 
 # %% ../nbs/06_packing.ipynb #e86efd69
 def _Phi(x): return 0.5 * (1 + math.erf(x / math.sqrt(2)))

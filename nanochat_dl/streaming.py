@@ -545,7 +545,7 @@ def snapshot(self:TokenStream):
     "The state as it is now, cheaply (small copies and references); `state_of` turns it into JSON later."
     ds = [(src.cursor(), None if ch is None else ch.cut(), None if sh is None else sh.snapshot(), src.progress())
           for src, ch, sh in zip(self.sources, self.chunkers, self.shuffles)]
-    held = getattr(self.packer, 'held', None)
+    held = getattr(self.packer, 'ds_tokens', None)
     return (self.step, ds, list(self.mixer.tokens), self._packer_snap(), self.packer.metrics_state(), None if held is None else list(held),
             getattr(self.packer, '_wait', 0))
 
@@ -1137,10 +1137,10 @@ class BestFitRows(_PackerBase):
     def __init__(self, T:int, buffer_size:int, pad_id:int,
                  max_wait=MAX_WAIT,     # rows a piece may wait before it starts a row (None: no limit)
                  guard:bool=False,      # keys are `(dataset, doc, epoch, ...)`: hold aside what is two epochs ahead
-                 held=None,             # with `guard`: a list this packer keeps, per dataset, the document tokens it holds
+                 ds_tokens=None,        # with `guard`: a list this packer keeps, per dataset, the document tokens it holds
                  doc_len=None):         # `doc_len(key, length)` -> a piece's document tokens (default: its length)
         super().__init__(T, buffer_size, None)
-        self.held, self._doc_len = held, doc_len or (lambda k, L: L)
+        self.ds_tokens, self._doc_len = ds_tokens, doc_len or (lambda k, L: L)
         self._padrow, self.max_wait, self.guard = np.full(self.C, pad_id, dtype=np.int64), max_wait, guard
         self._q, self._lens, self._n = {}, [], 0          # length -> deque of (token arrays, key); lengths present, sorted; pieces
         self._base, self._log, self._added = [], [], []   # the journal: (key, row entered) once, then per batch (those in, keys placed)
@@ -1164,8 +1164,8 @@ class BestFitRows(_PackerBase):
         self.buffered_tokens += s
         t = self._tot
         t['docs_in'] += len(keys); t['doc_tokens'] += s; t['tokens_in'] += s
-        if self.held is not None:
-            for k, L in zip(keys, lens): self.held[k[0]] += self._doc_len(k, L)
+        if self.ds_tokens is not None:
+            for k, L in zip(keys, lens): self.ds_tokens[k[0]] += self._doc_len(k, L)
         if not self.guard:
             for x in zip(pieces, lens, keys): self._put(*x)
         else: self._held += zip(pieces, lens, keys); self._release()
@@ -1204,7 +1204,7 @@ def _placed(self:BestFitRows, k, now:int):
     "Book piece `k` placed in row `now`: its wait, and its epoch's count."
     r0, L = self._at.pop(k)
     if now - r0 > self._wait: self._wait = now - r0
-    if self.held is not None: self.held[k[0]] -= self._doc_len(k, L)
+    if self.ds_tokens is not None: self.ds_tokens[k[0]] -= self._doc_len(k, L)
     if self.guard:
         d = self._ep[k[0]]
         c = d[k[2]] - 1
@@ -1279,11 +1279,11 @@ def restore(self:BestFitRows, items,   # `(tokens, key, offset)` in order, offse
     self._q, self._lens, self._n, self.buffered_tokens, self._at, self._order = {}, [], 0, 0, {}, deque()
     self._ep, self._held, self._added, now = {}, [], [], self._tot['rows']
     rows = iter([now] * len(items) if entered is None else entered)
-    if self.held is not None: self.held[:] = [0] * len(self.held)
+    if self.ds_tokens is not None: self.ds_tokens[:] = [0] * len(self.ds_tokens)
     for t, k, o in items:
         x = ([np.asarray(t)], len(t), k)
         self.buffered_tokens += len(t)
-        if self.held is not None: self.held[k[0]] += self._doc_len(k, len(t))
+        if self.ds_tokens is not None: self.ds_tokens[k[0]] += self._doc_len(k, len(t))
         if o == HELD: self._held.append(x)
         else: self._row = next(rows); self._put(*x)
     self._row = now
@@ -1319,7 +1319,7 @@ BestFitRows.takes_pieces = True   # `TokenStream` hands it `(pieces, lengths, ke
 def _bestfit(self:TokenStream) -> BestFitRows:
     "The bestfit packer, its epoch guard on, counting the document tokens it holds per dataset (`delivered`)."
     c = self.cfg
-    return BestFitRows(c['seq_len'], c['pack_buffer'], c['pad_token'], guard=True, held=[0] * len(self.names), doc_len=self._piece_doc)
+    return BestFitRows(c['seq_len'], c['pack_buffer'], c['pad_token'], guard=True, ds_tokens=[0] * len(self.names), doc_len=self._piece_doc)
 
 @patch
 def _piece_doc(self:TokenStream, k, n:int) -> int:
