@@ -1071,7 +1071,8 @@ def next_batch(self:ConcatRows, B:int, pull, out=None) -> PackedBatch:
         n = min(len(c[0]) - p, N - at)
         flat_rows[at:at + n] = c[0][p:p + n]
         runs.append((c, p, at, n))
-        if tot['rows'] + at // C - c[3] > self._wait: self._wait = tot['rows'] + at // C - c[3]
+        w = tot['rows'] + (at + n - 1) // C - c[3]          # the last row this slice reaches: its pieces waited longest
+        if w > self._wait: self._wait = w
         while n:                                          # segments: one per unit and row it reaches
             m = min(n, C - at % C)
             placed += bisect.bisect_left(c[1], p + m) - bisect.bisect_right(c[1], p) + 1
