@@ -10,29 +10,16 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from nanochat_dl.loader import PackedLoader
-from nanochat_dl.dataset import make_sample_shards
 from nanochat_dl.packing import STRATEGIES
-from nanochat_dl.shards import read_documents
-from nanochat_dl.testing import write_toy_shards
-from nanochat_dl.tokenizer import train_tokenizer
+from toytext import toy_text_env
 from stateedit import DELETE, edited, paths   # a state's paths, and a copy with one field edited, as the single-state sweep uses them
 
 LAYOUT = [[3, 2, 4, 1, 3, 2, 2, 3], [2, 3, 1, 4, 2, 3, 3], [4, 1, 2, 3, 2, 1, 3, 2, 2]]   # 9 columns: up to 9 ranks
 KW = dict(B=2, T=32, buffer_size=6, tokenizer_batch_size=2, device='cpu', tokenizer_threads=1, tokenize_in='threads', prefetch=0)
 
 
-def words(f, g, r): return ' '.join([f"w{f}{g}{r}x"] * (1 + (7 * f + 3 * g + 5 * r) % 23))
-
-
 @pytest.fixture(scope='module')
-def env(tmp_path_factory):
-    d = tmp_path_factory.mktemp('elastic')
-    make_sample_shards(d / 'base_data')
-    tok = train_tokenizer(d / 'base_data', vocab_size=1024, out_dir=d / 'tok', progress=False)
-    files = write_toy_shards(d / 'toy', LAYOUT, text_fn=words)
-    addrs = [(f, g, r) for f, rows in enumerate(LAYOUT) for g, n in enumerate(rows) for r in range(n)]
-    lens = dict(zip(addrs, map(len, tok.encode(read_documents(files, addrs), prepend=tok.get_bos_token_id()))))
-    return dict(dir=d, tok=tok, tok_dir=d / 'tok', files=files, lens=lens)
+def env(tmp_path_factory): return toy_text_env(tmp_path_factory.mktemp('elastic'), LAYOUT)
 
 
 def epoch_done(sd, e=1):

@@ -1,0 +1,18 @@
+"""Toy text data for the loader tests: row groups of repeated words, a tokenizer trained in the test, each document's length."""
+from nanochat_dl.dataset import make_sample_shards
+from nanochat_dl.shards import read_documents
+from nanochat_dl.testing import write_toy_shards
+from nanochat_dl.tokenizer import train_tokenizer
+
+
+def words(f, g, r): return ' '.join([f"w{f}{g}{r}x"] * (1 + (7 * f + 3 * g + 5 * r) % 23))
+
+
+def toy_text_env(d, layout):
+    "Shards of `layout` (rows per row group, per file) under `d/toy`, a tokenizer in `d/tok`, and each document's tokens."
+    make_sample_shards(d / 'base_data')
+    tok = train_tokenizer(d / 'base_data', vocab_size=1024, out_dir=d / 'tok', progress=False)
+    files = write_toy_shards(d / 'toy', layout, text_fn=words)
+    addrs = [(f, g, r) for f, rows in enumerate(layout) for g, n in enumerate(rows) for r in range(n)]
+    lens = dict(zip(addrs, map(len, tok.encode(read_documents(files, addrs), prepend=tok.get_bos_token_id()))))
+    return dict(dir=d, tok=tok, tok_dir=d / 'tok', files=files, lens=lens)
