@@ -75,3 +75,24 @@ def test_the_dropin_keeps_nanochats_reused_views(env):
             got = [next(dl) for _ in range(4)]
             assert [x.data_ptr() for x, *_ in got] == [got[0][0].data_ptr(), got[1][0].data_ptr()] * 2
             assert torch.equal(got[0][0], got[2][0]) and not torch.equal(got[0][0], got[1][0])
+
+
+def test_two_threads_never_produce_on_one_stream_at_once(env):
+    "`next()` from two threads: one batch is made at a time (the stream is not thread-safe), as `PackedLoader` does."
+    import threading, time
+    ld = streaming(env, prefetch=0)
+    inside, most, lock = [0], [0], threading.Lock()
+    real = ld.stream.next_rows
+    def slow(B):
+        with lock: inside[0] += 1; most[0] = max(most[0], inside[0])
+        time.sleep(0.2)                                 # long enough for the other thread to arrive
+        try: return real(B)
+        finally:
+            with lock: inside[0] -= 1
+    ld.stream.next_rows = slow
+    got = []
+    ts = [threading.Thread(target=lambda: got.append(next(ld))) for _ in range(2)]
+    for t in ts: t.start()
+    for t in ts: t.join(30)
+    ld.close()
+    assert len(got) == 2 and most[0] == 1, (len(got), most[0])
