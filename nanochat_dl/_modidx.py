@@ -1219,6 +1219,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                        'nanochat_dl/streaming.py'),
                                        'nanochat_dl.streaming.StreamingLoader._metrics': ( 'streaming.html#streamingloader._metrics',
                                                                                            'nanochat_dl/streaming.py'),
+                                       'nanochat_dl.streaming.StreamingLoader._next': ( 'streaming.html#streamingloader._next',
+                                                                                        'nanochat_dl/streaming.py'),
                                        'nanochat_dl.streaming.StreamingLoader._start': ( 'streaming.html#streamingloader._start',
                                                                                          'nanochat_dl/streaming.py'),
                                        'nanochat_dl.streaming.StreamingLoader.close': ( 'streaming.html#streamingloader.close',

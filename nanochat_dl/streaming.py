@@ -1651,6 +1651,7 @@ class StreamingLoader:
         self.run = run_id(c, self.fingerprint)
         self.transfer = DeviceTransfer(self.B, c['seq_len'], self.device, slots, copy, views=views)
         self._snap, self._state, self._started, self._yielded, self._error, self._last = self.stream.snapshot(), None, False, 0, None, None
+        self._next_lock = threading.RLock()
         self._closed = False
 
     def _full_state(self, snap) -> dict:
@@ -1705,6 +1706,10 @@ def _start(self:StreamingLoader):
 
 @patch
 def __next__(self:StreamingLoader) -> StreamBatch:
+    with self._next_lock: return self._next()   # one batch at a time, whichever thread asks
+
+@patch
+def _next(self:StreamingLoader) -> StreamBatch:
     if self._error is not None: raise RuntimeError(f"this loader stopped after an error: {self._error!r}")
     if self._closed: raise RuntimeError("this loader is closed")
     if not self._started: self._start()
