@@ -413,6 +413,27 @@ def test_every_field_edited_is_refused_naming_it_alone_and_in_a_list(root):
     assert not wrong, wrong[:5]
 
 
+PLAUSIBLE = {   # single-field edits that pass every check of a state's shape and meaning, and change what comes next
+    'step + 1': lambda st: st.__setitem__('step', st['step'] + 1),
+    'a mix counter + 1': lambda st: st['datasets']['web'].__setitem__('tokens', st['datasets']['web']['tokens'] + 1),
+    'a window draw counter + 1': lambda st: st['datasets']['web']['shuffle'].__setitem__('drawn', st['datasets']['web']['shuffle']['drawn'] + 1),
+    'the batch size': lambda st: st['config'].__setitem__('batch_size', st['config']['batch_size'] + 1),
+}
+
+
+@pytest.mark.parametrize('edit', list(PLAUSIBLE))
+def test_a_plausible_edit_is_refused_by_the_checksum(root, edit):
+    # issue 19: of ~2,000 single-field edits 20 loaded and changed the batches; a state now carries a checksum
+    with StreamingLoader(root, 12, 2, **GARBAGE_KW) as ld:
+        for _ in range(7): next(ld)
+        sd = json.loads(json.dumps(ld.state_dict()))
+    StreamingLoader(root, 12, 2, **GARBAGE_KW).load_state_dict(json.loads(json.dumps(sd))).close()   # as handed out: loads
+    PLAUSIBLE[edit](sd)
+    for form in (sd, [sd]):
+        with StreamingLoader(root, 12, 2, **GARBAGE_KW) as fresh:
+            with pytest.raises(ValueError, match=r"\['checksum'\] does not match"): fresh.load_state_dict(form)
+
+
 # every leaf of a valid state set to 10**9 in turn, in a process whose address space is capped: a clean refusal naming the field,
 # never a MemoryError; only counters that may be that large load
 PROBE = r"""
