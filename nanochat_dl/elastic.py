@@ -16,7 +16,7 @@ import numpy as np
 from fastcore.basics import patch
 from .core import atomic_write, check_int, get_dist_info
 from .stages import check_state
-from .streaming import (FORMAT, FastTokenStream, TokenStream, owned_shards, shard_starts, check_resume,
+from .streaming import (FORMAT, FastTokenStream, TokenStream, owned_shards, shard_starts, check_resume, check_checksum, sealed,
                                    _field, _int, _pairs, _unrle, _rle, _ranges, _span, _unit_name, _Shards)
 
 # %% ../nbs/15_elastic.ipynb #e1000002
@@ -57,6 +57,7 @@ class World:
         self.sets = [self._merge(i) for i in range(len(self.config['datasets']))]
         self.entries = self._merge_entries()
         self._check_overlaps()
+        for j, s in enumerate(states): check_checksum(s, f"states[{j}] ({_unit_name(s['config'])})")   # last: a bad field is named first
 
 # %% ../nbs/15_elastic.ipynb #e1000004
 def _unit(c, j) -> tuple:
@@ -258,9 +259,9 @@ def state_for(self:World, rank:int,       # the rank of the unit ...
     metrics.update(docs_in=len(entries), doc_tokens=sum(x[4] for x in entries), tokens_in=sum(x[4] for x in entries))
     config = dict(cfg, rank=r, world_size=W, worker=w, n_workers=nw, **({} if self.batch_size is None else dict(batch_size=self.batch_size)))
     fp = dict(data={k: dict(v) for k, v in self.fingerprint['data'].items()}, tokenizer=self.fingerprint['tokenizer'])
-    return dict(format=FORMAT, run=_lineage(self.run, self.step, [self.W, self.nws], [W, nw]), step=self.step, config=config,
+    return sealed(dict(format=FORMAT, run=_lineage(self.run, self.step, [self.W, self.nws], [W, nw]), step=self.step, config=config,
                 fingerprint=fp, datasets=datasets, packer=dict(entries=[[i, g, e, a, 0] for i, g, e, a, _ in entries], metrics=metrics,
-                                                      **(dict(entered=[[0, len(entries)]] if entries else []) if cfg['pack'] == 'bestfit' else {})))   # all enter at row 0
+                                                      **(dict(entered=[[0, len(entries)]] if entries else []) if cfg['pack'] == 'bestfit' else {}))))   # all enter at row 0
 
 def _lineage(run, step, old, new) -> str:
     "The id of a run after a rescale at `step` from world `old` to world `new`: a digest of the four, the same on every new rank."
