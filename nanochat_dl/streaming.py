@@ -23,7 +23,7 @@ from fastcore.basics import patch
 from .core import check_int, get_dist_info
 from .stages import Stage, Doc, ShuffleBuffer, check_state, mix64, mix64s
 from pathlib import Path
-from .arrow import TokenRoot, tail_sha256
+from .arrow import TokenRoot, file_sha256
 from .packing import HELD, MAX_WAIT, Packer, FlatDocs, Segment, PackedBatch, position_ids, cu_seqlens, _PackerBase
 from .transfer import DeviceTransfer, resolve_device
 
@@ -1466,10 +1466,10 @@ def _weights(weights, datasets, root) -> list:
     return [int(x) if x == int(x) else x for x in w]
 
 def _content(root, ds, f) -> str:
-    "File `f` of `ds`'s content hash: the manifest's sha256, else (a local root) its quick hash, else nothing."
+    "File `f` of `ds`'s content hash: the manifest's sha256, else (a local root) its sha256 (`file_sha256`: once per file version), else nothing."
     r = ((root.manifest or {}).get('datasets', {}).get(ds) or {}).get('files', {}).get(f)
     if r is not None: return r['sha256']
-    return tail_sha256(Path(root.root)/ds/f) if root.cache is None else ''
+    return file_sha256(Path(root.root)/ds/f) if root.cache is None else ''
 
 def data_fingerprint(root,          # a `TokenRoot`
                      datasets,      # the dataset names
