@@ -3,7 +3,7 @@ the state it hands out with a batch resumes *at* that batch, which is what nanoc
 fetched but not yet trained on). Under torchrun, where nanochat saves rank 0's state only and every rank loads it, a
 foreign rank's state resumes as nanochat's loader would, with one warning; the list of every rank's states resumes
 exactly."""
-import itertools, json, os, shutil, subprocess, sys, textwrap, warnings
+import itertools, json, os, re, shutil, subprocess, sys, textwrap, warnings
 from pathlib import Path
 
 import pytest
@@ -287,3 +287,69 @@ def test_torchrun_ranks_load_rank0s_checkpoint(env, tmp_path):
     g = (nc['rg_idx'] // 2 + 1) * 2 + 1                 # nanochat's rule: the next row group in rank 1's stride
     assert r1['start'] == ([nc['pq_idx'], g] if g < n_rg[nc['pq_idx']] else [nc['pq_idx'] + 1, 1])
     for r in (0, 1): assert res[r]['meta_all'] == dict(exact=True, warnings=[])
+
+
+# --- 4. the adversary's round: hand-edited states, odd folders ------------------------------------------------------
+
+def test_a_hand_edited_at_batch_is_named(env, clean_env, tmp_path):
+    """A state whose 'at_batch' was edited by hand (wrong type, fields missing or changed, another loader's state, a
+    state of other data or another tokenizer) is refused with an error that names resume_state_dict['at_batch'] and
+    what was expected; a list there is not taken for every rank's states."""
+    from nanochat_dl.streaming import StreamingLoader
+    from nanochat_dl.arrow import write_token_file
+    with dropin(env['tok'], 2, 32, 'train', data_dir=env['toy'], **KW) as dl:
+        s = json.loads(json.dumps([next(dl) for _ in range(4)][-1][2]))
+    at = s['at_batch']
+    write_token_file(tmp_path / 'root' / 'web' / '0.arrow', [list(range(5, 30))] * 4)
+    with StreamingLoader(tmp_path / 'root', 8, 1, n_logical_shards=2) as sl: stream_state = sl.state_dict()
+    def edit(f):
+        a = json.loads(json.dumps(at)); f(a); return a
+    cases = {'a str': ('junk', "got str 'junk'"), 'a list': ([at, at], 'got list'), 'an int': (3, 'got int 3'),
+             'None': (None, 'got NoneType'), 'an empty dict': ({}, "lacks 'format'"),
+             'no config': (edit(lambda a: a.pop('config')), r"lacks \['config'\]"),
+             'no stages': (edit(lambda a: a.pop('stages')), r"lacks \['stages'\]"),
+             'no pq_idx': (edit(lambda a: a.pop('pq_idx')), "not 'pq_idx'"),
+             'another B': (edit(lambda a: a['config'].update(B=3)), 'B=3'),
+             "StreamingLoader's state": (stream_state, 'nanochat_dl.streaming')}
+    for what, (v, expected) in cases.items():
+        with pytest.raises((TypeError, ValueError), match=r"^resume_state_dict\['at_batch'\]") as e:
+            dropin(env['tok'], 2, 32, 'train', data_dir=env['toy'], resume_state_dict=dict(s, at_batch=v), **KW)
+        assert re.search(expected, str(e.value)), (what, str(e.value))
+        assert 'expected' in str(e.value) or 'needs' in str(e.value), (what, str(e.value))
+    other = write_toy_shards(tmp_path / 'other', LAYOUT[:3], text_fn=other_text)
+    for what, kw in (('other data', dict(data_dir=other[0].parent)),):
+        with pytest.raises(ValueError, match=r"^resume_state_dict\['at_batch'\]\['fingerprint'\]: saved over different data"):
+            dropin(env['tok'], 2, 32, 'train', resume_state_dict=s, **{**dict(data_dir=env['toy']), **kw}, **KW)
+    from nanochat_dl.tokenizer import Tokenizer
+    tok2 = Tokenizer.train_from_iterator([words(f, g, r) + ' y' for f in range(5) for g in range(4) for r in range(6)], 280)
+    with pytest.raises(ValueError, match=r"^resume_state_dict\['at_batch'\]\['fingerprint'\]: saved with a different tokenizer"):
+        dropin(tok2, 2, 32, 'train', data_dir=env['toy'], resume_state_dict=s, **KW)
+    with pytest.raises(TypeError, match=r"^resume_state_dict\[1\]\['at_batch'\] must be a dict"):   # in a list, too
+        dropin(env['tok'], 2, 32, 'train', data_dir=env['toy'], resume_state_dict=[s, dict(s, at_batch='x')], **KW)
+
+
+def other_text(f, g, r): return other(f, g, r) + ' q'
+
+
+def test_odd_nanochat_folders_are_named(env, tmp_path, clean_env, capfd):
+    """$NANOCHAT_BASE_DIR set to a file, to a folder whose base_data_climbmix is a file, or to a path with '~' (which
+    nanochat does not expand): the error says which and what is expected; '' means unset, as for nanochat; the line
+    printed names the folder actually read, once."""
+    clean_env.setenv('HOME', str(tmp_path / 'home'))
+    (tmp_path / 'afile').write_text('x')
+    clean_env.setenv('NANOCHAT_BASE_DIR', str(tmp_path / 'afile'))
+    with pytest.raises(FileNotFoundError, match=r"NANOCHAT_BASE_DIR=.*afile.* is a file"): dropin(env['tok'], 2, 32, 'train', **KW)
+    (tmp_path / 'cm' / 'base_data').mkdir(parents=True); (tmp_path / 'cm' / 'base_data_climbmix').write_text('x')
+    clean_env.setenv('NANOCHAT_BASE_DIR', str(tmp_path / 'cm'))
+    with pytest.raises(FileNotFoundError, match=r"base_data_climbmix is a file") as e: dropin(env['tok'], 2, 32, 'train', **KW)
+    assert 'neither' not in str(e.value)                   # base_data is a folder: nanochat reads the file, and fails
+    clean_env.setenv('NANOCHAT_BASE_DIR', '~/nc')
+    with pytest.raises(FileNotFoundError, match=r"'~'.*not expand"): dropin(env['tok'], 2, 32, 'train', **KW)
+    clean_env.setenv('NANOCHAT_BASE_DIR', '')
+    write_toy_shards(tmp_path / 'home' / '.cache' / 'nanochat' / 'base_data', LAYOUT, text_fn=words)
+    assert _folder_read(env['tok'], capfd)[0] == tmp_path / 'home' / '.cache' / 'nanochat' / 'base_data'
+    shutil.copytree(env['toy'], tmp_path / 'home' / 'mine')
+    clean_env.setenv('NANOCHAT_DL_DATA_DIR', '~/mine')
+    folder, _, lines = _folder_read(env['tok'], capfd)
+    assert folder == tmp_path / 'home' / 'mine' and len(lines) == 1 and str(folder) in lines[0], lines
+    assert _folder_read(env['tok'], capfd)[2] == []        # once per folder
