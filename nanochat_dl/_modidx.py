@@ -1332,6 +1332,7 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                        'nanochat_dl.streaming.data_fingerprint': ( 'streaming.html#data_fingerprint',
                                                                                    'nanochat_dl/streaming.py'),
                                        'nanochat_dl.streaming.open_epochs': ('streaming.html#open_epochs', 'nanochat_dl/streaming.py'),
+                                       'nanochat_dl.streaming.own_copy': ('streaming.html#own_copy', 'nanochat_dl/streaming.py'),
                                        'nanochat_dl.streaming.owned_shards': ('streaming.html#owned_shards', 'nanochat_dl/streaming.py'),
                                        'nanochat_dl.streaming.run_id': ('streaming.html#run_id', 'nanochat_dl/streaming.py'),
                                        'nanochat_dl.streaming.shard_key': ('streaming.html#shard_key', 'nanochat_dl/streaming.py'),

@@ -8,7 +8,7 @@ resumed exactly from a few kilobytes of state."""
 __all__ = ['PACKS', 'FORMAT', 'shard_starts', 'owned_shards', 'Permutation', 'shard_key', 'CountTree', 'ShardSource', 'Framing',
            'Chunker', 'Mixer', 'DocKey', 'TokenStream', 'Permutations', 'shard_keys', 'BlockSource', 'Feed',
            'LazyBatch', 'ConcatRows', 'PadRows', 'BestFitRows', 'FastTokenStream', 'data_fingerprint', 'stream_config',
-           'check_resume', 'run_id', 'StreamBatch', 'StreamingLoader', 'open_epochs', 'StreamingDataset']
+           'check_resume', 'run_id', 'StreamBatch', 'own_copy', 'StreamingLoader', 'open_epochs', 'StreamingDataset']
 
 # %% ../nbs/13_streaming.ipynb #5eb651c8
 import bisect, hashlib, json, math, os, queue, threading, time, weakref, zlib
@@ -1608,6 +1608,12 @@ def _stop(thread, stop):
     if thread.is_alive(): thread.join(10)
 
 # %% ../nbs/13_streaming.ipynb #72217c6a
+import pickle, warnings
+
+def own_copy(x):
+    "A deep copy of plain data (a state, a config): nothing in it is shared with `x` (a caller's edit of a state must not reach the loader's lists)."
+    return pickle.loads(pickle.dumps(x, protocol=pickle.HIGHEST_PROTOCOL))
+
 class StreamingLoader:
     "Endless, exactly resumable batches of pre-tokenized documents for this rank: logical shards walked in per-epoch orders, shuffled, mixed by token share, packed, copied to `device`."
     stream_class = FastTokenStream     # what makes the rows (`TokenStream` makes the same ones, slower)
@@ -1656,13 +1662,13 @@ class StreamingLoader:
 
     def _full_state(self, snap) -> dict:
         st = self.stream.state_of(snap)
-        return dict(format=FORMAT, run=self.run, step=st.pop('step'), config=dict(self.stream.cfg, batch_size=self.B),
-                    fingerprint=dict(data={k: dict(v) for k, v in self.fingerprint['data'].items()}, tokenizer=self.fingerprint['tokenizer']), **st)
+        return own_copy(dict(format=FORMAT, run=self.run, step=st.pop('step'), config=dict(self.stream.cfg, batch_size=self.B),
+                             fingerprint=dict(data=self.fingerprint['data'], tokenizer=self.fingerprint['tokenizer']), **st))   # (see `own_copy`)
 
     def state_dict(self) -> dict:
-        "The state after the last batch handed out (before the first: the start): plain JSON data, addresses and counters, no tokens."
-        if self._state is None: self._state = self._full_state(self._snap)
-        return self._state
+        "The state after the last batch handed out (before the first: the start): plain JSON data, addresses and counters, no tokens; a copy of its own each call."
+        if self._state is None: self._state = pickle.dumps(self._full_state(self._snap), protocol=pickle.HIGHEST_PROTOCOL)
+        return pickle.loads(self._state)   # what a caller does to it is its own business
 
     def load_state_dict(self, state):   # this rank's state, or the list of every rank's (or every DataLoader worker's)
         "Continue exactly after the batch whose `state` this is (before the first batch). Given the list of every rank's states of a run at any world size, continue that run on this rank: logical shards and what they hold dealt anew (`nanochat_dl.elastic`). A state from other data or settings is refused, naming the field."
@@ -1690,6 +1696,7 @@ def _get(self:StreamingLoader):
     while True:
         try: item = self._q.get(timeout=0.1)
         except queue.Empty:
+            if self._closed: raise RuntimeError("this loader was closed while waiting for a batch")   # by another thread
             if not self._thread.is_alive(): raise RuntimeError("the loader's background thread stopped without a batch or an error")
             continue
         if isinstance(item, _Failure): raise item.exc
@@ -1701,8 +1708,8 @@ def _start(self:StreamingLoader):
     if self.prefetch:
         self._q, stop = queue.Queue(maxsize=self.prefetch), threading.Event()
         self._thread = threading.Thread(target=_produce_loop, args=(self.stream, self.B, self._q, stop), name='nanochat_dl-stream', daemon=True)
-        self._thread.start()
         self._finalizer = weakref.finalize(self, _stop, self._thread, stop)
+        self._thread.start()
 
 @patch
 def __next__(self:StreamingLoader) -> StreamBatch:
@@ -1749,13 +1756,20 @@ def _metrics(self:StreamingLoader, packed, snap, produce_s, wait_s, transfer_s, 
 @patch
 def __iter__(self:StreamingLoader): return self
 
+_CLOSE_WAIT = 10.0   # seconds close() waits for a next() running in another thread
+
 @patch
 def close(self:StreamingLoader):
-    "Stop the background thread and unmap the files. Idempotent."
+    "Stop the background thread and unmap the files, once a `next()` in another thread has returned. Idempotent."
     if self._closed: return
-    self._closed = True
-    if self._thread is not None: self._finalizer()
-    self.root.close()
+    self._closed = True   # a `next()` waiting for the background thread sees it and stops waiting
+    if not self._next_lock.acquire(timeout=_CLOSE_WAIT):   # one making a batch finishes it: its files stay mapped till then
+        warnings.warn(f"a next() in another thread did not return within {_CLOSE_WAIT:.0f} s of close(): the files stay mapped")
+        return
+    try:
+        if self._thread is not None: self._finalizer()
+        self.root.close()
+    finally: self._next_lock.release()
 
 @patch
 def __enter__(self:StreamingLoader): return self
@@ -1827,8 +1841,8 @@ class StreamingDataset(torch.utils.data.IterableDataset):
         "This worker's state after the last row it yielded."
         s = self._ensure()
         st = s.state_of(s.snapshot())
-        return dict(format=FORMAT, run=self.run, step=st.pop('step'), config=dict(s.cfg),
-                    fingerprint=dict(data={k: dict(v) for k, v in self.fingerprint['data'].items()}, tokenizer=self.fingerprint['tokenizer']), **st)
+        return own_copy(dict(format=FORMAT, run=self.run, step=st.pop('step'), config=dict(s.cfg),
+                             fingerprint=dict(data=self.fingerprint['data'], tokenizer=self.fingerprint['tokenizer']), **st))
 
     def load_state_dict(self, state):   # this worker's state, or the list of every rank's and worker's
         "Continue from this worker's `state` (checked, and loaded, when the worker builds its stream); or, given the list of the states of every rank and worker of a run (`StatefulDataLoader` states too) at any world size and number of workers, continue that run (`nanochat_dl.elastic`)."
