@@ -353,3 +353,26 @@ def test_odd_nanochat_folders_are_named(env, tmp_path, clean_env, capfd):
     folder, _, lines = _folder_read(env['tok'], capfd)
     assert folder == tmp_path / 'home' / 'mine' and len(lines) == 1 and str(folder) in lines[0], lines
     assert _folder_read(env['tok'], capfd)[2] == []        # once per folder
+
+
+def test_threads_get_each_batch_with_its_own_state(env, clean_env, monkeypatch):
+    """`next()` on the drop-in from three threads: each batch comes with the state that resumes at it (the loader's
+    state before that batch), whichever thread gets there first."""
+    import threading, time
+    real, seen = PackedLoader.__next__, threading.local()
+    def late(self):                                    # a thread that got its batch is overtaken before it pairs its state
+        b = real(self)
+        seen.step = b.metrics['step']
+        time.sleep(0.002 * (threading.get_ident() % 3))
+        return b
+    monkeypatch.setattr(PackedLoader, '__next__', late)
+    wrong = []
+    with dropin(env['tok'], 2, 32, 'train', data_dir=env['toy'], **KW) as dl:
+        def work():
+            for _ in range(15):
+                _, _, s = next(dl)
+                if s['at_batch']['stages']['batch']['step'] != seen.step - 1: wrong.append(seen.step)
+        ts = [threading.Thread(target=work) for _ in range(3)]
+        for t in ts: t.start()
+        for t in ts: t.join(60)
+    assert wrong == []
