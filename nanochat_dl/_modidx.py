@@ -301,6 +301,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                             'nanochat_dl/dataloader.py'),
                                         'nanochat_dl.dataloader.NanochatStream.__repr__': ( 'dataloader.html#nanochatstream.__repr__',
                                                                                             'nanochat_dl/dataloader.py'),
+                                        'nanochat_dl.dataloader.NanochatStream._next': ( 'dataloader.html#nanochatstream._next',
+                                                                                         'nanochat_dl/dataloader.py'),
                                         'nanochat_dl.dataloader.NanochatStream.close': ( 'dataloader.html#nanochatstream.close',
                                                                                          'nanochat_dl/dataloader.py'),
                                         'nanochat_dl.dataloader._dropin_data_dir': ( 'dataloader.html#_dropin_data_dir',

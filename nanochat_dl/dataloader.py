@@ -8,7 +8,7 @@ __all__ = ['NanochatStream', 'tokenizing_distributed_data_loader_with_state_bos_
            'tokenizing_distributed_data_loader_bos_bestfit']
 
 # %% ../nbs/09_dataloader.ipynb #5001f5cf
-import os, re, sys, warnings
+import os, re, sys, threading, warnings
 import torch
 from .core import get_data_dir, get_nanochat_data_dir
 from .transfer import resolve_device
@@ -54,11 +54,13 @@ class NanochatStream:
     def __init__(self, loader,             # the `PackedLoader` that makes the batches
                  with_state:bool=True,     # yield `(inputs, targets, state_dict)`, or `(inputs, targets)`
                  start=None):              # the state that resumes at the loader's first batch (default: its state)
-        self.loader, self.with_state = loader, with_state
+        self.loader, self.with_state, self._lock = loader, with_state, threading.Lock()
         self._at = loader.state_dict() if start is None else start
         self._where = {k: self._at[k] for k in _NANOCHAT_KEYS if k in self._at} or dict(pq_idx=0, rg_idx=0, epoch=1)
     def __iter__(self): return self
     def __next__(self):
+        with self._lock: return self._next()   # from several threads: each batch with its own state
+    def _next(self):
         b = next(self.loader)
         if not self.with_state: return b.inputs, b.targets
         at, self._at = self._at, b.state   # the state before this batch resumes at it; this batch's, at the next one
