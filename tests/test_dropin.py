@@ -11,13 +11,11 @@ import torch
 
 from nanochat_dl.dataloader import (tokenizing_distributed_data_loader_with_state_bos_bestfit as dropin,
                                     tokenizing_distributed_data_loader_bos_bestfit as dropin_pairs)
-from nanochat_dl.dataset import make_sample_shards
 from nanochat_dl.loader import PackedLoader, reference_loader
 from nanochat_dl.testing import write_toy_shards
-from nanochat_dl.tokenizer import train_tokenizer
+from toytext import toy_text_env, words
 
 
-def words(f, g, r): return ' '.join([f"w{f}{g}{r}x"] * (1 + (7 * f + 3 * g + 5 * r) % 23))
 def other(f, g, r): return ' '.join([f"z{r}{g}{f}q"] * (2 + (5 * f + 7 * g + 3 * r) % 19))
 
 LAYOUT = [[5, 3, 4, 2], [2, 6, 1, 3], [4, 4, 5], [3, 3, 3, 2], [2, 2]]
@@ -27,12 +25,8 @@ KW = dict(tokenizer_threads=1, tokenizer_batch_size=2, device='cpu', buffer_size
 @pytest.fixture(scope='module')
 def env(tmp_path_factory):
     d = tmp_path_factory.mktemp('dropin')
-    sample = d / 'sample'
-    make_sample_shards(sample)
-    tok = train_tokenizer(sample, vocab_size=1024, out_dir=d / 'tok', progress=False)
-    toy = d / 'toy'
-    write_toy_shards(toy, LAYOUT, text_fn=words)
-    return dict(dir=d, sample=sample, tok=tok, tok_dir=d / 'tok', toy=toy)
+    e = toy_text_env(d, LAYOUT)   # the sample shards in base_data/, a tokenizer trained on them, toy shards in toy/
+    return dict(e, sample=d / 'base_data', toy=d / 'toy')
 
 
 @pytest.fixture

@@ -12,9 +12,7 @@ from nanochat_dl.loader import PackedLoader
 from nanochat_dl.streaming import StreamingLoader
 from nanochat_dl.testing import write_toy_shards
 from nanochat_dl.tokenizer import Tokenizer
-
-
-def words(f, g, r): return ' '.join([f"w{f}{g}{r}x"] * (1 + (7 * f + 3 * g + 5 * r) % 23))
+from toytext import words
 
 
 @pytest.fixture(scope='module')
