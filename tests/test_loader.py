@@ -93,6 +93,7 @@ def test_bad_text_column_names_the_file(env):
 SCRIPT = """
 import os, sys, json
 from nanochat_dl.loader import PackedLoader
+from nanochat_dl.tokenizer import Tokenizer
 tok = Tokenizer.load(sys.argv[2])
 ld = PackedLoader(tok, 8, 512, data_dir=sys.argv[1], device='cpu', tokenizer_threads=2, tokenize_in=sys.argv[3], prefetch=3)
 next(ld)
@@ -302,6 +303,7 @@ SOURCE_RUN = """
 import json, sys
 import nanochat_dl
 from nanochat_dl.encode import ProcessEncoder
+from nanochat_dl.tokenizer import Tokenizer
 assert nanochat_dl.__file__.startswith(sys.argv[1]), nanochat_dl.__file__
 enc = ProcessEncoder(Tokenizer.load(sys.argv[2]), 1)
 ids = enc(['hello world', 'a second document'])
