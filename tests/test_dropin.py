@@ -370,3 +370,14 @@ def test_threads_get_each_batch_with_its_own_state(env, clean_env, monkeypatch):
         for t in ts: t.start()
         for t in ts: t.join(60)
     assert wrong == []
+
+
+def test_a_folder_is_named_once_however_it_is_given(env, tmp_path, clean_env, capfd):
+    "The same folder given by data_dir= (with a trailing slash, or relative) and by NANOCHAT_DL_DATA_DIR: one line."
+    shutil.copytree(env['toy'], tmp_path / 'once')
+    lines = _folder_read(env['tok'], capfd, data_dir=str(tmp_path / 'once') + '/')[2]
+    assert len(lines) == 1 and str(tmp_path / 'once') in lines[0], lines
+    clean_env.setenv('NANOCHAT_DL_DATA_DIR', str(tmp_path / 'once'))
+    assert _folder_read(env['tok'], capfd)[2] == []
+    clean_env.chdir(tmp_path)
+    assert _folder_read(env['tok'], capfd, data_dir='once')[2] == []
