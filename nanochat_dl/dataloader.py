@@ -32,18 +32,20 @@ def _no_nanochat_folder(out, env) -> str:
 
 def _dropin_data_dir(data_dir,   # the drop-in's `data_dir=`
                      env=None):  # environment variables to read (default: `os.environ`)
-    "What the drop-in passes to `PackedLoader` as `data_dir`: `data_dir`, else None when a `NANOCHAT_DL_*` setting names the shards, else nanochat's folder; names it on stderr once per process."
+    "What the drop-in passes to `PackedLoader` as `data_dir`: `data_dir`, else None when a `NANOCHAT_DL_*` setting names the shards, else nanochat's folder; names it on stderr, once per folder and process."
     env = os.environ if env is None else env
-    if data_dir is not None: out, line = data_dir, f"{data_dir} (data_dir=)"
-    elif env.get('NANOCHAT_DL_DATA_DIR'): out, line = None, f"{os.path.expanduser(env['NANOCHAT_DL_DATA_DIR'])} ($NANOCHAT_DL_DATA_DIR)"
-    elif env.get('NANOCHAT_DL_BASE_DIR'): out, line = None, f"{get_data_dir(env=env)} ($NANOCHAT_DL_BASE_DIR)"
+    if data_dir is not None: out, folder, why = data_dir, data_dir, 'data_dir='
+    elif env.get('NANOCHAT_DL_DATA_DIR'): out, folder, why = None, env['NANOCHAT_DL_DATA_DIR'], '$NANOCHAT_DL_DATA_DIR'
+    elif env.get('NANOCHAT_DL_BASE_DIR'): out, folder, why = None, get_data_dir(env=env), '$NANOCHAT_DL_BASE_DIR'
     else:
-        out = get_nanochat_data_dir(env)
+        out = folder = get_nanochat_data_dir(env)
         if not out.is_dir(): raise FileNotFoundError(_no_nanochat_folder(out, env))
-        line = f"{out} (nanochat's folder)"
-    if line not in _named:
-        _named.add(line)
-        print(f"nanochat_dl: reading shards from {line}", file=sys.stderr, flush=True)
+        why = "nanochat's folder"
+    folder = str(folder)   # a URI as it is; a path as the loader reads it: '~' expanded, absolute
+    if '://' not in folder: folder = os.path.abspath(os.path.expanduser(folder))
+    if folder not in _named:
+        _named.add(folder)
+        print(f"nanochat_dl: reading shards from {folder} ({why})", file=sys.stderr, flush=True)
     return out
 
 # %% ../nbs/09_dataloader.ipynb #d09a0005
