@@ -159,3 +159,23 @@ def test_close_from_another_thread_while_streaming_next_works(env, prefetch):
     assert not isinstance(got[0], Exception) or 'closed' in str(got[0]), repr(got[0])
     assert ld.root._open == {}, f"{len(ld.root._open)} token files mapped after close()"
     with pytest.raises(RuntimeError, match='closed'): next(ld)
+
+
+def test_state_dict_from_another_thread_during_next_is_never_stale(env):
+    """`state_dict()` in a checkpointing thread while the training thread takes the next batch: afterwards
+    `state_dict()` is the state after the last batch handed out, not the one being built when it came."""
+    import threading, time
+    ld = streaming(env, prefetch=0)
+    next(ld)
+    real, building = ld._full_state, threading.Event()
+    def slow(snap):
+        building.set(); time.sleep(0.3)                   # the checkpointing thread is building the state
+        return real(snap)
+    ld._full_state = slow
+    t = threading.Thread(target=ld.state_dict); t.start()
+    assert building.wait(10)
+    ld._full_state = real
+    b = next(ld)                                        # meanwhile, the training thread takes batch 2
+    t.join(30)
+    assert ld.state_dict()['step'] == b.state['step'] == 2
+    ld.close()
