@@ -1667,8 +1667,9 @@ class StreamingLoader:
 
     def state_dict(self) -> dict:
         "The state after the last batch handed out (before the first: the start): plain JSON data, addresses and counters, no tokens; a copy of its own each call."
-        if self._state is None: self._state = pickle.dumps(self._full_state(self._snap), protocol=pickle.HIGHEST_PROTOCOL)
-        return pickle.loads(self._state)   # what a caller does to it is its own business
+        with self._next_lock:   # (a `next()` in another thread would make it stale)
+            if self._state is None: self._state = pickle.dumps(self._full_state(self._snap), protocol=pickle.HIGHEST_PROTOCOL)
+            return pickle.loads(self._state)   # what a caller does to it is its own business
 
     def load_state_dict(self, state):   # this rank's state, or the list of every rank's (or every DataLoader worker's)
         "Continue exactly after the batch whose `state` this is (before the first batch). Given the list of every rank's states of a run at any world size, continue that run on this rank: logical shards and what they hold dealt anew (`nanochat_dl.elastic`). A state from other data or settings is refused, naming the field."
