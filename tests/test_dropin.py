@@ -381,3 +381,21 @@ def test_a_folder_is_named_once_however_it_is_given(env, tmp_path, clean_env, ca
     assert _folder_read(env['tok'], capfd)[2] == []
     clean_env.chdir(tmp_path)
     assert _folder_read(env['tok'], capfd, data_dir='once')[2] == []
+
+
+def test_edits_of_the_dropins_views_and_states_corrupt_nothing(env, clean_env):
+    """The drop-in's x, y are nanochat's reused views (a later batch is written into them), but editing them in place
+    (add_, zero_, resize_) or editing a state it handed out changes no later batch, no later state, no resume."""
+    def scrub(o):
+        for k, v in list(o.items() if isinstance(o, dict) else enumerate(o)):
+            if isinstance(v, (dict, list)): scrub(v)
+            else: o[k] = -7
+    with dropin(env['tok'], 2, 32, 'train', data_dir=env['toy'], **KW) as dl:
+        ref = [(x.clone(), json.dumps(s)) for x, _, s in itertools.islice(dl, 10)]
+    with dropin(env['tok'], 2, 32, 'train', data_dir=env['toy'], **KW) as dl:
+        for i in range(10):
+            x, y, s = next(dl)
+            assert torch.equal(x, ref[i][0]) and json.dumps(s) == ref[i][1], f"batch {i}"
+            x.add_(1); y.zero_(); x.resize_(1); scrub(s)
+    with dropin(env['tok'], 2, 32, 'train', data_dir=env['toy'], resume_state_dict=json.loads(ref[4][1]), **KW) as dl:
+        assert [torch.equal(next(dl)[0], x) for x, _ in ref[4:8]] == [True] * 4
