@@ -19,16 +19,17 @@ _named = set()   # the folders this process has named
 
 def _no_nanochat_folder(out, env) -> str:
     "Why `out`, the folder nanochat would read, holds no shards, and what to do."
-    base, what = out.parent, f"$NANOCHAT_BASE_DIR={env['NANOCHAT_BASE_DIR']!r}" if env.get('NANOCHAT_BASE_DIR') else str(out.parent)
+    base = out.parent
+    what = f"$NANOCHAT_BASE_DIR={env['NANOCHAT_BASE_DIR']!r}" if env.get('NANOCHAT_BASE_DIR') else str(base)
     fix = "set NANOCHAT_DL_DATA_DIR (or pass data_dir=) to read shards elsewhere"
     if base.exists() and not base.is_dir():
         return f"{what} is a file: expected nanochat's base folder, holding base_data_climbmix/ or base_data/; {fix}"
     if out.exists():   # nanochat takes base_data_climbmix when it exists at all, and fails on a file
         return f"{out} is a file: expected a folder of parquet shards (nanochat would read it as one, and fail); {fix}"
-    tilde = (" (nanochat does not expand '~' in $NANOCHAT_BASE_DIR: it is a folder named '~' under the current directory, "
-             f"{os.getcwd()}; write the full path)") if str(base).startswith('~') else ''
-    return (f"no shards where nanochat keeps them: neither {base/'base_data_climbmix'} nor {base/'base_data'} is a folder{tilde}; "
-            f"expected the shards nanochat's `python -m nanochat.dataset` downloads there; {fix}")
+    tilde = (" (nanochat does not expand '~' in $NANOCHAT_BASE_DIR: it is a folder named '~' under the current "
+             f"directory, {os.getcwd()}; write the full path)") if str(base).startswith('~') else ''
+    return (f"no shards where nanochat keeps them: neither {base/'base_data_climbmix'} nor {base/'base_data'} is a "
+            f"folder{tilde}; expected the shards nanochat's `python -m nanochat.dataset` downloads there; {fix}")
 
 def _dropin_data_dir(data_dir,   # the drop-in's `data_dir=`
                      env=None):  # environment variables to read (default: `os.environ`)
@@ -80,8 +81,9 @@ def _exact(sd, where='resume_state_dict'):
     "The loader state inside a drop-in state (its 'at_batch'), which must be a dict; anything else as it is."
     if not (isinstance(sd, dict) and 'at_batch' in sd): return sd
     if isinstance(at := sd['at_batch'], dict): return at
-    raise TypeError(f"{where}['at_batch'] must be a dict: expected the loader's state before that batch, as the drop-in "
-                    f"handed it out (or nanochat's {{pq_idx, rg_idx, epoch}}), got {type(at).__name__} {at!r:.60}")
+    raise TypeError(f"{where}['at_batch'] must be a dict: expected the loader's state before that batch, as the "
+                    "drop-in handed it out (or nanochat's {pq_idx, rg_idx, epoch}), "
+                    f"got {type(at).__name__} {at!r:.60}")
 
 def _naming_at_batch(load, sd):
     "`load()`; an error that names `resume_state_dict` (or its entry i) names the 'at_batch' it read instead."

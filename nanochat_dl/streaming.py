@@ -1611,7 +1611,7 @@ def _stop(thread, stop):
 import pickle, warnings
 
 def own_copy(x):
-    "A deep copy of plain data (a state, a config): nothing in it is shared with `x` (a caller's edit of a state must not reach the loader's lists)."
+    "A deep copy of plain data (a state, a config), sharing nothing with `x`: a caller's edits stay the caller's."
     return pickle.loads(pickle.dumps(x, protocol=pickle.HIGHEST_PROTOCOL))
 
 class StreamingLoader:
@@ -1662,13 +1662,14 @@ class StreamingLoader:
 
     def _full_state(self, snap) -> dict:
         st = self.stream.state_of(snap)
-        return own_copy(dict(format=FORMAT, run=self.run, step=st.pop('step'), config=dict(self.stream.cfg, batch_size=self.B),
-                             fingerprint=dict(data=self.fingerprint['data'], tokenizer=self.fingerprint['tokenizer']), **st))   # (see `own_copy`)
+        fp = dict(data=self.fingerprint['data'], tokenizer=self.fingerprint['tokenizer'])
+        cfg = dict(self.stream.cfg, batch_size=self.B)
+        return own_copy(dict(format=FORMAT, run=self.run, step=st.pop('step'), config=cfg, fingerprint=fp, **st))
 
     def state_dict(self) -> dict:
-        "The state after the last batch handed out (before the first: the start): plain JSON data, addresses and counters, no tokens; a copy of its own each call."
+        "The state after the last batch handed out (before the first: the start): plain JSON data, addresses and counters, no tokens; a copy of its own."
         with self._next_lock:   # (a `next()` in another thread would make it stale)
-            if self._state is None: self._state = pickle.dumps(self._full_state(self._snap), protocol=pickle.HIGHEST_PROTOCOL)
+            if self._state is None: self._state = pickle.dumps(self._full_state(self._snap), pickle.HIGHEST_PROTOCOL)
             return pickle.loads(self._state)   # what a caller does to it is its own business
 
     def load_state_dict(self, state):   # this rank's state, or the list of every rank's (or every DataLoader worker's)
@@ -1697,7 +1698,7 @@ def _get(self:StreamingLoader):
     while True:
         try: item = self._q.get(timeout=0.1)
         except queue.Empty:
-            if self._closed: raise RuntimeError("this loader was closed while waiting for a batch")   # by another thread
+            if self._closed: raise RuntimeError("this loader was closed while waiting for a batch")   # (from a thread)
             if not self._thread.is_alive(): raise RuntimeError("the loader's background thread stopped without a batch or an error")
             continue
         if isinstance(item, _Failure): raise item.exc
@@ -1764,8 +1765,8 @@ def close(self:StreamingLoader):
     "Stop the background thread and unmap the files, once a `next()` in another thread has returned. Idempotent."
     if self._closed: return
     self._closed = True   # a `next()` waiting for the background thread sees it and stops waiting
-    if not self._next_lock.acquire(timeout=_CLOSE_WAIT):   # one making a batch finishes it: its files stay mapped till then
-        warnings.warn(f"a next() in another thread did not return within {_CLOSE_WAIT:.0f} s of close(): the files stay mapped")
+    if not self._next_lock.acquire(timeout=_CLOSE_WAIT):   # one making a batch finishes it (its files stay mapped)
+        warnings.warn(f"a next() in another thread ran on {_CLOSE_WAIT:.0f} s after close(): its files are left open")
         return
     try:
         if self._thread is not None: self._finalizer()
@@ -1842,8 +1843,8 @@ class StreamingDataset(torch.utils.data.IterableDataset):
         "This worker's state after the last row it yielded."
         s = self._ensure()
         st = s.state_of(s.snapshot())
-        return own_copy(dict(format=FORMAT, run=self.run, step=st.pop('step'), config=dict(s.cfg),
-                             fingerprint=dict(data=self.fingerprint['data'], tokenizer=self.fingerprint['tokenizer']), **st))
+        fp = dict(data=self.fingerprint['data'], tokenizer=self.fingerprint['tokenizer'])
+        return own_copy(dict(format=FORMAT, run=self.run, step=st.pop('step'), config=s.cfg, fingerprint=fp, **st))
 
     def load_state_dict(self, state):   # this worker's state, or the list of every rank's and worker's
         "Continue from this worker's `state` (checked, and loaded, when the worker builds its stream); or, given the list of the states of every rank and worker of a run (`StatefulDataLoader` states too) at any world size and number of workers, continue that run (`nanochat_dl.elastic`)."
