@@ -8,7 +8,7 @@ __all__ = ['NanochatStream', 'tokenizing_distributed_data_loader_with_state_bos_
            'tokenizing_distributed_data_loader_bos_bestfit']
 
 # %% ../nbs/09_dataloader.ipynb #5001f5cf
-import os, sys, warnings
+import os, re, sys, threading, warnings
 import torch
 from .core import get_data_dir, get_nanochat_data_dir
 from .transfer import resolve_device
@@ -17,24 +17,36 @@ from .loader import PackedLoader
 # %% ../nbs/09_dataloader.ipynb #d09a0002
 _named = set()   # the folders this process has named
 
+def _no_nanochat_folder(out, env) -> str:
+    "Why `out`, the folder nanochat would read, holds no shards, and what to do."
+    base = out.parent
+    what = f"$NANOCHAT_BASE_DIR={env['NANOCHAT_BASE_DIR']!r}" if env.get('NANOCHAT_BASE_DIR') else str(base)
+    fix = "set NANOCHAT_DL_DATA_DIR (or pass data_dir=) to read shards elsewhere"
+    if base.exists() and not base.is_dir():
+        return f"{what} is a file: expected nanochat's base folder, holding base_data_climbmix/ or base_data/; {fix}"
+    if out.exists():   # nanochat takes base_data_climbmix when it exists at all, and fails on a file
+        return f"{out} is a file: expected a folder of parquet shards (nanochat would read it as one, and fail); {fix}"
+    tilde = (" (nanochat does not expand '~' in $NANOCHAT_BASE_DIR: it is a folder named '~' under the current "
+             f"directory, {os.getcwd()}; write the full path)") if str(base).startswith('~') else ''
+    return (f"no shards where nanochat keeps them: neither {base/'base_data_climbmix'} nor {base/'base_data'} is a "
+            f"folder{tilde}; expected the shards nanochat's `python -m nanochat.dataset` downloads there; {fix}")
+
 def _dropin_data_dir(data_dir,   # the drop-in's `data_dir=`
                      env=None):  # environment variables to read (default: `os.environ`)
-    "What the drop-in passes to `PackedLoader` as `data_dir`: `data_dir`, else None when a `NANOCHAT_DL_*` setting names the shards, else nanochat's folder; names it on stderr once per process."
+    "What the drop-in passes to `PackedLoader` as `data_dir`: `data_dir`, else None when a `NANOCHAT_DL_*` setting names the shards, else nanochat's folder; names it on stderr, once per folder and process."
     env = os.environ if env is None else env
-    if data_dir is not None: out, line = data_dir, f"{data_dir} (data_dir=)"
-    elif env.get('NANOCHAT_DL_DATA_DIR'): out, line = None, f"{env['NANOCHAT_DL_DATA_DIR']} ($NANOCHAT_DL_DATA_DIR)"
-    elif env.get('NANOCHAT_DL_BASE_DIR'): out, line = None, f"{get_data_dir(env=env)} ($NANOCHAT_DL_BASE_DIR)"
+    if data_dir is not None: out, folder, why = data_dir, data_dir, 'data_dir='
+    elif env.get('NANOCHAT_DL_DATA_DIR'): out, folder, why = None, env['NANOCHAT_DL_DATA_DIR'], '$NANOCHAT_DL_DATA_DIR'
+    elif env.get('NANOCHAT_DL_BASE_DIR'): out, folder, why = None, get_data_dir(env=env), '$NANOCHAT_DL_BASE_DIR'
     else:
-        out = get_nanochat_data_dir(env)
-        if not out.is_dir():
-            raise FileNotFoundError(f"no shards where nanochat keeps them: neither {out.parent/'base_data_climbmix'} "
-                                    f"nor {out.parent/'base_data'} is a folder (nanochat's `python -m nanochat.dataset` "
-                                    "downloads them there); set NANOCHAT_DL_DATA_DIR (or pass data_dir=) to read "
-                                    "shards elsewhere")
-        line = f"{out} (nanochat's folder)"
-    if line not in _named:
-        _named.add(line)
-        print(f"nanochat_dl: reading shards from {line}", file=sys.stderr, flush=True)
+        out = folder = get_nanochat_data_dir(env)
+        if not out.is_dir(): raise FileNotFoundError(_no_nanochat_folder(out, env))
+        why = "nanochat's folder"
+    folder = str(folder)   # a URI as it is; a path as the loader reads it: '~' expanded, absolute
+    if '://' not in folder: folder = os.path.abspath(os.path.expanduser(folder))
+    if folder not in _named:
+        _named.add(folder)
+        print(f"nanochat_dl: reading shards from {folder} ({why})", file=sys.stderr, flush=True)
     return out
 
 # %% ../nbs/09_dataloader.ipynb #d09a0005
@@ -45,11 +57,13 @@ class NanochatStream:
     def __init__(self, loader,             # the `PackedLoader` that makes the batches
                  with_state:bool=True,     # yield `(inputs, targets, state_dict)`, or `(inputs, targets)`
                  start=None):              # the state that resumes at the loader's first batch (default: its state)
-        self.loader, self.with_state = loader, with_state
+        self.loader, self.with_state, self._lock = loader, with_state, threading.Lock()
         self._at = loader.state_dict() if start is None else start
         self._where = {k: self._at[k] for k in _NANOCHAT_KEYS if k in self._at} or dict(pq_idx=0, rg_idx=0, epoch=1)
     def __iter__(self): return self
     def __next__(self):
+        with self._lock: return self._next()   # from several threads: each batch with its own state
+    def _next(self):
         b = next(self.loader)
         if not self.with_state: return b.inputs, b.targets
         at, self._at = self._at, b.state   # the state before this batch resumes at it; this batch's, at the next one
@@ -63,7 +77,32 @@ class NanochatStream:
     def __repr__(self): return f"NanochatStream({self.loader!r})"
 
 # %% ../nbs/09_dataloader.ipynb #d09a0006
-def _exact(sd): return sd['at_batch'] if isinstance(sd, dict) and 'at_batch' in sd else sd
+def _exact(sd, where='resume_state_dict'):
+    "The loader state inside a drop-in state (its 'at_batch'), which must be a dict; anything else as it is."
+    if not (isinstance(sd, dict) and 'at_batch' in sd): return sd
+    if isinstance(at := sd['at_batch'], dict): return at
+    raise TypeError(f"{where}['at_batch'] must be a dict: expected the loader's state before that batch, as the "
+                    "drop-in handed it out (or nanochat's {pq_idx, rg_idx, epoch}), "
+                    f"got {type(at).__name__} {at!r:.60}")
+
+def _naming_at_batch(load, sd):
+    "`load()`; an error that names `resume_state_dict` (or its entry i) names the 'at_batch' it read instead."
+    wrapped = lambda s: isinstance(s, dict) and 'at_batch' in s
+    try: return load()
+    except (TypeError, ValueError) as e:
+        m = re.match(r"resume_state_dict(?:\[(\d+)\])?", str(e))
+        i = m and m.group(1)
+        if type(e) not in (TypeError, ValueError) or not m: raise
+        if i is None and wrapped(sd): where = "resume_state_dict['at_batch']"
+        elif i is not None and isinstance(sd, (list, tuple)) and int(i) < len(sd) and wrapped(sd[int(i)]):
+            where = f"resume_state_dict[{i}]['at_batch']"
+        else: raise
+        raise type(e)(where + str(e)[m.end():]) from None
+
+def _rank_of(cfg):
+    "A state's `(rank, world_size)`, when its config holds them as ints (else the loader's checks name what is wrong)."
+    who = tuple(cfg.get(k) for k in ('rank', 'world_size')) if isinstance(cfg, dict) else ()
+    return who if len(who) == 2 and all(type(v) is int for v in who) else None
 
 def _old_state(sd): return isinstance(sd, dict) and 'format' in sd   # a `PackedLoader` state: resumes after its batch
 
@@ -76,17 +115,17 @@ def _dropin_resume(loader,  # a `PackedLoader` that has handed out no batch
     "Resume `loader` from `sd` as nanochat's script needs (see the table above); returns the state that resumes at its first batch."
     if sd is None: return loader.state_dict()
     if isinstance(sd, (list, tuple)):   # every rank's states: exact (at another world size, rescaled)
+        states = [_exact(s, f'resume_state_dict[{i}]') for i, s in enumerate(sd)]
         if any(map(_old_state, sd)): warnings.warn(_AFTER, stacklevel=3)
-        loader.load_state_dict([_exact(s) for s in sd])
+        _naming_at_batch(lambda: loader.load_state_dict(states), sd)
         return loader.state_dict()
     inner = _exact(sd)
     if not _old_state(inner):   # nanochat's three fields: resumed from again, they give this batch again
-        loader.load_state_dict(inner)   # (anything else: its error says what is expected)
+        _naming_at_batch(lambda: loader.load_state_dict(inner), sd)   # (anything else: its error says what is expected)
         return dict(inner) if isinstance(inner, dict) else loader.state_dict()
-    cfg, mine = inner.get('config'), loader.config
-    who = (cfg.get('rank'), cfg.get('world_size')) if isinstance(cfg, dict) else None
+    who, mine = _rank_of(inner.get('config')), loader.config
     if who is not None and who != (mine['rank'], mine['world_size']):   # nanochat's script gives every rank rank 0's
-        nc = {k: sd[k] for k in _NANOCHAT_KEYS if k in sd}
+        nc = {k: sd[k] for k in _NANOCHAT_KEYS if k in sd} or {k: inner[k] for k in _NANOCHAT_KEYS if k in inner}
         warnings.warn(f"resume_state_dict was saved by rank {who[0]} of {who[1]}, and this loader is rank "
                       f"{mine['rank']} of {mine['world_size']}: resuming as nanochat's loader does, approximately, "
                       f"after {nc or 'nothing'} in this rank's stride. Exact resume needs every rank's state: save the "
@@ -95,7 +134,7 @@ def _dropin_resume(loader,  # a `PackedLoader` that has handed out no batch
         loader.load_state_dict(nc)
         return nc
     if inner is sd: warnings.warn(_AFTER, stacklevel=3)
-    loader.load_state_dict(inner)
+    _naming_at_batch(lambda: loader.load_state_dict(inner), sd)
     return loader.state_dict()
 
 # %% ../nbs/09_dataloader.ipynb #efbb7ad4

@@ -9,7 +9,7 @@ __all__ = ['PACKS', 'FORMAT', 'OLD_FORMATS', 'shard_starts', 'owned_shards', 'Pe
            'ShardSource', 'Framing', 'Chunker', 'Mixer', 'DocKey', 'TokenStream', 'Permutations', 'shard_keys',
            'BlockSource', 'Feed', 'LazyBatch', 'ConcatRows', 'PadRows', 'BestFitRows', 'FastTokenStream',
            'data_fingerprint', 'stream_config', 'check_resume', 'run_id', 'state_checksum', 'sealed', 'check_checksum',
-           'StreamBatch', 'StreamingLoader', 'open_epochs', 'StreamingDataset']
+           'StreamBatch', 'own_copy', 'StreamingLoader', 'open_epochs', 'StreamingDataset']
 
 # %% ../nbs/13_streaming.ipynb #5eb651c8
 import bisect, hashlib, json, math, os, queue, threading, time, warnings, weakref, zlib
@@ -1637,6 +1637,12 @@ def _stop(thread, stop):
     if thread.is_alive(): thread.join(10)
 
 # %% ../nbs/13_streaming.ipynb #72217c6a
+import pickle, warnings
+
+def own_copy(x):
+    "A deep copy of plain data (a state, a config), sharing nothing with `x`: a caller's edits stay the caller's."
+    return pickle.loads(pickle.dumps(x, protocol=pickle.HIGHEST_PROTOCOL))
+
 class StreamingLoader:
     "Endless, exactly resumable batches of pre-tokenized documents for this rank: logical shards walked in per-epoch orders, shuffled, mixed by token share, packed, copied to `device`."
     stream_class = FastTokenStream     # what makes the rows (`TokenStream` makes the same ones, slower)
@@ -1685,13 +1691,15 @@ class StreamingLoader:
 
     def _full_state(self, snap) -> dict:
         st = self.stream.state_of(snap)
-        return sealed(dict(format=FORMAT, run=self.run, step=st.pop('step'), config=dict(self.stream.cfg, batch_size=self.B),
-                    fingerprint=dict(data={k: dict(v) for k, v in self.fingerprint['data'].items()}, tokenizer=self.fingerprint['tokenizer']), **st))
+        fp = dict(data=self.fingerprint['data'], tokenizer=self.fingerprint['tokenizer'])
+        cfg = dict(self.stream.cfg, batch_size=self.B)
+        return sealed(own_copy(dict(format=FORMAT, run=self.run, step=st.pop('step'), config=cfg, fingerprint=fp, **st)))
 
     def state_dict(self) -> dict:
-        "The state after the last batch handed out (before the first: the start): plain JSON data, addresses and counters, no tokens."
-        if self._state is None: self._state = self._full_state(self._snap)
-        return self._state
+        "The state after the last batch handed out (before the first: the start): plain JSON data, addresses and counters, no tokens; a copy of its own."
+        with self._next_lock:   # (a `next()` in another thread would make it stale)
+            if self._state is None: self._state = pickle.dumps(self._full_state(self._snap), pickle.HIGHEST_PROTOCOL)
+            return pickle.loads(self._state)   # what a caller does to it is its own business
 
     def load_state_dict(self, state):   # this rank's state, or the list of every rank's (or every DataLoader worker's)
         "Continue exactly after the batch whose `state` this is (before the first batch). Given the list of every rank's states of a run at any world size, continue that run on this rank: logical shards and what they hold dealt anew (`nanochat_dl.elastic`). A state from other data or settings is refused, naming the field."
@@ -1720,6 +1728,7 @@ def _get(self:StreamingLoader):
     while True:
         try: item = self._q.get(timeout=0.1)
         except queue.Empty:
+            if self._closed: raise RuntimeError("this loader was closed while waiting for a batch")   # (from a thread)
             if not self._thread.is_alive(): raise RuntimeError("the loader's background thread stopped without a batch or an error")
             continue
         if isinstance(item, _Failure): raise item.exc
@@ -1731,8 +1740,8 @@ def _start(self:StreamingLoader):
     if self.prefetch:
         self._q, stop = queue.Queue(maxsize=self.prefetch), threading.Event()
         self._thread = threading.Thread(target=_produce_loop, args=(self.stream, self.B, self._q, stop), name='nanochat_dl-stream', daemon=True)
-        self._thread.start()
         self._finalizer = weakref.finalize(self, _stop, self._thread, stop)
+        self._thread.start()
 
 @patch
 def __next__(self:StreamingLoader) -> StreamBatch:
@@ -1779,13 +1788,20 @@ def _metrics(self:StreamingLoader, packed, snap, produce_s, wait_s, transfer_s, 
 @patch
 def __iter__(self:StreamingLoader): return self
 
+_CLOSE_WAIT = 10.0   # seconds close() waits for a next() running in another thread
+
 @patch
 def close(self:StreamingLoader):
-    "Stop the background thread and unmap the files. Idempotent."
+    "Stop the background thread and unmap the files, once a `next()` in another thread has returned. Idempotent."
     if self._closed: return
-    self._closed = True
-    if self._thread is not None: self._finalizer()
-    self.root.close()
+    self._closed = True   # a `next()` waiting for the background thread sees it and stops waiting
+    if not self._next_lock.acquire(timeout=_CLOSE_WAIT):   # one making a batch finishes it (its files stay mapped)
+        warnings.warn(f"a next() in another thread ran on {_CLOSE_WAIT:.0f} s after close(): its files are left open")
+        return
+    try:
+        if self._thread is not None: self._finalizer()
+        self.root.close()
+    finally: self._next_lock.release()
 
 @patch
 def __enter__(self:StreamingLoader): return self
@@ -1858,8 +1874,8 @@ class StreamingDataset(torch.utils.data.IterableDataset):
         "This worker's state after the last row it yielded."
         s = self._ensure()
         st = s.state_of(s.snapshot())
-        return sealed(dict(format=FORMAT, run=self.run, step=st.pop('step'), config=dict(s.cfg),
-                    fingerprint=dict(data={k: dict(v) for k, v in self.fingerprint['data'].items()}, tokenizer=self.fingerprint['tokenizer']), **st))
+        fp = dict(data=self.fingerprint['data'], tokenizer=self.fingerprint['tokenizer'])
+        return sealed(own_copy(dict(format=FORMAT, run=self.run, step=st.pop('step'), config=s.cfg, fingerprint=fp, **st)))
 
     def load_state_dict(self, state):   # this worker's state, or the list of every rank's and worker's
         "Continue from this worker's `state` (checked, and loaded, when the worker builds its stream); or, given the list of the states of every rank and worker of a run (`StatefulDataLoader` states too) at any world size and number of workers, continue that run (`nanochat_dl.elastic`)."

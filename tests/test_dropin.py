@@ -3,7 +3,7 @@ the state it hands out with a batch resumes *at* that batch, which is what nanoc
 fetched but not yet trained on). Under torchrun, where nanochat saves rank 0's state only and every rank loads it, a
 foreign rank's state resumes as nanochat's loader would, with one warning; the list of every rank's states resumes
 exactly."""
-import itertools, json, os, shutil, subprocess, sys, textwrap, warnings
+import itertools, json, os, re, shutil, subprocess, sys, textwrap, warnings
 from pathlib import Path
 
 import pytest
@@ -11,13 +11,11 @@ import torch
 
 from nanochat_dl.dataloader import (tokenizing_distributed_data_loader_with_state_bos_bestfit as dropin,
                                     tokenizing_distributed_data_loader_bos_bestfit as dropin_pairs)
-from nanochat_dl.dataset import make_sample_shards
 from nanochat_dl.loader import PackedLoader, reference_loader
 from nanochat_dl.testing import write_toy_shards
-from nanochat_dl.tokenizer import train_tokenizer
+from toytext import toy_text_env, words
 
 
-def words(f, g, r): return ' '.join([f"w{f}{g}{r}x"] * (1 + (7 * f + 3 * g + 5 * r) % 23))
 def other(f, g, r): return ' '.join([f"z{r}{g}{f}q"] * (2 + (5 * f + 7 * g + 3 * r) % 19))
 
 LAYOUT = [[5, 3, 4, 2], [2, 6, 1, 3], [4, 4, 5], [3, 3, 3, 2], [2, 2]]
@@ -27,12 +25,8 @@ KW = dict(tokenizer_threads=1, tokenizer_batch_size=2, device='cpu', buffer_size
 @pytest.fixture(scope='module')
 def env(tmp_path_factory):
     d = tmp_path_factory.mktemp('dropin')
-    sample = d / 'sample'
-    make_sample_shards(sample)
-    tok = train_tokenizer(sample, vocab_size=1024, out_dir=d / 'tok', progress=False)
-    toy = d / 'toy'
-    write_toy_shards(toy, LAYOUT, text_fn=words)
-    return dict(dir=d, sample=sample, tok=tok, tok_dir=d / 'tok', toy=toy)
+    e = toy_text_env(d, LAYOUT)   # the sample shards in base_data/, a tokenizer trained on them, toy shards in toy/
+    return dict(e, sample=d / 'base_data', toy=d / 'toy')
 
 
 @pytest.fixture
@@ -287,3 +281,121 @@ def test_torchrun_ranks_load_rank0s_checkpoint(env, tmp_path):
     g = (nc['rg_idx'] // 2 + 1) * 2 + 1                 # nanochat's rule: the next row group in rank 1's stride
     assert r1['start'] == ([nc['pq_idx'], g] if g < n_rg[nc['pq_idx']] else [nc['pq_idx'] + 1, 1])
     for r in (0, 1): assert res[r]['meta_all'] == dict(exact=True, warnings=[])
+
+
+# --- 4. the adversary's round: hand-edited states, odd folders ------------------------------------------------------
+
+def test_a_hand_edited_at_batch_is_named(env, clean_env, tmp_path):
+    """A state whose 'at_batch' was edited by hand (wrong type, fields missing or changed, another loader's state, a
+    state of other data or another tokenizer) is refused with an error that names resume_state_dict['at_batch'] and
+    what was expected; a list there is not taken for every rank's states."""
+    from nanochat_dl.streaming import StreamingLoader
+    from nanochat_dl.arrow import write_token_file
+    with dropin(env['tok'], 2, 32, 'train', data_dir=env['toy'], **KW) as dl:
+        s = json.loads(json.dumps([next(dl) for _ in range(4)][-1][2]))
+    at = s['at_batch']
+    write_token_file(tmp_path / 'root' / 'web' / '0.arrow', [list(range(5, 30))] * 4)
+    with StreamingLoader(tmp_path / 'root', 8, 1, n_logical_shards=2) as sl: stream_state = sl.state_dict()
+    def edit(f):
+        a = json.loads(json.dumps(at)); f(a); return a
+    cases = {'a str': ('junk', "got str 'junk'"), 'a list': ([at, at], 'got list'), 'an int': (3, 'got int 3'),
+             'None': (None, 'got NoneType'), 'an empty dict': ({}, "lacks 'format'"),
+             'no config': (edit(lambda a: a.pop('config')), r"lacks \['config'\]"),
+             'no stages': (edit(lambda a: a.pop('stages')), r"lacks \['stages'\]"),
+             'no pq_idx': (edit(lambda a: a.pop('pq_idx')), "not 'pq_idx'"),
+             'another B': (edit(lambda a: a['config'].update(B=3)), 'B=3'),
+             "StreamingLoader's state": (stream_state, 'nanochat_dl.streaming')}
+    for what, (v, expected) in cases.items():
+        with pytest.raises((TypeError, ValueError), match=r"^resume_state_dict\['at_batch'\]") as e:
+            dropin(env['tok'], 2, 32, 'train', data_dir=env['toy'], resume_state_dict=dict(s, at_batch=v), **KW)
+        assert re.search(expected, str(e.value)), (what, str(e.value))
+        assert re.search('expected|needs|reads|has the three', str(e.value)), (what, str(e.value))   # and what it wants
+    other = write_toy_shards(tmp_path / 'other', LAYOUT[:3], text_fn=other_text)
+    for what, kw in (('other data', dict(data_dir=other[0].parent)),):
+        with pytest.raises(ValueError, match=r"^resume_state_dict\['at_batch'\]\['fingerprint'\]: saved over different data"):
+            dropin(env['tok'], 2, 32, 'train', resume_state_dict=s, **{**dict(data_dir=env['toy']), **kw}, **KW)
+    from nanochat_dl.tokenizer import Tokenizer
+    tok2 = Tokenizer.train_from_iterator([words(f, g, r) + ' y' for f in range(5) for g in range(4) for r in range(6)], 280)
+    with pytest.raises(ValueError, match=r"^resume_state_dict\['at_batch'\]\['fingerprint'\]: saved with a different tokenizer"):
+        dropin(tok2, 2, 32, 'train', data_dir=env['toy'], resume_state_dict=s, **KW)
+    with pytest.raises(TypeError, match=r"^resume_state_dict\[1\]\['at_batch'\] must be a dict"):   # in a list, too
+        dropin(env['tok'], 2, 32, 'train', data_dir=env['toy'], resume_state_dict=[s, dict(s, at_batch='x')], **KW)
+
+
+def other_text(f, g, r): return other(f, g, r) + ' q'
+
+
+def test_odd_nanochat_folders_are_named(env, tmp_path, clean_env, capfd):
+    """$NANOCHAT_BASE_DIR set to a file, to a folder whose base_data_climbmix is a file, or to a path with '~' (which
+    nanochat does not expand): the error says which and what is expected; '' means unset, as for nanochat; the line
+    printed names the folder actually read, once."""
+    clean_env.setenv('HOME', str(tmp_path / 'home'))
+    (tmp_path / 'afile').write_text('x')
+    clean_env.setenv('NANOCHAT_BASE_DIR', str(tmp_path / 'afile'))
+    with pytest.raises(FileNotFoundError, match=r"NANOCHAT_BASE_DIR=.*afile.* is a file"): dropin(env['tok'], 2, 32, 'train', **KW)
+    (tmp_path / 'cm' / 'base_data').mkdir(parents=True); (tmp_path / 'cm' / 'base_data_climbmix').write_text('x')
+    clean_env.setenv('NANOCHAT_BASE_DIR', str(tmp_path / 'cm'))
+    with pytest.raises(FileNotFoundError, match=r"base_data_climbmix is a file") as e: dropin(env['tok'], 2, 32, 'train', **KW)
+    assert 'neither' not in str(e.value)                   # base_data is a folder: nanochat reads the file, and fails
+    clean_env.setenv('NANOCHAT_BASE_DIR', '~/nc')
+    with pytest.raises(FileNotFoundError, match=r"nanochat does not expand '~'"): dropin(env['tok'], 2, 32, 'train', **KW)
+    clean_env.setenv('NANOCHAT_BASE_DIR', '')
+    write_toy_shards(tmp_path / 'home' / '.cache' / 'nanochat' / 'base_data', LAYOUT, text_fn=words)
+    assert _folder_read(env['tok'], capfd)[0] == tmp_path / 'home' / '.cache' / 'nanochat' / 'base_data'
+    shutil.copytree(env['toy'], tmp_path / 'home' / 'mine')
+    clean_env.setenv('NANOCHAT_DL_DATA_DIR', '~/mine')
+    folder, _, lines = _folder_read(env['tok'], capfd)
+    assert folder == tmp_path / 'home' / 'mine' and len(lines) == 1 and str(folder) in lines[0], lines
+    assert _folder_read(env['tok'], capfd)[2] == []        # once per folder
+
+
+def test_threads_get_each_batch_with_its_own_state(env, clean_env, monkeypatch):
+    """`next()` on the drop-in from three threads: each batch comes with the state that resumes at it (the loader's
+    state before that batch), whichever thread gets there first."""
+    import threading, time
+    real, seen = PackedLoader.__next__, threading.local()
+    def late(self):                                    # a thread that got its batch is overtaken before it pairs its state
+        b = real(self)
+        seen.step = b.metrics['step']
+        time.sleep(0.002 * (threading.get_ident() % 3))
+        return b
+    monkeypatch.setattr(PackedLoader, '__next__', late)
+    wrong = []
+    with dropin(env['tok'], 2, 32, 'train', data_dir=env['toy'], **KW) as dl:
+        def work():
+            for _ in range(15):
+                _, _, s = next(dl)
+                if s['at_batch']['stages']['batch']['step'] != seen.step - 1: wrong.append(seen.step)
+        ts = [threading.Thread(target=work) for _ in range(3)]
+        for t in ts: t.start()
+        for t in ts: t.join(60)
+    assert wrong == []
+
+
+def test_a_folder_is_named_once_however_it_is_given(env, tmp_path, clean_env, capfd):
+    "The same folder given by data_dir= (with a trailing slash, or relative) and by NANOCHAT_DL_DATA_DIR: one line."
+    shutil.copytree(env['toy'], tmp_path / 'once')
+    lines = _folder_read(env['tok'], capfd, data_dir=str(tmp_path / 'once') + '/')[2]
+    assert len(lines) == 1 and str(tmp_path / 'once') in lines[0], lines
+    clean_env.setenv('NANOCHAT_DL_DATA_DIR', str(tmp_path / 'once'))
+    assert _folder_read(env['tok'], capfd)[2] == []
+    clean_env.chdir(tmp_path)
+    assert _folder_read(env['tok'], capfd, data_dir='once')[2] == []
+
+
+def test_edits_of_the_dropins_views_and_states_corrupt_nothing(env, clean_env):
+    """The drop-in's x, y are nanochat's reused views (a later batch is written into them), but editing them in place
+    (add_, zero_, resize_) or editing a state it handed out changes no later batch, no later state, no resume."""
+    def scrub(o):
+        for k, v in list(o.items() if isinstance(o, dict) else enumerate(o)):
+            if isinstance(v, (dict, list)): scrub(v)
+            else: o[k] = -7
+    with dropin(env['tok'], 2, 32, 'train', data_dir=env['toy'], **KW) as dl:
+        ref = [(x.clone(), json.dumps(s)) for x, _, s in itertools.islice(dl, 10)]
+    with dropin(env['tok'], 2, 32, 'train', data_dir=env['toy'], **KW) as dl:
+        for i in range(10):
+            x, y, s = next(dl)
+            assert torch.equal(x, ref[i][0]) and json.dumps(s) == ref[i][1], f"batch {i}"
+            x.add_(1); y.zero_(); x.resize_(1); scrub(s)
+    with dropin(env['tok'], 2, 32, 'train', data_dir=env['toy'], resume_state_dict=json.loads(ref[4][1]), **KW) as dl:
+        assert [torch.equal(next(dl)[0], x) for x, _ in ref[4:8]] == [True] * 4

@@ -10,25 +10,17 @@ from hypothesis import HealthCheck, event, given, settings, strategies as st
 
 from nanochat_dl.loader import PackedLoader, reference_loader
 from nanochat_dl.dataloader import tokenizing_distributed_data_loader_with_state_bos_bestfit
-from nanochat_dl.dataset import make_sample_shards
 from nanochat_dl.packing import STRATEGIES
 from nanochat_dl.shards import RowGroupReader, split_files
-from nanochat_dl.testing import write_toy_shards
-from nanochat_dl.tokenizer import Tokenizer, train_tokenizer
 from stateedit import DELETE, edited, paths   # a state's fields, and a copy with one edited
-
-
-def words(f, g, r): return ' '.join([f"w{f}{g}{r}x"] * (1 + (7 * f + 3 * g + 5 * r) % 23))
+from toytext import toy_text_env, words
 
 
 @pytest.fixture(scope='module')
 def env(tmp_path_factory):
     d = tmp_path_factory.mktemp('dl')
-    data = d / 'base_data'
-    make_sample_shards(data)
-    tok = train_tokenizer(data, vocab_size=1024, out_dir=d / 'tok', progress=False)
-    toy = write_toy_shards(d / 'toy', [[5, 3, 4], [2, 6, 1], [4, 4], [3, 3, 3]], text_fn=words)
-    return dict(dir=d, data=data, tok=tok, tok_dir=d / 'tok', toy=toy)
+    e = toy_text_env(d, [[5, 3, 4], [2, 6, 1], [4, 4], [3, 3, 3]])   # the sample shards in base_data/, its tokenizer, toy/
+    return dict(e, data=d / 'base_data', toy=e['files'])
 
 
 def run(tok, n, **kw):

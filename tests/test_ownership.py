@@ -1,6 +1,6 @@
 """A batch belongs to its caller: `[next(loader) for _ in range(n)]` keeps the batches as they were handed out, for both
 loaders and any prefetch; `views=True` gives nanochat's reused views back, and the drop-in keeps them."""
-import itertools
+import itertools, json
 
 import numpy as np
 import pytest
@@ -12,9 +12,7 @@ from nanochat_dl.loader import PackedLoader
 from nanochat_dl.streaming import StreamingLoader
 from nanochat_dl.testing import write_toy_shards
 from nanochat_dl.tokenizer import Tokenizer
-
-
-def words(f, g, r): return ' '.join([f"w{f}{g}{r}x"] * (1 + (7 * f + 3 * g + 5 * r) % 23))
+from toytext import words
 
 
 @pytest.fixture(scope='module')
@@ -96,3 +94,88 @@ def test_two_threads_never_produce_on_one_stream_at_once(env):
     for t in ts: t.join(30)
     ld.close()
     assert len(got) == 2 and most[0] == 1, (len(got), most[0])
+
+
+# --- the adversary's round: edits of what was handed out, close() from another thread ------------------------------
+
+def _scrub(o):
+    "Overwrite every leaf of a state in place (as a careless caller might), keeping its shape."
+    items = o.items() if isinstance(o, dict) else enumerate(o)
+    for k, v in list(items):
+        if isinstance(v, (dict, list)): _scrub(v)
+        else: o[k] = -7
+
+
+def _resumed(make, state, n, **kw):
+    "The first `n` batches' inputs of a loader resumed from `state`."
+    if make is packed:
+        with make(resume_state_dict=state, **kw) as ld: return [b.inputs.clone() for b in itertools.islice(ld, n)]
+    with make(**kw) as ld:
+        ld.load_state_dict(state)
+        return [b.inputs.clone() for b in itertools.islice(ld, n)]
+
+
+@pytest.mark.parametrize('loader', ['packed', 'streaming'])
+@pytest.mark.parametrize('prefetch', [0, 2])
+def test_edits_of_a_batch_and_its_state_change_nothing_after(env, loader, prefetch):
+    """In-place edits of a batch's tensors (add_, resize_, zero_), of its host rows, of its `state` and of what
+    `state_dict()` returned leave the later batches, `state_dict()` and the resumed batches as they were."""
+    make = lambda **kw: (packed if loader == 'packed' else streaming)(env, prefetch=prefetch, **kw)
+    with make() as ld:
+        ref = [(b.inputs.clone(), json.dumps(b.state, sort_keys=True)) for b in itertools.islice(ld, 8)]
+    with make() as ld:
+        for i in range(8):
+            b = next(ld)
+            assert torch.equal(b.inputs, ref[i][0]), f"batch {i}"
+            state = b.state
+            b.inputs.add_(1); b.targets.zero_(); b.inputs.resize_(1); b.packed.rows[:] = 3
+            _scrub(state); _scrub(ld.state_dict())
+            assert json.dumps(ld.state_dict(), sort_keys=True) == ref[i][1], f"state_dict() after batch {i}"
+    state = json.loads(ref[3][1])
+    assert [torch.equal(x, r) for x, (r, _) in zip(_resumed(packed if loader == 'packed' else streaming,
+                                                             state, 4, env=env, prefetch=prefetch), ref[4:])] == [True] * 4
+
+
+@pytest.mark.parametrize('prefetch', [0, 2])
+def test_close_from_another_thread_while_streaming_next_works(env, prefetch):
+    """`close()` while another thread is inside `next()` (making a batch, or waiting for one): close returns, that
+    `next()` gets its batch or an error saying the loader was closed, and no token file stays mapped after close."""
+    import threading, time
+    ld = streaming(env, prefetch=prefetch)
+    real, entered = ld.stream.next_rows, threading.Event()
+    def slow(B):
+        entered.set(); time.sleep(0.3)                  # the caller (or the background thread) is making a batch
+        return real(B)
+    ld.stream.next_rows = slow
+    got = []
+    def take():
+        try: got.append(next(ld))
+        except Exception as e: got.append(e)
+    t = threading.Thread(target=take); t.start()
+    assert entered.wait(10)
+    ld.close()                                          # from this thread, while the other is in next()
+    t.join(30)
+    assert not t.is_alive() and len(got) == 1
+    assert not isinstance(got[0], Exception) or 'closed' in str(got[0]), repr(got[0])
+    assert ld.root._open == {}, f"{len(ld.root._open)} token files mapped after close()"
+    with pytest.raises(RuntimeError, match='closed'): next(ld)
+
+
+def test_state_dict_from_another_thread_during_next_is_never_stale(env):
+    """`state_dict()` in a checkpointing thread while the training thread takes the next batch: afterwards
+    `state_dict()` is the state after the last batch handed out, not the one being built when it came."""
+    import threading, time
+    ld = streaming(env, prefetch=0)
+    next(ld)
+    real, building = ld._full_state, threading.Event()
+    def slow(snap):
+        building.set(); time.sleep(0.3)                   # the checkpointing thread is building the state
+        return real(snap)
+    ld._full_state = slow
+    t = threading.Thread(target=ld.state_dict); t.start()
+    assert building.wait(10)
+    ld._full_state = real
+    b = next(ld)                                        # meanwhile, the training thread takes batch 2
+    t.join(30)
+    assert ld.state_dict()['step'] == b.state['step'] == 2
+    ld.close()
