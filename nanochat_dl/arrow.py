@@ -126,8 +126,9 @@ _INT_TYPES = {pa.uint32(): np.uint32, pa.int32(): np.int32, pa.uint16(): np.uint
 class TokenFile:
     "One Arrow IPC token file, memory-mapped: `lens` (tokens per document, int64) and `doc(i)`, a zero-copy numpy view."
     def __init__(self, path,           # the `.arrow` file
-                 column=TOKENS):       # the token column
-        self.path = Path(path)
+                 column=TOKENS,        # the token column
+                 vocab:int|None=None): # ids must be below this (a tokenizer's vocabulary size); None: below 2**32
+        self.path, self.vocab = Path(path), vocab
         try:
             self._map = pa.memory_map(str(self.path))
             reader = pa.ipc.open_file(self._map)
@@ -153,6 +154,7 @@ class TokenFile:
                 self.lens[i], addr = len(a), a.buffers()[1].address
                 self.mapped &= base <= addr < base + whole.size
                 self._starts[i] = (addr - base) // self.dtype.itemsize + a.offset
+        self._unchecked = np.ones(n, bool) if vocab is not None or self.dtype.kind == 'i' or self.dtype.itemsize > 4 else None
         if self.mapped: self._flat = np.frombuffer(whole, dtype=np.uint8)[:(len(whole) // self.dtype.itemsize) * self.dtype.itemsize].view(self.dtype)
         else: self._copy_out(reader, c)
     def _copy_out(self, reader, c):
@@ -167,13 +169,26 @@ class TokenFile:
         "Document `i`'s ids: a read-only view into the map."
         if not 0 <= i < len(self.lens): raise IndexError(f"{self.path}: no document {i}, the file has {len(self.lens)}")
         s = int(self._starts[i])
-        return self._flat[s:s + int(self.lens[i])]
+        a = self._flat[s:s + int(self.lens[i])]
+        if self._unchecked is not None and self._unchecked[i]: self._check(i, a)
+        return a
     def close(self):
         "Drop the map (views handed out keep it alive until they go)."
         self._flat = None; self._map.close()
     def __enter__(self): return self
     def __exit__(self, *exc): self.close()
     def __repr__(self): return f"TokenFile({self.path.name}, {len(self)} documents, {self.ntokens} tokens, {self.dtype})"
+
+# %% ../nbs/12_arrow.ipynb #a3c7e0b1
+@patch
+def _check(self:TokenFile, i, a):
+    "Refuse document `i` (ids `a`) if an id is outside [0, 2**32) or not below `vocab`; each document is checked once, when first read."
+    if len(a):
+        lo, hi = int(a.min()), int(a.max())
+        if lo < 0 or hi >= 1 << 32: raise ValueError(f"{self.path}: document {i} holds id {lo if lo < 0 else hi}: expected ids in [0, 2**32)")
+        if self.vocab is not None and hi >= self.vocab:
+            raise ValueError(f"{self.path}: document {i} holds id {hi}: expected ids below the tokenizer's vocabulary size {self.vocab}")
+    self._unchecked[i] = False
 
 # %% ../nbs/12_arrow.ipynb #9fb2d5c0
 class FileInfo(NamedTuple):
@@ -417,7 +432,7 @@ class TokenRoot:
                  datasets=None,          # dataset names to use (default: every dataset folder)
                  column=TOKENS,          # the token column
                  max_open:int=64,        # token files kept open
-                 tokenizer=None,         # a tokenizer or its fingerprint: refused unless the manifest records the same one
+                 tokenizer=None,         # a tokenizer or its fingerprint: refused unless the manifest records the same; ids >= its vocab_size refused
                  verify='quick',         # files against the manifest: 'quick' (size, tail hash), 'full' (sha256), 'off'
                  cache_dir=None,         # a URI root's local copies (default: one folder per root under the base dir)
                  cache_size=None,        # bytes those copies may take (None: no cap)
@@ -443,6 +458,7 @@ class TokenRoot:
         self.datasets = datasets
         self.manifest = read_manifest(self.root) if self.cache is None else self._remote_manifest()
         self.tokenizer = None if self.manifest is None else _check_tokenizers(self.root, self.manifest, datasets, tokenizer)
+        self._given = None if tokenizer is None else _as_fingerprint(tokenizer)   # its vocab_size bounds the ids read
         counts = read_counts(self.root, datasets) if self.cache is None else self._remote_counts(datasets)
         self.files, self._open = {}, OrderedDict()
         if self.cache is not None: self.max_open = min(self.max_open, self._fits())   # before any file is opened (counted)
@@ -459,7 +475,8 @@ class TokenRoot:
         tf = self._open.get(key)
         if tf is not None: self._open.move_to_end(key); return tf
         while self.cache is not None and len(self._open) >= self.max_open: self._shut(*self._open.popitem(last=False))   # room first
-        tf = TokenFile(self.path(dataset, file) if self.cache is None else self._local(dataset, file), self.column)
+        tf = TokenFile(self.path(dataset, file) if self.cache is None else self._local(dataset, file), self.column,
+                       None if self._given is None else self._given.get('vocab_size'))
         info = next((i for i in self.files.get(dataset, ()) if i.file == file), None)
         if info is not None and (info.docs, info.tokens) != (len(tf), tf.ntokens):
             raise ValueError(f"{tf.path} holds {len(tf)} documents and {tf.ntokens} tokens, but the counts file says "
@@ -610,7 +627,7 @@ def cache_stats(self:TokenRoot) -> dict:
 @patch
 def open_args(self:TokenRoot) -> dict:
     "The settings that open this root again as it is (in another process, say): `TokenRoot(root.root, root.datasets, **root.open_args())`; for a URI root, its cache's folder (the default one too), cap, prefetch and fetch settings."
-    out = dict(column=self.column, verify=self.verify)
+    out = dict(column=self.column, verify=self.verify, **({} if self._given is None else dict(tokenizer=self._given)))
     if self.cache is not None:
         a = self._cache_args
         out.update(cache_dir=self.cache.cache_dir, cache_size=a['cache_size'], prefetch=a['prefetch'],
