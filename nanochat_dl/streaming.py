@@ -317,13 +317,14 @@ class Chunker(Stage):
         return [Doc(tuple(a), d.tokens) for a, d in zip(addresses, docs)]
 
 # %% ../nbs/13_streaming.ipynb #57bffc68
-def _weight(x, of) -> float:
-    "Weight `x` as a float: a real number (not a bool, a string or a list), finite and >= 0; else a `ValueError` naming it (`of`: whose it is)."
+def _weight(x, of) -> float:   # of: whose weight it is, as the message says it
+    "Weight `x` as a float: a real number (not a bool, str or list), finite, >= 0; else a `ValueError` naming it."
     if isinstance(x, (bool, np.bool_)) or not isinstance(x, (int, float, np.integer, np.floating)):
         raise ValueError(f"weight {x!r} {of} is invalid: expected a number (int or float) >= 0, not {type(x).__name__}")
     try: v = float(x)
     except OverflowError: v = math.inf
-    if not (math.isfinite(v) and v >= 0): raise ValueError(f"weight {x!r} {of} is invalid: expected a finite number >= 0")
+    if not (math.isfinite(v) and v >= 0):
+        raise ValueError(f"weight {x!r} {of} is invalid: expected a finite number >= 0")
     return v
 
 class Mixer(Stage):
@@ -335,7 +336,8 @@ class Mixer(Stage):
         ws = [_weight(x, f"of stage {i}") for i, x in enumerate(weights)]
         tot = sum(ws)
         if len(ws) != len(self.ups) or not 0 < tot < math.inf:
-            raise ValueError(f"weights={list(weights)} for {len(self.ups)} stages: expected one number >= 0 per stage, not all 0, of a finite sum")
+            raise ValueError(f"weights={list(weights)} for {len(self.ups)} stages: expected one number >= 0 per stage, "
+                             "not all 0, of a finite sum")
         self.w = [w / tot for w in ws]
         self.tokens = [0] * len(self.ups)
         self.active = [i for i, (u, w) in enumerate(zip(self.ups, self.w)) if u is not None and w > 0]
@@ -1468,10 +1470,13 @@ def _weights(weights, datasets, root) -> list:
     if isinstance(weights, (str, bytes)) or not hasattr(weights, '__iter__'):
         raise ValueError(f"weights={weights!r} is invalid: expected one number per dataset of {datasets}")
     weights = list(weights)
-    if len(weights) != len(datasets): raise ValueError(f"weights has {len(weights)} values for {len(datasets)} datasets {datasets}: expected one per dataset")
+    if len(weights) != len(datasets):
+        raise ValueError(f"weights has {len(weights)} values for {len(datasets)} datasets {datasets}: "
+                         "expected one per dataset")
     w = [_weight(x, f"of dataset {d!r}") for d, x in zip(datasets, weights)]
     if not any(w): raise ValueError(f"weights={weights} are all zero: at least one dataset needs a positive weight")
-    if not math.isfinite(sum(w)): raise ValueError(f"weights {weights} sum to more than a float holds: scale them down (only their ratios count)")
+    if not math.isfinite(sum(w)):
+        raise ValueError(f"weights {weights} sum to more than a float holds: scale them down (only their ratios count)")
     return [int(x) if x == int(x) and x < 2**53 else x for x in w]
 
 def _content(root, ds, f) -> str:
