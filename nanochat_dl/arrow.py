@@ -479,7 +479,7 @@ class TokenRoot:
         if tf is not None: self._open.move_to_end(key); return tf
         while self.cache is not None and len(self._open) >= self.max_open: self._shut(*self._open.popitem(last=False))   # room first
         tf = TokenFile(self.path(dataset, file) if self.cache is None else self._local(dataset, file), self.column,
-                       None if self._given is None else self._given.get('vocab_size'))
+                       (getattr(self, '_given', None) or {}).get('vocab_size'))
         info = next((i for i in self.files.get(dataset, ()) if i.file == file), None)
         if info is not None and (info.docs, info.tokens) != (len(tf), tf.ntokens):
             raise ValueError(f"{tf.path} holds {len(tf)} documents and {tf.ntokens} tokens, but the counts file says "
@@ -630,7 +630,7 @@ def cache_stats(self:TokenRoot) -> dict:
 @patch
 def open_args(self:TokenRoot) -> dict:
     "The settings that open this root again as it is (in another process, say): `TokenRoot(root.root, root.datasets, **root.open_args())`; for a URI root, its cache's folder (the default one too), cap, prefetch and fetch settings."
-    out = dict(column=self.column, verify=self.verify, **({} if self._given is None else dict(tokenizer=self._given)))
+    out = dict(column=self.column, verify=self.verify, **({} if getattr(self, '_given', None) is None else dict(tokenizer=self._given)))
     if self.cache is not None:
         a = self._cache_args
         out.update(cache_dir=self.cache.cache_dir, cache_size=a['cache_size'], prefetch=a['prefetch'],
