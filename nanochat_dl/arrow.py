@@ -126,8 +126,9 @@ _INT_TYPES = {pa.uint32(): np.uint32, pa.int32(): np.int32, pa.uint16(): np.uint
 class TokenFile:
     "One Arrow IPC token file, memory-mapped: `lens` (tokens per document, int64) and `doc(i)`, a zero-copy numpy view."
     def __init__(self, path,           # the `.arrow` file
-                 column=TOKENS):       # the token column
-        self.path = Path(path)
+                 column=TOKENS,        # the token column
+                 vocab:int|None=None): # ids must be below this (a tokenizer's vocabulary size); None: below 2**32
+        self.path, self.vocab = Path(path), vocab
         try:
             self._map = pa.memory_map(str(self.path))
             reader = pa.ipc.open_file(self._map)
@@ -153,6 +154,8 @@ class TokenFile:
                 self.lens[i], addr = len(a), a.buffers()[1].address
                 self.mapped &= base <= addr < base + whole.size
                 self._starts[i] = (addr - base) // self.dtype.itemsize + a.offset
+        wide = self.dtype.kind == 'i' or self.dtype.itemsize > 4   # ids a uint32 cannot hold are possible
+        self._unchecked = np.ones(n, bool) if vocab is not None or wide else None   # documents still to check on read
         if self.mapped: self._flat = np.frombuffer(whole, dtype=np.uint8)[:(len(whole) // self.dtype.itemsize) * self.dtype.itemsize].view(self.dtype)
         else: self._copy_out(reader, c)
     def _copy_out(self, reader, c):
@@ -167,13 +170,28 @@ class TokenFile:
         "Document `i`'s ids: a read-only view into the map."
         if not 0 <= i < len(self.lens): raise IndexError(f"{self.path}: no document {i}, the file has {len(self.lens)}")
         s = int(self._starts[i])
-        return self._flat[s:s + int(self.lens[i])]
+        a = self._flat[s:s + int(self.lens[i])]
+        if self._unchecked is not None and self._unchecked[i]: self._check(i, a)
+        return a
     def close(self):
         "Drop the map (views handed out keep it alive until they go)."
         self._flat = None; self._map.close()
     def __enter__(self): return self
     def __exit__(self, *exc): self.close()
     def __repr__(self): return f"TokenFile({self.path.name}, {len(self)} documents, {self.ntokens} tokens, {self.dtype})"
+
+# %% ../nbs/12_arrow.ipynb #a3c7e0b1
+@patch
+def _check(self:TokenFile, i, a):
+    "Refuse document `i` (ids `a`) if an id is outside [0, 2**32) or not below `vocab`; checked once, when first read."
+    if len(a):
+        lo, hi = int(a.min()), int(a.max())
+        if lo < 0 or hi >= 1 << 32:
+            raise ValueError(f"{self.path}: document {i} holds id {lo if lo < 0 else hi}: expected ids in [0, 2**32)")
+        if self.vocab is not None and hi >= self.vocab:
+            raise ValueError(f"{self.path}: document {i} holds id {hi}: expected ids below the tokenizer's "
+                             f"vocabulary size {self.vocab}")
+    self._unchecked[i] = False
 
 # %% ../nbs/12_arrow.ipynb #9fb2d5c0
 class FileInfo(NamedTuple):
@@ -448,7 +466,7 @@ class TokenRoot:
                  datasets=None,          # dataset names to use (default: every dataset folder)
                  column=TOKENS,          # the token column
                  max_open:int=64,        # token files kept open
-                 tokenizer=None,         # a tokenizer or its fingerprint: refused unless the manifest records the same one
+                 tokenizer=None,         # a tokenizer or fingerprint: refused unless the manifest's; bounds the ids read
                  verify='quick',         # files against the manifest: 'quick' (sha256 once per file version), 'full' (every open), 'off'
                  cache_dir=None,         # a URI root's local copies (default: one folder per root under the base dir)
                  cache_size=None,        # bytes those copies may take (None: no cap)
@@ -474,6 +492,7 @@ class TokenRoot:
         self.datasets = datasets
         self.manifest = read_manifest(self.root) if self.cache is None else self._remote_manifest()
         self.tokenizer = None if self.manifest is None else _check_tokenizers(self.root, self.manifest, datasets, tokenizer)
+        self._given = None if tokenizer is None else _as_fingerprint(tokenizer)   # its vocab_size bounds the ids read
         counts = read_counts(self.root, datasets) if self.cache is None else self._remote_counts(datasets)
         self.files, self._open = {}, OrderedDict()
         if self.cache is not None: self.max_open = min(self.max_open, self._fits())   # before any file is opened (counted)
@@ -490,7 +509,8 @@ class TokenRoot:
         tf = self._open.get(key)
         if tf is not None: self._open.move_to_end(key); return tf
         while self.cache is not None and len(self._open) >= self.max_open: self._shut(*self._open.popitem(last=False))   # room first
-        tf = TokenFile(self.path(dataset, file) if self.cache is None else self._local(dataset, file), self.column)
+        tf = TokenFile(self.path(dataset, file) if self.cache is None else self._local(dataset, file), self.column,
+                       (getattr(self, '_given', None) or {}).get('vocab_size'))
         info = next((i for i in self.files.get(dataset, ()) if i.file == file), None)
         if info is not None and (info.docs, info.tokens) != (len(tf), tf.ntokens):
             raise ValueError(f"{tf.path} holds {len(tf)} documents and {tf.ntokens} tokens, but the counts file says "
@@ -641,7 +661,7 @@ def cache_stats(self:TokenRoot) -> dict:
 @patch
 def open_args(self:TokenRoot) -> dict:
     "The settings that open this root again as it is (in another process, say): `TokenRoot(root.root, root.datasets, **root.open_args())`; for a URI root, its cache's folder (the default one too), cap, prefetch and fetch settings."
-    out = dict(column=self.column, verify=self.verify)
+    out = dict(column=self.column, verify=self.verify, **({} if getattr(self, '_given', None) is None else dict(tokenizer=self._given)))
     if self.cache is not None:
         a = self._cache_args
         out.update(cache_dir=self.cache.cache_dir, cache_size=a['cache_size'], prefetch=a['prefetch'],
@@ -657,20 +677,31 @@ def tokenize_shard(src,                # a parquet text shard
                    on_progress=None,   # called with (documents, characters) after each row group
                    utf8_errors='strict', # 'strict': text that is not UTF-8 fails the shard, naming the row; 'replace': U+FFFD
                    ) -> dict:
-    "Tokenize `src` into `dst` row group by row group: one record batch per document, ids as `encode_ordinary` gives them, no BOS; returns the file's record."
+    "Tokenize `src` into `dst` row group by row group: one record batch per document, ids as `encode_ordinary` gives them, no BOS; returns the file's record (and its source's name, size, sha256)."
     src, enc = Path(src), getattr(tokenizer, 'enc', tokenizer)
-    size = src.stat().st_size
+    size, sha = src.stat().st_size, file_sha256(src)
     with _open_shard(src, text_column) as pf, TokenWriter(dst) as w:
         for g in range(pf.num_row_groups):
             texts = _read_group(pf, src, g, text_column, utf8_errors)
             for t in texts: w.write(enc.encode_to_numpy(t, disallowed_special=()))   # special tokens in the text stay text
             if on_progress is not None: on_progress(len(texts), sum(map(len, texts)))
-    return dict(w.record._asdict(), source=dict(name=src.name, bytes=size))
+    return dict(w.record._asdict(), source=dict(name=src.name, bytes=size, sha256=sha))
 
 # %% ../nbs/12_arrow.ipynb #dd653dac
-def _serve_tokenize(tokenizer_dir):
+def _die_with(parent:int):
+    "End this process when process `parent` ends: at once on Linux (`PR_SET_PDEATHSIG`), else within 0.5 s."
+    import ctypes
+    try: ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)   # 1 = PR_SET_PDEATHSIG: the kernel ends us with it
+    except (OSError, AttributeError): pass                             # not Linux: the thread alone
+    def watch():
+        while os.getppid() == parent: time.sleep(0.5)
+        os._exit(1)                                                    # the parent is gone (perhaps before the prctl)
+    threading.Thread(target=watch, daemon=True).start()
+
+def _serve_tokenize(tokenizer_dir, parent=None):   # parent: the pid of the process that started it (it ends with it)
     "A worker process: load the tokenizer, say `ready`, then tokenize one shard per JSON line of stdin, answering JSON lines."
     signal.signal(signal.SIGINT, signal.SIG_IGN)       # Ctrl-C is the parent's to handle: it ends the workers
+    if parent is not None: _die_with(int(parent))      # a parent killed by SIGKILL cannot end us: we end ourselves
     out = os.fdopen(os.dup(1), 'w'); os.dup2(2, 1)     # stray prints go to stderr, not into the answers
     def send(**m): out.write(json.dumps(m) + '\n'); out.flush()
     from nanochat_dl.tokenizer import Tokenizer
@@ -682,7 +713,7 @@ def _serve_tokenize(tokenizer_dir):
         except Exception as e: send(error=str(e) if t['src'] in str(e) else f"{t['src']}: {type(e).__name__}: {e}")
 
 # %% ../nbs/12_arrow.ipynb #9cae1f59
-_WORKER_CODE = 'import sys; from nanochat_dl.arrow import _serve_tokenize; _serve_tokenize(sys.argv[1])'
+_WORKER_CODE = 'import sys; from nanochat_dl.arrow import _serve_tokenize; _serve_tokenize(*sys.argv[1:])'
 
 class _Worker:
     "One tokenize worker: a fresh `python -c` in an empty folder, with a thread that queues its answers."
@@ -691,8 +722,9 @@ class _Worker:
         pkg = str(Path(nanochat_dl.__file__).resolve().parents[1])   # workers import this copy of the package
         env = dict(os.environ, PYTHONSAFEPATH='1', PYTHONPATH=os.pathsep.join([pkg] + [p for p in [os.environ.get('PYTHONPATH')] if p]))
         self.err, self.ready, self.task = tempfile.TemporaryFile(), False, None
-        self.proc = subprocess.Popen([sys.executable, '-c', _WORKER_CODE, str(tokenizer_dir)], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=self.err, cwd=cwd, env=env, text=True)
+        self.proc = subprocess.Popen([sys.executable, '-c', _WORKER_CODE, str(tokenizer_dir), str(os.getpid())],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.err, cwd=cwd, env=env,
+                                     text=True)
         self.thread = threading.Thread(target=self._pump, args=(answers,), daemon=True)
         self.thread.start()
     def _pump(self, answers):
@@ -714,7 +746,12 @@ class _Worker:
         self.err.close()
 
 # %% ../nbs/12_arrow.ipynb #31b0eebc
-def _run_tasks(tasks, tokenizer_dir, workers, text_column='text', on_progress=None, utf8_errors='strict') -> dict:
+def _drop_temps(dst):
+    "Remove the temp files a writer of token file `dst` left behind (a worker stopped in the middle of it)."
+    for t in Path(dst).parent.glob(f".{Path(dst).name}.*.tmp"): t.unlink(missing_ok=True)
+
+def _run_tasks(tasks, tokenizer_dir, workers, text_column='text', on_progress=None, utf8_errors='strict',
+               on_done=None) -> dict:   # on_done(name, record): called as each file is finished
     "Tokenize `tasks` (`[(src, dst)]`) in up to `workers` worker processes; `{dst name: its record, or an error message}`."
     todo, out, answers, pool = list(tasks), {}, queue.Queue(), []
     with tempfile.TemporaryDirectory(prefix='nanochat-dl-tokenize-') as cwd:
@@ -733,11 +770,16 @@ def _run_tasks(tasks, tokenizer_dir, workers, text_column='text', on_progress=No
                     if on_progress is not None: on_progress(*m['progress'])
                 else:
                     if 'ready' in m: w.ready = True
-                    else: out[w.task[1].name], w.task = m.get('done', m.get('error')), None
+                    else:
+                        out[w.task[1].name] = m.get('done', m.get('error'))
+                        if on_done is not None and 'done' in m: on_done(w.task[1].name, m['done'])
+                        w.task = None
                     if todo: w.give(todo.pop(0), text_column, utf8_errors)
                     else: w.proc.stdin.close()
-        finally:
+        finally:                                        # done, failed or interrupted (Ctrl-C): no worker outlives us
             for w in pool: w.close()
+            for w in pool:
+                if w.task is not None: _drop_temps(w.task[1])   # stopped in the middle of a shard: its partial file goes
     return out
 
 # %% ../nbs/12_arrow.ipynb #b2466197
@@ -853,25 +895,51 @@ def _record_of(p, name) -> dict:
     r = e.get('files', {}).get(name)
     return None if r is None else dict(r, tokenizer=(e.get('tokenizer') or {}).get('fingerprint'))
 
+def _src_key(p, src) -> dict:
+    "What a record keeps of source shard `src`: name, size, sha256 (None: another rank's URI shard); hashed once a run."
+    keys = vars(p).setdefault('src_keys', {})
+    if src not in keys:
+        here = getattr(p, 'cache', None) is None or src.exists()
+        keys[src] = dict(name=src.name, bytes=_src_bytes(p, src), sha256=file_sha256(src) if here else None)
+    return keys[src]
+
 def _still_valid(p, rec, src, full=False) -> bool:
-    "Whether `rec` describes the token file of shard `src` as it is now, made from `src` as it is now with this tokenizer."
-    dst = p.root/p.dataset/(src.stem + '.arrow')
-    if rec is None or rec.get('tokenizer') != p.tok['fingerprint'] or rec.get('source') != dict(name=src.name, bytes=_src_bytes(p, src)): return False
+    "Whether `rec` describes shard `src`'s token file as it is, made from `src`'s content as it is by this tokenizer."
+    dst, s = p.root/p.dataset/(src.stem + '.arrow'), (rec or {}).get('source') or {}
+    if rec is None or rec.get('tokenizer') != p.tok['fingerprint']: return False
+    if (s.get('name'), s.get('bytes')) != (src.name, _src_bytes(p, src)): return False
+    if not isinstance(s.get('sha256'), str): return False              # a record from before the source's hash: redone
     try:
         if dst.stat().st_size != rec['bytes']: return False
+        if _src_key(p, src)['sha256'] not in (None, s['sha256']): return False   # keyed on the source's content
         return file_sha256(dst, cached=not full) == rec['sha256']
     except FileNotFoundError: return False
 
 def _forget(p, name):
     "Before a shard is redone: drop its sidecar and the temp files a killed run left behind."
-    _sidecar(p.root, p.dataset, name).unlink(missing_ok=True)
-    for t in (p.root/p.dataset).glob(f".{name}.*.tmp"): t.unlink(missing_ok=True)
+    side = _sidecar(p.root, p.dataset, name)
+    side.unlink(missing_ok=True)
+    for t in side.parent.glob(f"{side.name}.*.tmp"): t.unlink(missing_ok=True)   # the sidecar's own, half written
+    _drop_temps(p.root/p.dataset/name)
+
+def _run_lock(p):
+    "This rank's hold on its dataset (`folder_lock` of `ROOT/meta/.locks/<dataset>/rank-<r>`): a second run waits, fails."
+    from contextlib import ExitStack
+    d, hold = p.root/META/'.locks'/p.dataset/f'rank-{p.rank}', ExitStack()
+    d.mkdir(parents=True, exist_ok=True)
+    try: hold.enter_context(folder_lock(d))
+    except ValueError as e:   # busy for `core.LOCK_WAIT_S` seconds: the message names the holder's pid
+        raise ValueError(f"another `tokenize` of dataset {p.dataset!r} (rank {p.rank}) into {p.root} is running: "
+                         f"{e}") from None
+    try: p.manifest = read_manifest(p.root); _check_target(p)   # as they are now: a run waited for may have changed them
+    except BaseException: hold.close(); raise
+    return hold
 
 # %% ../nbs/12_arrow.ipynb #43a77556
 class TokenizeResult(NamedTuple):
     "What one rank's `tokenize` did."
     done: list        # token files written in this run
-    skipped: list     # token files finished before, verified (size and sha256) and kept
+    skipped: list     # token files finished before, verified (size and sha256, their source's sha256) and kept
     failed: dict      # token file -> why its shard failed
     documents: int    # documents written in this run
     tokens: int       # tokens written in this run
@@ -879,8 +947,13 @@ class TokenizeResult(NamedTuple):
     manifest: Path    # the manifest rank 0 wrote (None on other ranks, or after a failure)
 
 def _execute(p, progress=True, say=print) -> TokenizeResult:
+    with _run_lock(p): return _execute_locked(p, progress, say)
+
+def _execute_locked(p, progress, say) -> TokenizeResult:
     from tqdm.auto import tqdm
+    from nanochat_dl.core import atomic_write
     t0, todo, skipped, recs = time.perf_counter(), [], [], {}
+    p.kept = recs                                   # what a rerun would keep, for the Ctrl-C message
     for src in p.shards[p.rank::p.world]:
         name, rec = src.stem + '.arrow', _record_of(p, src.stem + '.arrow')
         if _still_valid(p, rec, src, full=True): skipped.append(name); recs[name] = rec
@@ -888,13 +961,13 @@ def _execute(p, progress=True, say=print) -> TokenizeResult:
     say(f"tokenize: {len(p.shards[p.rank::p.world])} of {len(p.shards)} shards of {p.source['data_dir']} -> {p.root/p.dataset} "
         f"(rank {p.rank} of {p.world}, {p.workers} workers): {len(todo)} to do, {len(skipped)} finished before")
     bar = tqdm(total=sum(_rows(s) for s, _ in todo), unit='doc', desc=f'tokenize {p.dataset}', disable=not progress or not todo)
-    try: res = _run_tasks(todo, p.tok_dir, p.workers, p.text_column, lambda d, c: bar.update(d), p.utf8_errors) if todo else {}
+    def finished(n, r):                             # recorded as it finishes: a run killed later keeps it
+        r = dict(r, tokenizer=p.tok['fingerprint'])
+        atomic_write(_sidecar(p.root, p.dataset, n), json.dumps(r), 'w'); recs[n] = r   # temp: `<name>.json.*.tmp`
+    try: res = _run_tasks(todo, p.tok_dir, p.workers, p.text_column, lambda d, c: bar.update(d), p.utf8_errors,
+                          finished) if todo else {}
     finally: bar.close()
     failed = {n: r for n, r in res.items() if isinstance(r, str)}
-    for n, r in res.items():
-        if n not in failed:
-            recs[n] = dict(r, tokenizer=p.tok['fingerprint'])
-            _write_meta(_sidecar(p.root, p.dataset, n), json.dumps(recs[n]))
     done = [n for n in res if n not in failed]
     docs, toks, secs = sum(recs[n]['documents'] for n in done), sum(recs[n]['tokens'] for n in done), time.perf_counter() - t0
     say(f"rank {p.rank}: {len(done)} written ({docs:,} documents, {toks:,} tokens, {toks / secs:,.0f} tokens/s), {len(skipped)} kept, {len(failed)} failed in {secs:.1f} s")
@@ -1044,14 +1117,23 @@ def tokenize_cli(data_dir:str=None,       # parquet text shards (else $NANOCHAT_
                  cache_size:int=None,     # for a URI --data-dir: bytes those copies may take
                  utf8_errors:str='strict', # strict (text that is not UTF-8 fails its shard) or replace (U+FFFD)
                 ) -> int:
-    "Tokenize parquet shards into fms-fsdp's arrow layout, on disk or in object storage (--out s3://...); exit code 2 for bad arguments, 1 if a shard (or an upload) failed."
+    "Tokenize parquet shards into fms-fsdp's arrow layout, on disk or in object storage (--out s3://...); exit code 2 for bad arguments or a busy dataset, 1 if a shard (or an upload) failed, 130 on Ctrl-C."
     err = lambda msg: print(f"nanochat-dl tokenize: error: {msg}", file=sys.stderr)
     uri = out is not None and not is_local(out)
     args = (data_dir, out, dataset, tokenizer_dir, Workers, rank, world_size, split, text_column, overwrite, wait)
     try: p = _prepare_uri(*args, stage_dir, cache_dir, cache_size, utf8_errors) if uri else _prepare(*args, cache_dir, cache_size, utf8_errors)
     except (ValueError, FileNotFoundError) as e: err(e); return 2
     except OSError as e: err(e); return 1                       # the store could not be read
+    except KeyboardInterrupt: print("nanochat-dl tokenize: interrupted before any work", file=sys.stderr); return 130
     try: res = (_execute_uri if uri else _execute)(p, progress and sys.stderr.isatty())
+    except KeyboardInterrupt:
+        mine = [s.stem + '.arrow' for s in p.shards[p.rank::p.world]]
+        kept = sum(n in getattr(p, 'kept', {}) or _sidecar(p.root, p.dataset, n).exists() for n in mine)
+        whose = f' of rank {p.rank}' if p.world > 1 else ''
+        print(f"nanochat-dl tokenize: interrupted: {kept} of {len(mine)} shards{whose} are finished and kept "
+              "(a rerun skips them), partial files removed; run it again to do the rest", file=sys.stderr)
+        return 130
+    except ValueError as e: err(e); return 2                    # another run of this dataset holds it
     except (OSError, RuntimeError) as e: err(e); return 1
     finally:
         if p.cache is not None: p.cache.close()

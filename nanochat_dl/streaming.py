@@ -318,16 +318,28 @@ class Chunker(Stage):
         return [Doc(tuple(a), d.tokens) for a, d in zip(addresses, docs)]
 
 # %% ../nbs/13_streaming.ipynb #57bffc68
+def _weight(x, of) -> float:   # of: whose weight it is, as the message says it
+    "Weight `x` as a float: a real number (not a bool, str or list), finite, >= 0; else a `ValueError` naming it."
+    if isinstance(x, (bool, np.bool_)) or not isinstance(x, (int, float, np.integer, np.floating)):
+        raise ValueError(f"weight {x!r} {of} is invalid: expected a number (int or float) >= 0, not {type(x).__name__}")
+    try: v = float(x)
+    except OverflowError: v = math.inf
+    if not (math.isfinite(v) and v >= 0):
+        raise ValueError(f"weight {x!r} {of} is invalid: expected a finite number >= 0")
+    return v
+
 class Mixer(Stage):
     "Items from several datasets' stages, the next from the one furthest below its share of tokens (no randomness); items `(dataset index, item)`; a stage that runs dry drops out."
     def __init__(self, upstreams,       # one stage per dataset (None: this rank has nothing of it)
                  weights,               # target shares of tokens (any scale; 0 leaves a dataset out)
                  size=lambda item: len(item.tokens)):   # the tokens an item counts for
         self.ups, self.size = list(upstreams), size
-        tot = float(sum(weights))
-        if len(weights) != len(self.ups) or min(weights, default=0) < 0 or not tot > 0:
-            raise ValueError(f"weights={list(weights)} for {len(self.ups)} stages: expected one number >= 0 per stage, not all 0")
-        self.w = [float(w) / tot for w in weights]
+        ws = [_weight(x, f"of stage {i}") for i, x in enumerate(weights)]
+        tot = sum(ws)
+        if len(ws) != len(self.ups) or not 0 < tot < math.inf:
+            raise ValueError(f"weights={list(weights)} for {len(self.ups)} stages: expected one number >= 0 per stage, "
+                             "not all 0, of a finite sum")
+        self.w = [w / tot for w in ws]
         self.tokens = [0] * len(self.ups)
         self.active = [i for i, (u, w) in enumerate(zip(self.ups, self.w)) if u is not None and w > 0]
     def __next__(self):
@@ -1457,13 +1469,17 @@ def _weights(weights, datasets, root) -> list:
         extra = [k for k in weights if k not in datasets]
         if extra: raise ValueError(f"weights name {extra}, which are not among datasets {datasets}")
         weights = [weights.get(d, 0) for d in datasets]
-    try: w = [float(x) for x in weights]
-    except (TypeError, ValueError): raise ValueError(f"weights={weights!r} is invalid: expected one number per dataset of {datasets}") from None
-    if len(w) != len(datasets): raise ValueError(f"weights has {len(w)} values for {len(datasets)} datasets {datasets}: expected one per dataset")
-    bad = next(((d, x) for d, x in zip(datasets, w) if not (math.isfinite(x) and x >= 0)), None)
-    if bad: raise ValueError(f"weight {bad[1]!r} of dataset {bad[0]!r} is invalid: expected a finite number >= 0")
-    if not any(w): raise ValueError(f"weights={list(weights)} are all zero: at least one dataset needs a positive weight")
-    return [int(x) if x == int(x) else x for x in w]
+    if isinstance(weights, (str, bytes)) or not hasattr(weights, '__iter__'):
+        raise ValueError(f"weights={weights!r} is invalid: expected one number per dataset of {datasets}")
+    weights = list(weights)
+    if len(weights) != len(datasets):
+        raise ValueError(f"weights has {len(weights)} values for {len(datasets)} datasets {datasets}: "
+                         "expected one per dataset")
+    w = [_weight(x, f"of dataset {d!r}") for d, x in zip(datasets, weights)]
+    if not any(w): raise ValueError(f"weights={weights} are all zero: at least one dataset needs a positive weight")
+    if not math.isfinite(sum(w)):
+        raise ValueError(f"weights {weights} sum to more than a float holds: scale them down (only their ratios count)")
+    return [int(x) if x == int(x) and x < 2**53 else x for x in w]
 
 def _content(root, ds, f) -> str:
     "File `f` of `ds`'s content hash: the manifest's sha256, else (a local root) its sha256 (`file_sha256`: once per file version), else nothing."

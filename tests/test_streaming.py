@@ -660,6 +660,17 @@ def test_bad_settings_are_named(root, kw, msg):
     assert msg in str(e.value)
 
 
+@pytest.mark.parametrize('weights, msg', [
+    ([1, '1', 1], "weight '1' of dataset 'code' is invalid: expected a number (int or float) >= 0, not str"),
+    ([True, 1, 1], "weight True of dataset 'books' is invalid: expected a number (int or float) >= 0, not bool"),
+    ({'web': [True]}, "weight [True] of dataset 'web' is invalid: expected a number (int or float) >= 0, not list"),
+    ([1e308, 1e308, 1], "weights [1e+308, 1e+308, 1] sum to more than a float holds: scale them down (only their ratios count)"),
+    ({'books': 1e308, 'code': 1e308}, "weights [1e+308, 1e+308, 0] sum to more than a float holds")])
+def test_weights_that_are_not_numbers_or_overflow_are_named(root, weights, msg):
+    with pytest.raises(ValueError) as e: StreamingLoader(root, 8, 2, weights=weights)
+    assert msg in str(e.value)
+
+
 def test_missing_root_is_named(tmp_path):
     with pytest.raises(FileNotFoundError, match='does not exist'): StreamingLoader(tmp_path/'nowhere', 8, 2)
 

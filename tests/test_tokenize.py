@@ -1,7 +1,7 @@
 """`nanochat-dl tokenize` as a command and as a cluster job: exit codes and messages, two ranks as two real processes
 (with `--rank/--world-size`, and under `torchrun` with and without a gloo process group), rank 0 giving up, worker
 processes that cannot import from the current folder, and a worker killed in the middle of a shard."""
-import json, os, shutil, signal, subprocess, sys, textwrap
+import hashlib, json, os, shutil, signal, subprocess, sys, textwrap, time
 from pathlib import Path
 
 import pyarrow as pa, pyarrow.parquet as pq
@@ -158,12 +158,12 @@ def test_workers_cannot_import_from_the_current_folder(corpus, tmp_path):
     _same_as_reference(tmp_path / 'out', corpus)
 
 
-def _children(name):
-    "Pids of this process's children whose command line holds `name` (Linux /proc)."
-    out = []
+def _children(name, parent=None):
+    "Pids of the children of `parent` (default: this process) whose command line holds `name` (Linux /proc)."
+    out, parent = [], os.getpid() if parent is None else parent
     for p in Path('/proc').iterdir():
         try:
-            if p.name.isdigit() and int((p / 'stat').read_text().rsplit(')', 1)[1].split()[1]) == os.getpid() \
+            if p.name.isdigit() and int((p / 'stat').read_text().rsplit(')', 1)[1].split()[1]) == parent \
                     and name in (p / 'cmdline').read_bytes().decode(errors='replace'): out.append(int(p.name))
         except (OSError, ValueError, IndexError): pass
     return out
@@ -245,3 +245,130 @@ def test_text_that_is_not_utf8(corpus, tmp_path, capsys):
         assert [tok.decode(tf.doc(i)) for i in range(len(tf))] == ['alpha beta', 'caf\ufffd au lait', 'gamma']
     res = tokenize(src, tmp_path / 'c', 'web', corpus / 'tok', workers=1, progress=False, verbose=False, utf8_errors='replace')
     assert not res.failed and (tmp_path / 'c' / 'web' / 'shard_00000.arrow').read_bytes() == (tmp_path / 'b' / 'web' / 'shard_00000.arrow').read_bytes()
+
+
+# ---------------------------------------------------------------- resume, Ctrl-C, orphans, two runs, content keys
+
+def _alive(pid) -> bool:
+    "Whether process `pid` still runs (a zombie does not)."
+    try: return (Path('/proc') / str(pid) / 'stat').read_text().rsplit(')', 1)[1].split()[0] != 'Z'
+    except OSError: return False
+
+
+def _until(cond, timeout=120, poll=0.005):
+    end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < end, 'timed out'
+        time.sleep(poll)
+
+
+def _finished(folder):
+    return sorted(f for f in os.listdir(folder) if f.endswith('.arrow') and not f.startswith('.')) if folder.is_dir() else []
+
+
+@pytest.mark.skipif(not Path('/proc/self/stat').exists(), reason='needs Linux /proc')
+@pytest.mark.parametrize('sig', [signal.SIGKILL, signal.SIGINT])
+def test_a_killed_run_keeps_what_it_finished(corpus, tmp_path, sig):
+    """A real run killed (SIGKILL) or interrupted (Ctrl-C's SIGINT) after 2 of its 5 shards: those are recorded as they
+    finished, the rerun does only the rest, and the result is byte for byte a clean run's. Ctrl-C exits 130 with one line."""
+    out = tmp_path / 'out'
+    args = ['--data-dir', corpus / 'src', '--out', out, '--dataset', 'web', '--tokenizer-dir', corpus / 'tok', '-w', '1', '--no-progress']
+    proc = subprocess.Popen([CLI, 'tokenize', *map(str, args)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    recs = out / 'meta' / '.records' / 'web'
+    _until(lambda: proc.poll() is not None or (recs.is_dir() and len([f for f in os.listdir(recs) if f.endswith('.json')]) >= 2))
+    at_kill = _finished(out / 'web')
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=60)
+    assert len(at_kill) < 5, 'the shards were recorded only once all were done'
+    kept = sorted(f for f in os.listdir(recs) if f.endswith('.json'))   # (a SIGKILL may leave a half-written one's temp file)
+    assert 2 <= len(kept) < 5 and kept == [f'{n}.json' for n in NAMES[:len(kept)]]
+    if sig == signal.SIGINT:
+        assert proc.returncode == 130 and err == (f"nanochat-dl tokenize: interrupted: {len(kept)} of 5 shards are finished and kept "
+                                                  "(a rerun skips them), partial files removed; run it again to do the rest\n"), err
+        assert _finished(out / 'web') == sorted(os.listdir(out / 'web'))      # no temp file left
+    else: assert proc.returncode == -signal.SIGKILL
+    r = _cli(*args)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines()[0].endswith(f": {5 - len(kept)} to do, {len(kept)} finished before"), r.stdout
+    _same_as_reference(out, corpus)
+
+
+def _big_shard(path, docs=12_000):
+    "A shard of one row group that takes one worker many seconds (it says nothing on its pipe until the row group is done)."
+    text = ' '.join(f'word{i} and some more text' for i in range(150))
+    pq.write_table(pa.table({'text': [f'{g} {text}' for g in range(docs)]}), path, row_group_size=docs)
+
+
+@pytest.mark.skipif(not Path('/proc/self/stat').exists(), reason='needs Linux /proc')
+def test_workers_stop_when_the_command_is_killed(corpus, tmp_path):
+    "kill -9 of the command in the middle of a long shard: its worker does not work on as an orphan."
+    (tmp_path / 'src').mkdir(); _big_shard(tmp_path / 'src' / 'shard_00000.parquet')
+    proc = subprocess.Popen([CLI, 'tokenize', '--data-dir', str(tmp_path / 'src'), '--out', str(tmp_path / 'out'), '--dataset', 'web',
+                             '--tokenizer-dir', str(corpus / 'tok'), '-w', '1', '--no-progress'], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    web = tmp_path / 'out' / 'web'
+    _until(lambda: proc.poll() is not None or (web.is_dir() and any(f.startswith('.') and f.endswith('.tmp') for f in os.listdir(web))))
+    workers = _children('_serve_tokenize', proc.pid)
+    assert proc.poll() is None and len(workers) == 1, workers
+    proc.kill(); proc.wait()
+    end = time.monotonic() + 3
+    while any(map(_alive, workers)) and time.monotonic() < end: time.sleep(0.05)
+    alive = [w for w in workers if _alive(w)]
+    for w in alive: os.kill(w, signal.SIGKILL)
+    assert not alive, 'the worker worked on after its parent was killed'
+    assert not (web / 'shard_00000.arrow').exists()
+
+
+@pytest.mark.skipif(not Path('/proc/self/stat').exists(), reason='needs Linux /proc')
+def test_a_second_run_into_the_same_dataset_waits_then_exits_2(corpus, tmp_path, capsys, monkeypatch):
+    "A second `tokenize` of the dataset another one is writing waits (here 0.5 s), then exits 2 naming the first's pid, leaving its work alone."
+    import nanochat_dl.core as core
+    monkeypatch.setattr(core, 'LOCK_WAIT_S', 0.5)
+    out = tmp_path / 'out'
+    args = ['--data-dir', corpus / 'src', '--out', out, '--dataset', 'web', '--tokenizer-dir', corpus / 'tok', '-w', '1', '--no-progress']
+    first = subprocess.Popen([CLI, 'tokenize', *map(str, args)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        web = out / 'web'
+        _until(lambda: first.poll() is not None or (web.is_dir() and any(f.endswith('.tmp') for f in os.listdir(web))))
+        assert main(['tokenize', *map(str, args)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"nanochat-dl tokenize: error: another `tokenize` of dataset 'web' (rank 0) into {out} is running: ") \
+            and f"(pid {first.pid}, which holds " in err and err.count('\n') == 1, err
+        assert first.poll() is None, 'the first run ended before the second gave up: make it slower'
+        o, e = first.communicate(timeout=240)
+    finally:
+        if first.poll() is None: first.kill()
+    assert first.returncode == 0 and ': 5 to do, 0 finished before' in o, o + e
+    _same_as_reference(out, corpus)
+
+
+def _shards(src, texts):
+    "Shards written byte-stably (no compression, dictionary or statistics), so an edit of one character keeps the size."
+    src.mkdir(exist_ok=True)
+    for i, t in enumerate(texts):
+        pq.write_table(pa.table({'text': t}), src / f'shard_{i:05d}.parquet', compression='none', use_dictionary=False, write_statistics=False)
+
+
+def test_a_source_edited_in_place_at_the_same_size_is_done_again(corpus, tmp_path):
+    "Finished work is keyed on the source shard's content (sha256), not its name and size; a record without that key is redone."
+    from nanochat_dl.arrow import TokenFile
+    tok, kw = Tokenizer.load(corpus / 'tok'), dict(workers=1, progress=False, verbose=False)
+    texts = [['alpha beta gamma', 'delta epsilon'], ['zeta eta theta', 'iota kappa']]
+    _shards(tmp_path / 'src', texts)
+    footer = lambda b: b[-8 - int.from_bytes(b[-8:-4], 'little'):]          # the parquet footer: metadata, its length, PAR1
+    before = (tmp_path / 'src' / 'shard_00001.parquet').read_bytes()
+    tokenize(tmp_path / 'src', tmp_path / 'out', 'web', corpus / 'tok', **kw)
+    texts[1][0] = 'zeta eta thetb'
+    _shards(tmp_path / 'src', texts)
+    after = (tmp_path / 'src' / 'shard_00001.parquet').read_bytes()
+    assert len(after) == len(before) and after != before and footer(after) == footer(before)   # a footer digest would not see it
+    res = tokenize(tmp_path / 'src', tmp_path / 'out', 'web', corpus / 'tok', **kw)
+    assert (res.done, res.skipped) == (['shard_00001.arrow'], ['shard_00000.arrow'])
+    with TokenFile(tmp_path / 'out' / 'web' / 'shard_00001.arrow') as tf:
+        assert [tok.decode(tf.doc(i)) for i in range(len(tf))] == texts[1]
+    m = read_manifest(tmp_path / 'out')
+    assert m['datasets']['web']['files']['shard_00001.arrow']['source']['sha256'] == \
+        hashlib.sha256((tmp_path / 'src' / 'shard_00001.parquet').read_bytes()).hexdigest()
+    for r in m['datasets']['web']['files'].values(): del r['source']['sha256']          # a manifest written before the key
+    (tmp_path / 'out' / 'meta' / 'manifest.json').write_text(json.dumps(m))
+    res = tokenize(tmp_path / 'src', tmp_path / 'out', 'web', corpus / 'tok', **kw)
+    assert (res.done, res.skipped) == (['shard_00000.arrow', 'shard_00001.arrow'], [])
