@@ -399,3 +399,16 @@ def test_edits_of_the_dropins_views_and_states_corrupt_nothing(env, clean_env):
             x.add_(1); y.zero_(); x.resize_(1); scrub(s)
     with dropin(env['tok'], 2, 32, 'train', data_dir=env['toy'], resume_state_dict=json.loads(ref[4][1]), **KW) as dl:
         assert [torch.equal(next(dl)[0], x) for x, _ in ref[4:8]] == [True] * 4
+
+
+# --- 4. one rule for the device ---------------------------------------------------------------------------------------
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason='the rule for a machine without CUDA')
+def test_an_explicit_cuda_without_cuda_is_refused_as_the_loaders_refuse_it(env, clean_env):
+    # issue 19: the drop-in warned and used the CPU, PackedLoader/StreamingLoader/demo raised; now 'auto' falls back, 'cuda' refuses
+    kw = dict(KW, data_dir=env['toy'])
+    for dev in ('cuda', 'cuda:0', torch.device('cuda')):
+        with pytest.raises(RuntimeError, match='CUDA is not available on this machine') as e: dropin(env['tok'], 2, 32, 'train', **dict(kw, device=dev))
+        with pytest.raises(RuntimeError) as p: PackedLoader(env['tok'], 2, 32, 'train', env['toy'], device=dev, tokenizer_threads=1)
+        assert str(e.value) == str(p.value)
+    with dropin(env['tok'], 2, 32, 'train', **dict(kw, device='auto')) as dl: assert next(dl)[0].device.type == 'cpu'
