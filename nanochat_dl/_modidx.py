@@ -321,8 +321,6 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                          'nanochat_dl/dataloader.py'),
                                         'nanochat_dl.dataloader._dropin_data_dir': ( 'dataloader.html#_dropin_data_dir',
                                                                                      'nanochat_dl/dataloader.py'),
-                                        'nanochat_dl.dataloader._dropin_device': ( 'dataloader.html#_dropin_device',
-                                                                                   'nanochat_dl/dataloader.py'),
                                         'nanochat_dl.dataloader._dropin_resume': ( 'dataloader.html#_dropin_resume',
                                                                                    'nanochat_dl/dataloader.py'),
                                         'nanochat_dl.dataloader._exact': ('dataloader.html#_exact', 'nanochat_dl/dataloader.py'),

@@ -138,14 +138,6 @@ def _dropin_resume(loader,  # a `PackedLoader` that has handed out no batch
     return loader.state_dict()
 
 # %% ../nbs/09_dataloader.ipynb #efbb7ad4
-def _dropin_device(device):
-    try: dev = device if isinstance(device, torch.device) else torch.device(device)
-    except (RuntimeError, TypeError, ValueError): return resolve_device(device)   # its error names the value and what is expected
-    if dev.type == 'cuda' and not torch.cuda.is_available():
-        warnings.warn(f"device={device!r} but CUDA is not available: batches stay on the CPU", stacklevel=3)
-        return 'cpu'
-    return device
-
 def tokenizing_distributed_data_loader_with_state_bos_bestfit(
         tokenizer,                  # nanochat's tokenizer (or this package's): `encode`, `get_bos_token_id`; a tiktoken core is driven directly
         B,                          # rows per batch
@@ -153,7 +145,7 @@ def tokenizing_distributed_data_loader_with_state_bos_bestfit(
         split,                      # 'train' or 'val'
         tokenizer_threads=4,        # tokenizer worker processes (at most one per CPU)
         tokenizer_batch_size=128,   # documents per slice of a row group
-        device="cuda",              # where the batches go ('cuda' falls back to the CPU, with a warning, when there is no CUDA)
+        device="cuda",              # where the batches go ('auto': CUDA when present, else the CPU; 'cuda' without CUDA is refused)
         resume_state_dict=None,     # a state this function yielded (resumes at its batch), the list of every rank's, or nanochat's `{pq_idx, rg_idx, epoch}`
         buffer_size=1000,           # documents in the packing buffer
         *, data_dir=None,           # the shards: a folder or a URI (`s3://bucket/prefix`, ...); default: $NANOCHAT_DL_DATA_DIR, else nanochat's folder
@@ -162,7 +154,7 @@ def tokenizing_distributed_data_loader_with_state_bos_bestfit(
     "nanochat's loader by name and signature: yields `(inputs, targets, state_dict)` forever, token for token nanochat's batches; `state_dict` resumes exactly, at its batch."
     data_dir, saved, resume_state_dict = _dropin_data_dir(data_dir), resume_state_dict, None   # resumed below
     loader = PackedLoader(tokenizer, B, T, split, data_dir, tokenizer_threads=tokenizer_threads, tokenizer_batch_size=tokenizer_batch_size,
-                          device=_dropin_device(device), resume_state_dict=resume_state_dict, buffer_size=buffer_size,
+                          device=device, resume_state_dict=resume_state_dict, buffer_size=buffer_size,
                           cache_dir=cache_dir, cache_size=cache_size, views=True)   # nanochat's reused buffers
     try: start = _dropin_resume(loader, saved)
     except BaseException: loader.close(); raise
