@@ -179,3 +179,14 @@ def test_state_dict_from_another_thread_during_next_is_never_stale(env):
     t.join(30)
     assert ld.state_dict()['step'] == b.state['step'] == 2
     ld.close()
+
+
+@pytest.mark.parametrize('loader', ['packed', 'streaming'])
+def test_a_batch_indexes_like_the_triple_it_unpacks_as(env, loader):
+    # issue 19: `x, y, state = batch` worked, `batch[0]` raised TypeError
+    with (packed if loader == 'packed' else streaming)(env) as ld:
+        b = next(ld)
+        x, y, state = b
+        assert len(b) == 3 and b[0] is b.inputs and b[1] is b.targets and b[-3] is b.inputs
+        assert b[2] == state and b[-1] == state and [t is u for t, u in zip(b[:2], (x, y))] == [True, True]
+        with pytest.raises(IndexError): b[3]
