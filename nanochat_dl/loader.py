@@ -24,7 +24,7 @@ from .remote import cache_metrics, pin_copies, unpin_copies
 from .stages import Stage, Doc
 from .packing import (Packer, ReferencePacker, PackedBatch, FlatDocs, STRATEGIES, GUARDED, HELD,
                                  position_ids, cu_seqlens, entered_runs, entered_rows)
-from .transfer import DeviceTransfer, SingleBufferTransfer, resolve_device
+from .transfer import DeviceTransfer, SingleBufferTransfer, TrainingTriple, resolve_device
 from .tokenizer import tokenizer_fingerprint
 from .encode import Request, make_encoder, _check_timeout
 
@@ -687,14 +687,13 @@ def _close_all():
 
 # %% ../nbs/08_loader.ipynb #dbebc2c6
 @dataclass
-class LoaderBatch:
+class LoaderBatch(TrainingTriple):
     "One batch: `inputs`/`targets` `[B, T]` on the device (the caller's own; with `views=True`, valid until `slots` more batches are handed out), the `state` to resume after it, `metrics`, and the host-side `packed` batch with its segments."
     inputs: torch.Tensor
     targets: torch.Tensor
     state: dict
     metrics: dict
     packed: PackedBatch
-    def __iter__(self): return iter((self.inputs, self.targets, self.state))
     @property
     def segments(self) -> list: return self.packed.segments
     def position_ids(self) -> torch.Tensor:

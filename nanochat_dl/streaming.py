@@ -25,7 +25,7 @@ from .stages import Stage, Doc, ShuffleBuffer, check_state, mix64, mix64s
 from pathlib import Path
 from .arrow import TokenRoot, file_sha256
 from .packing import HELD, MAX_WAIT, Packer, FlatDocs, Segment, PackedBatch, position_ids, cu_seqlens, _PackerBase
-from .transfer import DeviceTransfer, resolve_device
+from .transfer import DeviceTransfer, TrainingTriple, resolve_device
 
 # %% ../nbs/13_streaming.ipynb #46e7cf80
 def shard_starts(n_docs:int,       # documents in the dataset (all its files, in order)
@@ -1599,7 +1599,7 @@ def check_checksum(state:dict,       # a state whose fields were checked already
                          f"the state was changed after the loader handed it out, and exact resume needs it as it was")
 
 # %% ../nbs/13_streaming.ipynb #b1e5d7d5
-class StreamBatch:
+class StreamBatch(TrainingTriple):
     "One batch: `inputs`/`targets` `[B, seq_len]` on the device (the caller's own; with `views=True`, valid until `slots` more batches are handed out), per-row document `segments`, `metrics`, and the `state` to resume after it."
     def __init__(self, inputs, targets, packed, stream, metrics_fn, state_fn):
         self.inputs, self.targets, self.packed, self._stream = inputs, targets, packed, stream
@@ -1621,7 +1621,6 @@ class StreamBatch:
         "The loader's state after this batch (JSON-able; built on first use from a snapshot taken with the batch)."
         if self._state is None: self._state = self._state_fn()
         return self._state
-    def __iter__(self): return iter((self.inputs, self.targets, self.state))
     def position_ids(self) -> torch.Tensor:
         "int64 `[B, seq_len]` on the device: each token's position in its unit (a document's bos is 0; a row that starts inside a unit starts at 0)."
         return torch.from_numpy(position_ids(self.packed)).to(self.inputs.device)
