@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['LOCK_FILE', 'LOCK_WAIT_S', 'DistInfo', 'get_dist_info', 'get_base_dir', 'get_data_dir', 'get_tokenizer_dir',
            'get_nanochat_data_dir', 'atomic_write', 'check_int', 'file_in_the_way', 'human_bytes', 'usable_folder',
-           'file_kind', 'open_lock_file', 'folder_lock']
+           'file_kind', 'open_lock_file', 'folder_lock', 'check_regular']
 
 # %% ../nbs/00_core.ipynb #4db050d3
 import os
@@ -219,4 +219,18 @@ def folder_lock(path,                        # an existing folder
     try: yield took
     finally:
         if not unlocked: _release(key)
+
+
+# %% ../nbs/00_core.ipynb #a1c0f005
+def check_regular(path,               # a file to read data from
+                  what='a data file', # what it should be, as the error says it
+                 ) -> os.stat_result:
+    "`os.stat` of `path` (through a symlink) if it is a regular file; else a `ValueError` naming it and what it is: a FIFO, socket or device is never opened, so never waited on."
+    try: st = os.stat(path)
+    except FileNotFoundError:
+        if not os.path.islink(path): raise
+        raise ValueError(f"{path} is a broken symbolic link (to {os.readlink(path)}): expected {what}") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise ValueError(f"{path} is {file_kind(st.st_mode)}: expected {what} (a regular file, or a symbolic link to one)")
+    return st
 

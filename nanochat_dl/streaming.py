@@ -1503,7 +1503,7 @@ def stream_config(root, seq_len, *,   # the settings of `StreamingLoader`, docum
     if cfg['pad_token'] is None and pack != 'concat': raise ValueError(f"pack={pack!r} pads rows: pad_token must be a token id, not None")
     if tokenizer is not None and not isinstance(tokenizer, str): raise ValueError(f"tokenizer={tokenizer!r} is invalid: expected None or a string (a name or digest)")
     names = None if datasets is None else [datasets] if isinstance(datasets, str) else list(datasets)
-    if not isinstance(root, TokenRoot): root = TokenRoot(root, names, max_open=1 << 30 if max_open is None else max_open, cache_dir=cache_dir, cache_size=cache_size)   # default: keep what we read mapped
+    if not isinstance(root, TokenRoot): root = TokenRoot(root, names, max_open=max_open, cache_dir=cache_dir, cache_size=cache_size)   # default: from the open-file limit
     elif names is not None and [d for d in names if d not in root.datasets]:
         raise ValueError(f"unknown dataset(s) {[d for d in names if d not in root.datasets]} in {root.root}: expected some of {root.datasets}")
     cfg['datasets'] = list(root.datasets) if names is None else names
@@ -1631,7 +1631,7 @@ class StreamingLoader:
                  slots:int=2,               # `DeviceTransfer`'s staging buffers (`views=True`: its reused outputs too)
                  copy:bool=False,           # kept for compatibility: True asks for owned tensors, now the default
                  views:bool=False,          # hand out views of `slots` reused buffers (no allocation per batch)
-                 max_open=None,             # token files kept mapped (default: all that are read)
+                 max_open=None,             # token files kept mapped (default: `default_max_open()`, from the open-file limit)
                  cache_dir=None,            # a URI root's local copies (default: one folder per root under the base dir)
                  cache_size=None):          # bytes those copies may take (None: no cap)
         self._thread, self._closed = None, True
@@ -1793,7 +1793,7 @@ class StreamingDataset(torch.utils.data.IterableDataset):
         if bad: raise TypeError(f"StreamingDataset takes no {bad}: the DataLoader batches the rows and moves them")
         r, self.config, self.fingerprint = stream_config(root, seq_len, **kwargs)
         mo = kwargs.get('max_open')                                   # workers open the root again, as it was opened here
-        self.root_path, self._open_kw = str(r.root), dict(r.open_args(), max_open=1 << 30 if mo is None else mo)
+        self.root_path, self._open_kw = str(r.root), dict(r.open_args(), max_open=mo)
         if r is not root: r.close()                                   # ours, only for the checks: nothing fetched ahead here
         self._stream, self._built, self._pending, self.run = None, None, None, run_id(self.config, self.fingerprint)
 
