@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['LOCK_FILE', 'LOCK_WAIT_S', 'DistInfo', 'get_dist_info', 'get_base_dir', 'get_data_dir', 'get_tokenizer_dir',
            'get_nanochat_data_dir', 'atomic_write', 'check_int', 'file_in_the_way', 'human_bytes', 'usable_folder',
-           'file_kind', 'open_lock_file', 'folder_lock', 'check_regular']
+           'file_kind', 'open_lock_file', 'folder_lock', 'check_regular', 'on_drop']
 
 # %% ../nbs/00_core.ipynb #4db050d3
 import os
@@ -233,4 +233,25 @@ def check_regular(path,               # a file to read data from
     if not stat.S_ISREG(st.st_mode):
         raise ValueError(f"{path} is {file_kind(st.st_mode)}: expected {what} (a regular file, or a symbolic link to one)")
     return st
+
+
+# %% ../nbs/00_core.ipynb #a1c0f007
+import weakref
+
+_WARNED_DROPS = set()   # the kinds of object already warned about in this process
+
+def _dropped(name, release, *args):
+    if release(*args) and name not in _WARNED_DROPS:
+        _WARNED_DROPS.add(name)
+        warnings.warn(f"a {name} was dropped without close(): its files were released when it was collected; "
+                      f"use `with {name}(...) as ...:` or call close() (said once per process)", ResourceWarning, stacklevel=2)
+
+def on_drop(obj,       # the object (a loader) that holds files
+            release,   # called with `args` when `obj` is collected unclosed; returns True if it let go of something
+            *args,     # what `release` needs: never `obj` itself (that would keep it alive)
+           ) -> weakref.finalize:
+    "A finalizer that releases what `obj` holds the moment it is collected without `close()`, and warns once per process that `close()` was forgotten; `close()` calls `.detach()` on it first. Never run at interpreter exit."
+    f = weakref.finalize(obj, _dropped, type(obj).__name__, release, *args)
+    f.atexit = False
+    return f
 

@@ -15,11 +15,12 @@ import bisect, hashlib, json, math, os, queue, threading, time, weakref, zlib
 from collections import Counter, defaultdict, deque
 from itertools import repeat
 from operator import itemgetter
+from types import SimpleNamespace
 from typing import NamedTuple
 import numpy as np
 import torch
 from fastcore.basics import patch
-from .core import check_int, get_dist_info
+from .core import check_int, get_dist_info, on_drop
 from .stages import Stage, Doc, ShuffleBuffer, check_state, mix64, mix64s
 from pathlib import Path
 from .arrow import TokenRoot, tail_sha256
@@ -1652,7 +1653,8 @@ class StreamingLoader:
         self.transfer = DeviceTransfer(self.B, c['seq_len'], self.device, slots, copy, views=views)
         self._snap, self._state, self._started, self._yielded, self._error, self._last = self.stream.snapshot(), None, False, 0, None, None
         self._next_lock = threading.RLock()
-        self._closed = False
+        self._closed, self._stoppers = False, []
+        self._drop = on_drop(self, _release_loader, self.root, self._stoppers)   # dropped unclosed: files released at once
 
     def _full_state(self, snap) -> dict:
         st = self.stream.state_of(snap)
@@ -1703,6 +1705,12 @@ def _start(self:StreamingLoader):
         self._thread = threading.Thread(target=_produce_loop, args=(self.stream, self.B, self._q, stop), name='nanochat_dl-stream', daemon=True)
         self._thread.start()
         self._finalizer = weakref.finalize(self, _stop, self._thread, stop)
+        self._stoppers.append((self._thread, stop))
+
+def _release_loader(root, stoppers) -> bool:
+    "What a `StreamingLoader` dropped without `close()` holds, released: its thread stopped, its files unmapped."
+    for thread, stop in stoppers: _stop(thread, stop)
+    root.close(); return True
 
 @patch
 def __next__(self:StreamingLoader) -> StreamBatch:
@@ -1724,8 +1732,10 @@ def _next(self:StreamingLoader) -> StreamBatch:
     t2 = time.perf_counter()
     self._yielded += 1
     self._snap, self._state, n, cs = snap, None, self._yielded, self.root.cache_stats()
-    self._last = StreamBatch(x, y, packed, self.stream, lambda: self._metrics(packed, snap, produce_s, t1 - t0, t2 - t1, t2, n, cs),
-                             lambda: self._full_state(snap))
+    me = SimpleNamespace(stream=self.stream, run=self.run, B=self.B, fingerprint=self.fingerprint, config=self.config,
+                         _t_first=self._t_first)   # what the batch needs of the loader, not the loader: no cycle through `_last`
+    self._last = StreamBatch(x, y, packed, self.stream, lambda: StreamingLoader._metrics(me, packed, snap, produce_s, t1 - t0, t2 - t1, t2, n, cs),
+                             lambda: StreamingLoader._full_state(me, snap))
     return self._last
 
 @patch(as_prop=True)
@@ -1754,6 +1764,7 @@ def close(self:StreamingLoader):
     "Stop the background thread and unmap the files. Idempotent."
     if self._closed: return
     self._closed = True
+    self._drop.detach()
     if self._thread is not None: self._finalizer()
     self.root.close()
 
@@ -1798,6 +1809,7 @@ class StreamingDataset(torch.utils.data.IterableDataset):
         self.root_path, self._open_kw = str(r.root), dict(r.open_args(), max_open=mo)
         if r is not root: r.close()                                   # ours, only for the checks: nothing fetched ahead here
         self._stream, self._built, self._pending, self.run = None, None, None, run_id(self.config, self.fingerprint)
+        self._box, self._drop = [None], None          # the stream built here, for `close()` and for a drop without it
 
     def _ensure(self) -> TokenStream:
         "This worker's stream: built in the process that iterates (one inherited from a parent is not used: its cache's downloads are the parent's), from the state loaded, if any."
@@ -1815,6 +1827,8 @@ class StreamingDataset(torch.utils.data.IterableDataset):
                 s.load_state(st)
                 self.run = st.get('run', self.run)     # the state stays: a worker started later starts from it too
             self._stream, self._built = s, (os.getpid(), w, nw)
+            _close_box(self._box); self._box[0] = s       # a stream built before (another worker's split, a state loaded): unmapped
+            if self._drop is None: self._drop = on_drop(self, _close_box, self._box)
             s.fetch_ahead()
         return self._stream
 
@@ -1849,4 +1863,23 @@ class StreamingDataset(torch.utils.data.IterableDataset):
         return World(states, root, self.config, self.fingerprint)
 
     def __getstate__(self):
-        return dict(self.__dict__, _stream=None)    # mapped files stay in the process that opened them
+        return dict(self.__dict__, _stream=None, _box=[None], _drop=None)   # mapped files stay in the process that opened them
+
+# %% ../nbs/13_streaming.ipynb #9197999f
+def _close_box(box) -> bool:
+    "Unmap the files of the stream in `box` (a one-item list), if any; True if there was one."
+    s, box[0] = box[0], None
+    if s is None: return False
+    s.root.close(); return True
+
+@patch
+def close(self:StreamingDataset):
+    "Unmap the files this process's stream holds (a later iteration opens them again). Idempotent."
+    if self._drop is not None: self._drop.detach(); self._drop = None
+    _close_box(self._box); self._stream = self._built = None
+
+@patch
+def __enter__(self:StreamingDataset): return self
+@patch
+def __exit__(self:StreamingDataset, *exc): self.close()
+
