@@ -218,3 +218,15 @@ def make():
     out = run_py(DROP.format(make=make), timeout=300)
     base, after, warned = map(int, out.stdout.split())
     assert after <= base + 2 and warned == 1, (out.stdout, out.stderr[-2000:])
+
+
+def test_a_fifo_named_parquet_in_a_shard_folder_is_refused_by_name(tmp_path):
+    "The text half too: a FIFO named like a shard is refused naming it, never opened (which waits for a writer for ever)."
+    from nanochat_dl.testing import write_toy_shards
+    write_toy_shards(tmp_path/'data', [[20, 20], [20, 20], [20]])
+    os.mkfifo(tmp_path/'data'/'shard_00001x.parquet')
+    probe = ("import sys; from nanochat_dl.shards import split_shards\n"
+             "try: split_shards('train', sys.argv[1]); print('listed')\nexcept ValueError as e: print(e)")
+    try: out = run_py(probe, tmp_path/'data', timeout=60).stdout
+    except subprocess.TimeoutExpired: pytest.fail('a FIFO named *.parquet hung the shard listing')
+    assert f"{tmp_path/'data'/'shard_00001x.parquet'} is a FIFO" in out, out
