@@ -230,3 +230,13 @@ def test_a_fifo_named_parquet_in_a_shard_folder_is_refused_by_name(tmp_path):
     try: out = run_py(probe, tmp_path/'data', timeout=60).stdout
     except subprocess.TimeoutExpired: pytest.fail('a FIFO named *.parquet hung the shard listing')
     assert f"{tmp_path/'data'/'shard_00001x.parquet'} is a FIFO" in out, out
+
+
+def test_a_fifo_as_the_manifest_is_refused_by_name(tmp_path):
+    root = small_root(tmp_path/'root')
+    os.mkfifo(root/'meta'/'manifest.json')
+    probe = ("import sys; from nanochat_dl.arrow import TokenRoot\n"
+             "try: TokenRoot(sys.argv[1]); print('opened')\nexcept ValueError as e: print(e)")
+    try: out = run_py(probe, root, timeout=20).stdout
+    except subprocess.TimeoutExpired: pytest.fail('TokenRoot hung on a FIFO named manifest.json')
+    assert f"{root/'meta'/'manifest.json'} is a FIFO" in out, out
