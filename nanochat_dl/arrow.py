@@ -324,7 +324,7 @@ def read_manifest(root,   # the token root
                   ) -> dict:
     "ROOT/meta/manifest.json as a dict, its structure checked; None if there is none."
     p = Path(root)/META/MANIFEST
-    try: raw = p.read_bytes()
+    try: check_regular(p, 'a manifest'); raw = p.read_bytes()
     except FileNotFoundError: return None
     return _parse_manifest(raw, p)
 
