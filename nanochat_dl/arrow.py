@@ -124,13 +124,13 @@ def write_token_file(path,            # where the file goes (its folder is creat
 import errno
 
 def _os_error(path, e) -> OSError:
-    "An OS error met reading `path`, said as one (never as bad data), with what to do where the process is out of descriptors."
+    "An OS error met reading `path`, raised as one (never as bad data), with a hint where descriptors ran out."
     hint = ('; raise the open-file limit (`ulimit -n`) or keep fewer token files mapped (`max_open`)'
             if e.errno in (errno.EMFILE, errno.ENFILE) else '')
     return OSError(e.errno, f"{path}: cannot map it: {os.strerror(e.errno)}{hint}")
 
 def _open_ipc(path, column):
-    "`(memory map, IPC file reader)` of token file `path`: a non-regular file refused unopened, an OS error raised as one, bad bytes as a `ValueError`."
+    "`(memory map, IPC reader)` of token file `path`; a non-regular file or bad bytes: `ValueError`; OS errors: `OSError`."
     try: check_regular(path, 'a token file')
     except FileNotFoundError: raise FileNotFoundError(f"token file {path} does not exist") from None
     try: m = pa.memory_map(str(path))
@@ -140,7 +140,8 @@ def _open_ipc(path, column):
     except (pa.ArrowException, OSError) as e:
         m.close()
         if isinstance(e, OSError) and e.errno: raise _os_error(path, e) from None
-        raise ValueError(f"{path}: not an Arrow IPC file ({e}); expected one record batch per document with a column {column!r}") from None
+        raise ValueError(f"{path}: not an Arrow IPC file ({e}); expected one record batch per document "
+                         f"with a column {column!r}") from None
 
 
 # %% ../nbs/12_arrow.ipynb #fee9f4e1
@@ -238,8 +239,8 @@ def _counts_rows(p, shown=None):   # shown: the name errors use (default: `p`)
     raw, nl = Path(p).read_bytes(), b'\n'
     try: text = raw.decode('utf-8')
     except UnicodeDecodeError as e:
-        raise ValueError(f"{shown or p}, line {raw.count(nl, 0, e.start) + 1}: not UTF-8 text (byte {raw[e.start]:#04x}): "
-                         "expected a counts file in UTF-8") from None
+        raise ValueError(f"{shown or p}, line {raw.count(nl, 0, e.start) + 1}: not UTF-8 text "
+                         f"(byte {raw[e.start]:#04x}): expected a counts file in UTF-8") from None
     rd = csv.DictReader(io.StringIO(text, newline=''))
     if rd.fieldnames is None or not set(COUNTS_HEADER) <= set(rd.fieldnames):
         raise ValueError(f"{shown or p}: header {rd.fieldnames}, expected {','.join(COUNTS_HEADER)}")
@@ -438,10 +439,10 @@ import resource
 
 MAX_OPEN_CAP = 4096   # the most token files a root keeps mapped by default, however high the open-file limit
 
-def default_max_open(share:int=4,      # the part of the open-file limit one root may take (loaders, sockets, workers share it)
+def default_max_open(share:int=4,      # the part of the open-file limit one root may take
                      headroom:int=64,  # descriptors left to everything else first
                     ) -> int:
-    "Token files a `TokenRoot` keeps mapped by default: a `share`-th of the process's open-file limit (`RLIMIT_NOFILE`) after `headroom`, from 8 to `MAX_OPEN_CAP`."
+    "Token files a `TokenRoot` keeps mapped by default: `1/share` of `RLIMIT_NOFILE` after `headroom`, 8 to `MAX_OPEN_CAP`."
     soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
     if soft == resource.RLIM_INFINITY or soft < 0: return MAX_OPEN_CAP
     return max(8, min(MAX_OPEN_CAP, (soft - headroom) // share))
@@ -453,7 +454,7 @@ class TokenRoot:
     def __init__(self, root,             # the folder holding one folder per dataset (and `meta/`)
                  datasets=None,          # dataset names to use (default: every dataset folder)
                  column=TOKENS,          # the token column
-                 max_open:int|None=None, # token files kept mapped (None: `default_max_open()`, from the open-file limit)
+                 max_open:int|None=None, # token files kept mapped (None: `default_max_open()`)
                  tokenizer=None,         # a tokenizer or its fingerprint: refused unless the manifest records the same one
                  verify='quick',         # files against the manifest: 'quick' (size, tail hash), 'full' (sha256), 'off'
                  cache_dir=None,         # a URI root's local copies (default: one folder per root under the base dir)

@@ -172,8 +172,8 @@ def _busy(d, lock, fd, wait_s):
     return ValueError(f"{d} is being written by another process (pid {pid}, which holds {lock}); waited {wait_s:g} s "
                       "for it: let it finish, or use another folder")
 
-_KINDS = ((stat.S_ISDIR, 'a folder'), (stat.S_ISFIFO, 'a FIFO'), (stat.S_ISSOCK, 'a socket'), (stat.S_ISCHR, 'a device'),
-          (stat.S_ISBLK, 'a device'), (stat.S_ISLNK, 'a symbolic link'))
+_KINDS = ((stat.S_ISDIR, 'a folder'), (stat.S_ISFIFO, 'a FIFO'), (stat.S_ISSOCK, 'a socket'),
+          (stat.S_ISCHR, 'a device'), (stat.S_ISBLK, 'a device'), (stat.S_ISLNK, 'a symbolic link'))
 
 def file_kind(mode) -> str:
     "What a file of `st_mode` `mode` is, in words: 'a FIFO', 'a socket', 'a folder', ..."
@@ -183,7 +183,7 @@ def file_kind(mode) -> str:
 # %% ../nbs/00_core.ipynb #a1c0f00a
 def open_lock_file(lock,  # the lock file's path: created if missing, never followed if a link
                   ) -> int:
-    "A read-write descriptor of lock file `lock`, never through a symlink and never of a file linked elsewhere too; a `ValueError` naming it otherwise."
+    "A read-write descriptor of lock file `lock`: never through a symlink, a hard link or a FIFO (a `ValueError` names it)."
     why = ': remove it (anyone who can write to the folder could have planted it), then run again'
     try: fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o666)
     except OSError as e:
@@ -225,13 +225,14 @@ def folder_lock(path,                        # an existing folder
 def check_regular(path,               # a file to read data from
                   what='a data file', # what it should be, as the error says it
                  ) -> os.stat_result:
-    "`os.stat` of `path` (through a symlink) if it is a regular file; else a `ValueError` naming it and what it is: a FIFO, socket or device is never opened, so never waited on."
+    "`os.stat` of `path` (through a symlink) if it is a regular file, else a `ValueError` naming it and what it is."
     try: st = os.stat(path)
     except FileNotFoundError:
         if not os.path.islink(path): raise
         raise ValueError(f"{path} is a broken symbolic link (to {os.readlink(path)}): expected {what}") from None
     if not stat.S_ISREG(st.st_mode):
-        raise ValueError(f"{path} is {file_kind(st.st_mode)}: expected {what} (a regular file, or a symbolic link to one)")
+        raise ValueError(f"{path} is {file_kind(st.st_mode)}: expected {what} "
+                         "(a regular file, or a symbolic link to one)")
     return st
 
 
@@ -244,13 +245,13 @@ def _dropped(name, release, *args):
     if release(*args) and name not in _WARNED_DROPS:
         _WARNED_DROPS.add(name)
         warnings.warn(f"a {name} was dropped without close(): its files were released when it was collected; "
-                      f"use `with {name}(...) as ...:` or call close() (said once per process)", ResourceWarning, stacklevel=2)
+                      f"use `with {name}(...) as ...:` or call close() (said once per process)", ResourceWarning)
 
 def on_drop(obj,       # the object (a loader) that holds files
             release,   # called with `args` when `obj` is collected unclosed; returns True if it let go of something
             *args,     # what `release` needs: never `obj` itself (that would keep it alive)
            ) -> weakref.finalize:
-    "A finalizer that releases what `obj` holds the moment it is collected without `close()`, and warns once per process that `close()` was forgotten; `close()` calls `.detach()` on it first. Never run at interpreter exit."
+    "A finalizer (not run at exit) that releases what `obj` holds when it is collected unclosed, and warns once per process."
     f = weakref.finalize(obj, _dropped, type(obj).__name__, release, *args)
     f.atexit = False
     return f

@@ -56,7 +56,7 @@ DEFAULT_PRESET = 'fineweb-edu-100b'
 # %% ../nbs/01_dataset.ipynb #ed369646
 def list_parquet_files(data_dir=None,  # the shard folder (default: `get_data_dir()`)
                       ) -> list[Path]:
-    "Sorted paths of the complete `.parquet` files in `data_dir` (default: `get_data_dir()`); one that is no regular file (a FIFO, say) is refused by name."
+    "Sorted paths of the complete `.parquet` files in `data_dir` (default: `get_data_dir()`); a non-regular one is refused."
     d = get_data_dir(data_dir)
     if not d.is_dir(): return []
     out = sorted(d/f for f in os.listdir(d) if f.endswith('.parquet') and not f.startswith('.'))

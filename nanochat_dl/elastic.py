@@ -21,18 +21,20 @@ from .streaming import (FORMAT, FastTokenStream, TokenStream, owned_shards, shar
 
 # %% ../nbs/15_elastic.ipynb #e1000002
 def unit_states(states,            # every rank's state: a loader's, a worker's, or a `StatefulDataLoader`'s
-                paths:bool=False,  # also say where each came from: `(path, state)` pairs
+                paths:bool=False,  # `(path, state)` pairs, the path as `states[0]['_snapshot'][...]['dataset_state']`
                ) -> list:
-    "The state of every unit of work in `states`: a loader's or a worker's state as it is; a `StatefulDataLoader`'s state as its workers' states. With `paths`, each with where it is in `states` (`states[0]['_snapshot']['_worker_snapshots']['worker_1']['dataset_state']`), for messages."
+    "The state of every unit of work in `states`: a loader's or a worker's as it is, a `StatefulDataLoader`'s as its workers'."
     if not isinstance(states, (list, tuple)): raise TypeError(f"states is {type(states).__name__}: expected a list of every rank's state")
     out = []
     for j, s in enumerate(states):
         if not isinstance(s, dict): raise TypeError(f"states[{j}] is {type(s).__name__}: expected a dict from state_dict()")
         if 'format' in s: out.append((f"states[{j}]", s))
         elif isinstance(s.get('_snapshot'), dict):                  # a StatefulDataLoader with workers: one state per worker
-            ws, at = _field(s['_snapshot'], '_worker_snapshots', dict, f"states[{j}]['_snapshot']"), f"states[{j}]['_snapshot']['_worker_snapshots']"
+            at = f"states[{j}]['_snapshot']['_worker_snapshots']"
+            ws = _field(s['_snapshot'], '_worker_snapshots', dict, f"states[{j}]['_snapshot']")
             out += [(f"{at}[{k!r}]['dataset_state']", _field(w, 'dataset_state', dict, f"{at}[{k!r}]")) for k, w in ws.items()]
-        elif 'dataset_state' in s: out.append((f"states[{j}]['dataset_state']", _field(s, 'dataset_state', dict, f"states[{j}]")))   # no workers
+        elif 'dataset_state' in s:                                   # one without workers
+            out.append((f"states[{j}]['dataset_state']", _field(s, 'dataset_state', dict, f"states[{j}]")))
         else: raise ValueError(f"states[{j}] has no 'format' (its keys: {sorted(s)[:8]}): expected a state from state_dict() (a loader's, a dataset's or a StatefulDataLoader's)")
     return out if paths else [s for _, s in out]
 
@@ -110,7 +112,7 @@ def _units(self:World, states):
 # %% ../nbs/15_elastic.ipynb #e1000005
 @patch
 def _where(self:World, u, *keys) -> str:
-    "A field of unit `u`'s state, named where the caller passed it: `states[j]['datasets'][...]`, or inside a `StatefulDataLoader`'s state."
+    "A field of unit `u`'s state, named where the caller passed it: `states[j]['datasets'][...]`."
     return self.at[self.index[u]] + ''.join(f"[{k!r}]" for k in keys)
 
 @patch

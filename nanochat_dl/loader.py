@@ -790,7 +790,7 @@ class PackedLoader(Stage):
         self._q, self._stop = queue.Queue(maxsize=max(1, self.prefetch)), threading.Event()
         self._closed = False
         self._finalizer = weakref.finalize(self, _shutdown, self.transfer, encoder, self._threads, self._q, self._stop)
-        self._drop = on_drop(self, lambda f: f() or True, self._finalizer)   # dropped unclosed: released at once, and said once
+        self._drop = on_drop(self, lambda f: f() or True, self._finalizer)   # dropped unclosed: released now, said once
         self._t_first, self._yielded, self.last_metrics = None, 0, None
 
     def __repr__(self):

@@ -257,7 +257,7 @@ class _Flock:
 
 def _try_remove(path) -> bool:
     "Unlink `path` unless someone holds a lock on it (a reader's pin, a live writer's temp); True if it is gone."
-    try: fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)   # a FIFO is not waited on; a link is removed itself
+    try: fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)   # never waits on a FIFO; a link: removed
     except FileNotFoundError: return True
     except OSError:
         if not os.path.islink(path): raise

@@ -1632,7 +1632,7 @@ class StreamingLoader:
                  slots:int=2,               # `DeviceTransfer`'s staging buffers (`views=True`: its reused outputs too)
                  copy:bool=False,           # kept for compatibility: True asks for owned tensors, now the default
                  views:bool=False,          # hand out views of `slots` reused buffers (no allocation per batch)
-                 max_open=None,             # token files kept mapped (default: `default_max_open()`, from the open-file limit)
+                 max_open=None,             # token files kept mapped (default: `default_max_open()`)
                  cache_dir=None,            # a URI root's local copies (default: one folder per root under the base dir)
                  cache_size=None):          # bytes those copies may take (None: no cap)
         self._thread, self._closed = None, True
@@ -1734,8 +1734,8 @@ def _next(self:StreamingLoader) -> StreamBatch:
     self._snap, self._state, n, cs = snap, None, self._yielded, self.root.cache_stats()
     me = SimpleNamespace(stream=self.stream, run=self.run, B=self.B, fingerprint=self.fingerprint, config=self.config,
                          _t_first=self._t_first)   # what the batch needs of the loader, not the loader: no cycle through `_last`
-    self._last = StreamBatch(x, y, packed, self.stream, lambda: StreamingLoader._metrics(me, packed, snap, produce_s, t1 - t0, t2 - t1, t2, n, cs),
-                             lambda: StreamingLoader._full_state(me, snap))
+    metrics = lambda: StreamingLoader._metrics(me, packed, snap, produce_s, t1 - t0, t2 - t1, t2, n, cs)
+    self._last = StreamBatch(x, y, packed, self.stream, metrics, lambda: StreamingLoader._full_state(me, snap))
     return self._last
 
 @patch(as_prop=True)
@@ -1788,7 +1788,7 @@ def open_epochs(state,   # a `StreamingLoader` state (or a `StreamingDataset` wo
     runs = lambda rle: [v for v, c in rle for _ in range(c)]
     out = {}
     for d, s in state['datasets'].items():
-        if not state['config']['weights'][state['config']['datasets'].index(d)]: out[d] = math.inf; continue   # never drawn
+        if not state['config']['weights'][state['config']['datasets'].index(d)]: out[d] = math.inf; continue   # not read
         starts = shard_starts(state['fingerprint']['data'][d]['docs'], state['config']['n_logical_shards'])
         owned = [j for a, b in s['shards'] for j in range(a, b)]
         eps = [e for j, e in zip(owned, runs(s['epoch'])) if starts[j + 1] > starts[j]]
@@ -1827,7 +1827,7 @@ class StreamingDataset(torch.utils.data.IterableDataset):
                 s.load_state(st)
                 self.run = st.get('run', self.run)     # the state stays: a worker started later starts from it too
             self._stream, self._built = s, (os.getpid(), w, nw)
-            _close_box(self._box); self._box[0] = s       # a stream built before (another worker's split, a state loaded): unmapped
+            _close_box(self._box); self._box[0] = s       # a stream built before (a state loaded since): unmapped
             if self._drop is None: self._drop = on_drop(self, _close_box, self._box)
             s.fetch_ahead()
         return self._stream
@@ -1863,7 +1863,7 @@ class StreamingDataset(torch.utils.data.IterableDataset):
         return World(states, root, self.config, self.fingerprint)
 
     def __getstate__(self):
-        return dict(self.__dict__, _stream=None, _box=[None], _drop=None)   # mapped files stay in the process that opened them
+        return dict(self.__dict__, _stream=None, _box=[None], _drop=None)   # maps stay in the process that made them
 
 # %% ../nbs/13_streaming.ipynb #9197999f
 def _close_box(box) -> bool:
