@@ -6,10 +6,11 @@ documents as numpy views, and `nanochat-dl tokenize`, which writes them from par
 
 # %% auto #0
 __all__ = ['TOKENS', 'META', 'COUNTS_FILE', 'COUNTS_HEADER', 'TAIL_BYTES', 'MANIFEST', 'MANIFEST_FORMAT', 'HASHES',
-           'SPLIT_CHOICES', 'FileRecord', 'tail_sha256', 'TokenWriter', 'write_token_file', 'TokenFile', 'FileInfo',
-           'list_datasets', 'dataset_files', 'counts_files', 'read_counts', 'write_counts', 'update_counts',
+           'MAX_OPEN_CAP', 'SPLIT_CHOICES', 'FileRecord', 'tail_sha256', 'TokenWriter', 'write_token_file', 'TokenFile',
+           'FileInfo', 'list_datasets', 'dataset_files', 'counts_files', 'read_counts', 'write_counts', 'update_counts',
            'tokenizer_record', 'read_manifest', 'update_manifest', 'sha256_of_file', 'file_record', 'file_sha256',
-           'verify_dataset', 'TokenRoot', 'tokenize_shard', 'TokenizeResult', 'tokenize', 'tokenize_cli']
+           'verify_dataset', 'default_max_open', 'TokenRoot', 'tokenize_shard', 'TokenizeResult', 'tokenize',
+           'tokenize_cli']
 
 # %% ../nbs/12_arrow.ipynb #0782d22d
 import contextlib, csv, hashlib, io, itertools, json, os, queue, shlex, signal, subprocess, sys, tempfile, threading, time
@@ -21,7 +22,7 @@ import numpy as np
 import pyarrow as pa
 from fastcore.basics import patch
 from fastcore.script import call_parse
-from .core import check_int, file_in_the_way, folder_lock, get_base_dir, get_data_dir, get_dist_info, get_tokenizer_dir
+from .core import check_int, check_regular, file_in_the_way, folder_lock, get_base_dir, get_data_dir, get_dist_info, get_tokenizer_dir
 from .dataset import list_parquet_files
 from .shards import split_files, split_shards, _open_shard, _read_group, check_utf8_errors
 from .remote import FileCache, cache_metrics, default_cache_dir, is_local, list_files, open_uri, retry, upload_file
@@ -120,6 +121,30 @@ def write_token_file(path,            # where the file goes (its folder is creat
         for d in docs: w.write(d)
     return w.documents, w.tokens
 
+# %% ../nbs/12_arrow.ipynb #a5ec0001
+import errno
+
+def _os_error(path, e) -> OSError:
+    "An OS error met reading `path`, raised as one (never as bad data), with a hint where descriptors ran out."
+    hint = ('; raise the open-file limit (`ulimit -n`) or keep fewer token files mapped (`max_open`)'
+            if e.errno in (errno.EMFILE, errno.ENFILE) else '')
+    return OSError(e.errno, f"{path}: cannot map it: {os.strerror(e.errno)}{hint}")
+
+def _open_ipc(path, column):
+    "`(memory map, IPC reader)` of token file `path`; a non-regular file or bad bytes: `ValueError`; OS errors: `OSError`."
+    try: check_regular(path, 'a token file')
+    except FileNotFoundError: raise FileNotFoundError(f"token file {path} does not exist") from None
+    try: m = pa.memory_map(str(path))
+    except FileNotFoundError: raise FileNotFoundError(f"token file {path} does not exist") from None
+    except OSError as e: raise (_os_error(path, e) if e.errno else e) from None
+    try: return m, pa.ipc.open_file(m)
+    except (pa.ArrowException, OSError) as e:
+        m.close()
+        if isinstance(e, OSError) and e.errno: raise _os_error(path, e) from None
+        raise ValueError(f"{path}: not an Arrow IPC file ({e}); expected one record batch per document "
+                         f"with a column {column!r}") from None
+
+
 # %% ../nbs/12_arrow.ipynb #fee9f4e1
 _INT_TYPES = {pa.uint32(): np.uint32, pa.int32(): np.int32, pa.uint16(): np.uint16, pa.int64(): np.int64, pa.uint64(): np.uint64}
 
@@ -129,13 +154,7 @@ class TokenFile:
                  column=TOKENS,        # the token column
                  vocab:int|None=None): # ids must be below this (a tokenizer's vocabulary size); None: below 2**32
         self.path, self.vocab = Path(path), vocab
-        try:
-            self._map = pa.memory_map(str(self.path))
-            reader = pa.ipc.open_file(self._map)
-        except FileNotFoundError: raise FileNotFoundError(f"token file {self.path} does not exist") from None
-        except (pa.ArrowException, OSError) as e:
-            raise ValueError(f"{self.path}: not an Arrow IPC file ({e}); expected one record batch per document "
-                             f"with a column {column!r}") from None
+        self._map, reader = _open_ipc(self.path, column)
         schema = reader.schema
         if column not in schema.names:
             raise ValueError(f"{self.path} has no column {column!r}: expected one, found columns {schema.names}")
@@ -218,6 +237,7 @@ def dataset_files(root,      # the token root
         dirnames[:] = [n for n in dirnames if not n.startswith('.')]
         rel = Path(dirpath).relative_to(d)
         out += [(rel/f).as_posix() for f in filenames if f.endswith('.arrow') and not f.startswith('.')]
+    for f in out: check_regular(d/f, 'a token file')   # a FIFO, socket or device named *.arrow is refused, never opened
     return sorted(out)
 
 # %% ../nbs/12_arrow.ipynb #8eb1abc7
@@ -234,11 +254,16 @@ def _owner(path, names):
     return (None, None) if hit is None else (parts[hit], '/'.join(parts[hit + 1:]))
 
 def _counts_rows(p, shown=None):   # shown: the name errors use (default: `p`)
-    with open(p, newline='') as f:
-        rd = csv.DictReader(f)
-        if rd.fieldnames is None or not set(COUNTS_HEADER) <= set(rd.fieldnames):
-            raise ValueError(f"{shown or p}: header {rd.fieldnames}, expected {','.join(COUNTS_HEADER)}")
-        yield from enumerate(rd, 2)
+    check_regular(p, 'a counts file')
+    raw, nl = Path(p).read_bytes(), b'\n'
+    try: text = raw.decode('utf-8')
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{shown or p}, line {raw.count(nl, 0, e.start) + 1}: not UTF-8 text "
+                         f"(byte {raw[e.start]:#04x}): expected a counts file in UTF-8") from None
+    rd = csv.DictReader(io.StringIO(text, newline=''))
+    if rd.fieldnames is None or not set(COUNTS_HEADER) <= set(rd.fieldnames):
+        raise ValueError(f"{shown or p}: header {rd.fieldnames}, expected {','.join(COUNTS_HEADER)}")
+    yield from enumerate(rd, 2)
 
 def read_counts(root,       # the token root
                 datasets,   # names of the datasets whose rows are wanted
@@ -319,7 +344,7 @@ def read_manifest(root,   # the token root
                   ) -> dict:
     "ROOT/meta/manifest.json as a dict, its structure checked; None if there is none."
     p = Path(root)/META/MANIFEST
-    try: raw = p.read_bytes()
+    try: check_regular(p, 'a manifest'); raw = p.read_bytes()
     except FileNotFoundError: return None
     return _parse_manifest(raw, p)
 
@@ -459,20 +484,35 @@ def _check_tokenizers(root, manifest, datasets, tokenizer) -> dict:
                                  f"{_rebuild(root, d, manifest['datasets'][d], 'YOUR_TOKENIZER_DIR', overwrite=True)}")
     return next(iter(recs.values()), None)
 
+# %% ../nbs/12_arrow.ipynb #a5ec0003
+import resource
+
+MAX_OPEN_CAP = 4096   # the most token files a root keeps mapped by default, however high the open-file limit
+
+def default_max_open(share:int=4,      # the part of the open-file limit one root may take
+                     headroom:int=64,  # descriptors left to everything else first
+                    ) -> int:
+    "Token files a `TokenRoot` keeps mapped by default: `1/share` of `RLIMIT_NOFILE` after `headroom`, 8 to `MAX_OPEN_CAP`."
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    if soft == resource.RLIM_INFINITY or soft < 0: return MAX_OPEN_CAP
+    return max(8, min(MAX_OPEN_CAP, (soft - headroom) // share))
+
+
 # %% ../nbs/12_arrow.ipynb #8d1ff6cb
 class TokenRoot:
     "The datasets under `root` with their files and counts, checked against the manifest; opens token files on demand (at most `max_open` kept mapped)."
     def __init__(self, root,             # the folder holding one folder per dataset (and `meta/`)
                  datasets=None,          # dataset names to use (default: every dataset folder)
                  column=TOKENS,          # the token column
-                 max_open:int=64,        # token files kept open
+                 max_open:int|None=None, # token files kept mapped (None: `default_max_open()`)
                  tokenizer=None,         # a tokenizer or fingerprint: refused unless the manifest's; bounds the ids read
                  verify='quick',         # files against the manifest: 'quick' (sha256 once per file version), 'full' (every open), 'off'
                  cache_dir=None,         # a URI root's local copies (default: one folder per root under the base dir)
                  cache_size=None,        # bytes those copies may take (None: no cap)
                  prefetch:int=2,         # files of this rank's plan (`want_share`) fetched ahead in the background
                  fetch:dict|None=None):  # more `FileCache` settings for a URI root: attempts, backoff, max_backoff, timeout, threads
-        self.column, self.max_open, self.cache = column, check_int('max_open', max_open, 1), None
+        self.column, self.cache = column, None
+        self.max_open = default_max_open() if max_open is None else check_int('max_open', max_open, 1)
         self.verify = verify = _check_verify(verify)
         if is_local(root): self.root = Path(open_uri(root)[1]) if '://' in str(root) else Path(root)
         else: self._open_cache(root, cache_dir, cache_size, prefetch, fetch)

@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['LOCK_FILE', 'LOCK_WAIT_S', 'DistInfo', 'get_dist_info', 'get_base_dir', 'get_data_dir', 'get_tokenizer_dir',
            'get_nanochat_data_dir', 'atomic_write', 'check_int', 'file_in_the_way', 'human_bytes', 'usable_folder',
-           'folder_lock']
+           'file_kind', 'open_lock_file', 'folder_lock', 'check_regular', 'on_drop']
 
 # %% ../nbs/00_core.ipynb #4db050d3
 import os
@@ -146,7 +146,7 @@ def usable_folder(path,             # the folder: created (with its parents) if 
     return p
 
 # %% ../nbs/00_core.ipynb #a1c0f003
-import fcntl, threading, time, warnings
+import fcntl, stat, threading, time, warnings
 from contextlib import contextmanager
 
 LOCK_FILE = '.nanochat_dl.lock'
@@ -166,11 +166,36 @@ def _release(key):
         entry = _held[key]; entry[1] -= 1
         if entry[1] == 0: del _held[key]; fcntl.flock(entry[0], fcntl.LOCK_UN); os.close(entry[0])
 
-def _busy(d, lock, wait_s):
-    try: pid = lock.read_text().strip() or 'unknown'
+def _busy(d, lock, fd, wait_s):
+    try: pid = (os.pread(fd, 64, 0).split() or [b'unknown'])[0].decode(errors='replace')
     except OSError: pid = 'unknown'
     return ValueError(f"{d} is being written by another process (pid {pid}, which holds {lock}); waited {wait_s:g} s "
                       "for it: let it finish, or use another folder")
+
+_KINDS = ((stat.S_ISDIR, 'a folder'), (stat.S_ISFIFO, 'a FIFO'), (stat.S_ISSOCK, 'a socket'),
+          (stat.S_ISCHR, 'a device'), (stat.S_ISBLK, 'a device'), (stat.S_ISLNK, 'a symbolic link'))
+
+def file_kind(mode) -> str:
+    "What a file of `st_mode` `mode` is, in words: 'a FIFO', 'a socket', 'a folder', ..."
+    return next((w for f, w in _KINDS if f(mode)), 'a regular file' if stat.S_ISREG(mode) else 'not a file')
+
+
+# %% ../nbs/00_core.ipynb #a1c0f00a
+def open_lock_file(lock,  # the lock file's path: created if missing, never followed if a link
+                  ) -> int:
+    "A read-write descriptor of lock file `lock`: never through a symlink, a hard link or a FIFO (a `ValueError` names it)."
+    why = ': remove it (anyone who can write to the folder could have planted it), then run again'
+    try: fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o666)
+    except OSError as e:
+        if os.path.islink(lock): raise ValueError(f"{lock} is a symbolic link, not a lock file{why}") from None
+        raise ValueError(f"{Path(lock).parent} cannot be used for writing: {lock}: {e.strerror or e}") from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+        os.close(fd)
+        what = f"is not a regular file ({file_kind(st.st_mode)})" if not stat.S_ISREG(st.st_mode) else \
+               f"has {st.st_nlink} links (a hard link to a file elsewhere)"
+        raise ValueError(f"{lock} {what}: expected this folder's own lock file{why}")
+    return fd
 
 @contextmanager
 def folder_lock(path,                        # an existing folder
@@ -179,19 +204,55 @@ def folder_lock(path,                        # an existing folder
     "Hold folder `path`'s advisory write lock (`fcntl.flock` on its `.nanochat_dl.lock`) for the `with` block; yields True if this call took it, False if this process already held it."
     d, wait_s = Path(path), LOCK_WAIT_S if wait_s is None else wait_s
     lock, key, unlocked = d/LOCK_FILE, os.path.realpath(d), False
-    try: fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o666)
-    except OSError as e: raise ValueError(f"{d} cannot be used for writing: {lock}: {e.strerror or e}") from None
+    fd = open_lock_file(lock)
     end = time.monotonic() + wait_s
     try:
         while (took := _take(key, fd)) is None:
-            if time.monotonic() >= end: raise _busy(d, lock, wait_s)
+            if time.monotonic() >= end: raise _busy(d, lock, fd, wait_s)
             time.sleep(0.05)
     except OSError as e:       # a file system without flock (some network mounts): go on, unprotected
         warnings.warn(f"cannot lock {lock} ({e.strerror or e}): nothing stops another process writing to {d} at the same time")
         took, unlocked = False, True
     except BaseException: os.close(fd); raise
-    if took: os.ftruncate(fd, 0); os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    if took: os.pwrite(fd, f"{os.getpid():<15}\n".encode(), 0)   # fixed width over any older pid: never truncated
     else: os.close(fd)
     try: yield took
     finally:
         if not unlocked: _release(key)
+
+
+# %% ../nbs/00_core.ipynb #a1c0f005
+def check_regular(path,               # a file to read data from
+                  what='a data file', # what it should be, as the error says it
+                 ) -> os.stat_result:
+    "`os.stat` of `path` (through a symlink) if it is a regular file, else a `ValueError` naming it and what it is."
+    try: st = os.stat(path)
+    except FileNotFoundError:
+        if not os.path.islink(path): raise
+        raise ValueError(f"{path} is a broken symbolic link (to {os.readlink(path)}): expected {what}") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise ValueError(f"{path} is {file_kind(st.st_mode)}: expected {what} "
+                         "(a regular file, or a symbolic link to one)")
+    return st
+
+
+# %% ../nbs/00_core.ipynb #a1c0f007
+import weakref
+
+_WARNED_DROPS = set()   # the kinds of object already warned about in this process
+
+def _dropped(name, release, *args):
+    if release(*args) and name not in _WARNED_DROPS:
+        _WARNED_DROPS.add(name)
+        warnings.warn(f"a {name} was dropped without close(): its files were released when it was collected; "
+                      f"use `with {name}(...) as ...:` or call close() (said once per process)", ResourceWarning)
+
+def on_drop(obj,       # the object (a loader) that holds files
+            release,   # called with `args` when `obj` is collected unclosed; returns True if it let go of something
+            *args,     # what `release` needs: never `obj` itself (that would keep it alive)
+           ) -> weakref.finalize:
+    "A finalizer (not run at exit) that releases what `obj` holds when it is collected unclosed, and warns once per process."
+    f = weakref.finalize(obj, _dropped, type(obj).__name__, release, *args)
+    f.atexit = False
+    return f
+

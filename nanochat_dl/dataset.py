@@ -26,7 +26,7 @@ from requests.adapters import HTTPAdapter
 from urllib3.util import Retry
 from tqdm import tqdm
 from fastcore.script import call_parse
-from .core import LOCK_FILE, check_int, folder_lock, get_data_dir, human_bytes, usable_folder
+from .core import LOCK_FILE, check_int, check_regular, folder_lock, get_data_dir, human_bytes, usable_folder
 from .packing import fineweb_like_lengths
 
 # %% ../nbs/01_dataset.ipynb #3db2fe88
@@ -56,10 +56,12 @@ DEFAULT_PRESET = 'fineweb-edu-100b'
 # %% ../nbs/01_dataset.ipynb #ed369646
 def list_parquet_files(data_dir=None,  # the shard folder (default: `get_data_dir()`)
                       ) -> list[Path]:
-    "Sorted paths of the complete `.parquet` files in `data_dir` (default: `get_data_dir()`)."
+    "Sorted paths of the complete `.parquet` files in `data_dir` (default: `get_data_dir()`); a non-regular one is refused."
     d = get_data_dir(data_dir)
     if not d.is_dir(): return []
-    return sorted(d/f for f in os.listdir(d) if f.endswith('.parquet') and not f.startswith('.'))
+    out = sorted(d/f for f in os.listdir(d) if f.endswith('.parquet') and not f.startswith('.'))
+    for p in out: check_regular(p, 'a parquet shard')   # never opened: a FIFO would wait for a writer for ever
+    return out
 
 # %% ../nbs/01_dataset.ipynb #2fce583b
 SOURCE_FILE = '.nanochat_dl_source'

@@ -20,19 +20,23 @@ from .streaming import (FORMAT, FastTokenStream, TokenStream, owned_shards, shar
                                    _field, _int, _pairs, _unrle, _rle, _ranges, _span, _unit_name, _Shards)
 
 # %% ../nbs/15_elastic.ipynb #e1000002
-def unit_states(states) -> list:
-    "The state of every unit of work in `states`: a loader's or a worker's state as it is; a `StatefulDataLoader`'s state as its workers' states."
+def unit_states(states,            # every rank's state: a loader's, a worker's, or a `StatefulDataLoader`'s
+                paths:bool=False,  # `(path, state)` pairs, the path as `states[0]['_snapshot'][...]['dataset_state']`
+               ) -> list:
+    "The state of every unit of work in `states`: a loader's or a worker's as it is, a `StatefulDataLoader`'s as its workers'."
     if not isinstance(states, (list, tuple)): raise TypeError(f"states is {type(states).__name__}: expected a list of every rank's state")
     out = []
     for j, s in enumerate(states):
         if not isinstance(s, dict): raise TypeError(f"states[{j}] is {type(s).__name__}: expected a dict from state_dict()")
-        if 'format' in s: out.append(s)
+        if 'format' in s: out.append((f"states[{j}]", s))
         elif isinstance(s.get('_snapshot'), dict):                  # a StatefulDataLoader with workers: one state per worker
+            at = f"states[{j}]['_snapshot']['_worker_snapshots']"
             ws = _field(s['_snapshot'], '_worker_snapshots', dict, f"states[{j}]['_snapshot']")
-            out += [_field(w, 'dataset_state', dict, f"states[{j}]['_snapshot']['_worker_snapshots'][{k!r}]") for k, w in ws.items()]
-        elif 'dataset_state' in s: out.append(_field(s, 'dataset_state', dict, f"states[{j}]"))   # one without workers
+            out += [(f"{at}[{k!r}]['dataset_state']", _field(w, 'dataset_state', dict, f"{at}[{k!r}]")) for k, w in ws.items()]
+        elif 'dataset_state' in s:                                   # one without workers
+            out.append((f"states[{j}]['dataset_state']", _field(s, 'dataset_state', dict, f"states[{j}]")))
         else: raise ValueError(f"states[{j}] has no 'format' (its keys: {sorted(s)[:8]}): expected a state from state_dict() (a loader's, a dataset's or a StatefulDataLoader's)")
-    return out
+    return out if paths else [s for _, s in out]
 
 # %% ../nbs/15_elastic.ipynb #e1000003
 class _Set(NamedTuple):
@@ -48,7 +52,8 @@ class World:
                  root,                # the `TokenRoot` the run reads
                  config:dict,         # the settings of the loader that resumes (`stream_config`): only its unit may differ from the states'
                  fingerprint:dict):   # its data's and tokenizer's (`stream_config`)
-        states = unit_states(states)
+        at, states = zip(*unit_states(states, paths=True)) if states else ((), unit_states(states))
+        self.at = list(at)               # where each unit's state is in what the caller passed, for the messages
         if not states: raise ValueError("states is empty: expected the state of every rank of the run")
         self.root, self.fingerprint = root, fingerprint
         self.config = {k: v for k, v in config.items() if k != 'batch_size'}
@@ -60,10 +65,10 @@ class World:
         for j, s in enumerate(states): check_checksum(s, f"states[{j}] ({_unit_name(s['config'])})")   # last: a bad field is named first
 
 # %% ../nbs/15_elastic.ipynb #e1000004
-def _unit(c, j) -> tuple:
-    "`(rank, world_size, worker, n_workers)` of the config of `states[j]`, checked."
-    r, W, w, nw = (_int(f"states[{j}]['config'][{k!r}]", c.get(k), lo) for k, lo in (('rank', 0), ('world_size', 1), ('worker', 0), ('n_workers', 1)))
-    if r >= W or w >= nw: raise ValueError(f"states[{j}]['config'] says rank {r} of {W}, worker {w} of {nw}: no such unit")
+def _unit(c, at) -> tuple:
+    "`(rank, world_size, worker, n_workers)` of the config of the state at `at` (`states[j]`), checked."
+    r, W, w, nw = (_int(f"{at}['config'][{k!r}]", c.get(k), lo) for k, lo in (('rank', 0), ('world_size', 1), ('worker', 0), ('n_workers', 1)))
+    if r >= W or w >= nw: raise ValueError(f"{at}['config'] says rank {r} of {W}, worker {w} of {nw}: no such unit")
     return r, W, w, nw
 
 def _first_other(xs):
@@ -75,30 +80,30 @@ def _units(self:World, states):
     "Check that `states` are every unit of one world, of one run, at one step, saved with this loader's settings; keep them in unit order."
     units, seen, nws = [], {}, {}
     for j, s in enumerate(states):
-        u = _unit(_field(s, 'config', dict, f"states[{j}]"), j)
+        u = _unit(_field(s, 'config', dict, self.at[j]), self.at[j])
         try: check_resume(s, dict(self.config, rank=u[0], world_size=u[1], worker=u[2], n_workers=u[3]), self.fingerprint); check_state(s)
-        except (ValueError, TypeError) as e: raise type(e)(f"states[{j}] ({_unit_name(s['config'])}): {e}") from None
+        except (ValueError, TypeError) as e: raise type(e)(f"{self.at[j]} ({_unit_name(s['config'])}): {e}") from None
         units.append(u)
     Ws = sorted({u[1] for u in units})
     if len(Ws) > 1:
         j = next(j for j, u in enumerate(units) if u[1] != units[0][1])
-        raise ValueError(f"states are from world sizes {Ws}: states[{j}] is of world size {units[j][1]}, states[0] of world size "
+        raise ValueError(f"states are from world sizes {Ws}: {self.at[j]} is of world size {units[j][1]}, {self.at[0]} of world size "
                          f"{units[0][1]}: expected the states of every rank of one save")
     W = Ws[0]
     for j, (r, _, w, nw) in enumerate(units):
-        if nws.setdefault(r, nw) != nw: raise ValueError(f"states[{j}] is worker {w} of {nw} of rank {r}, whose other states say {nws[r]} workers")
-        if (r, w) in seen: raise ValueError(f"states[{seen[r, w]}] and states[{j}] are both {_unit_name(states[j]['config'])}: a unit's state twice")
+        if nws.setdefault(r, nw) != nw: raise ValueError(f"{self.at[j]} is worker {w} of {nw} of rank {r}, whose other states say {nws[r]} workers")
+        if (r, w) in seen: raise ValueError(f"{self.at[seen[r, w]]} and {self.at[j]} are both {_unit_name(states[j]['config'])}: a unit's state twice")
         seen[r, w] = j
     n = sum(nws.values()) + W - len(nws)   # units in the world (W and the worker counts may be any int: nothing counted one by one)
     if len(seen) < n:
         r, w = next((r, w) for r in range(W) for w in range(nws.get(r, 1)) if (r, w) not in seen)   # among the first len(seen) + 1
         raise ValueError(f"the state of {_unit_name(dict(rank=r, world_size=W, worker=w, n_workers=nws.get(r, 1)))} is missing "
                          f"({n - len(seen)} missing in all): expected the state of every rank (and DataLoader worker) of the run")
-    runs, steps = [s.get('run') for s in states], [_int(f"states[{j}]['step']", s.get('step')) for j, s in enumerate(states)]
+    runs, steps = [s.get('run') for s in states], [_int(f"{self.at[j]}['step']", s.get('step')) for j, s in enumerate(states)]
     if (j := _first_other(runs)) is not None:
-        raise ValueError(f"states[{j}] is of run {runs[j]!r}, states[0] of run {runs[0]!r}: the states of two runs mixed")
+        raise ValueError(f"{self.at[j]} is of run {runs[j]!r}, {self.at[0]} of run {runs[0]!r}: the states of two runs mixed")
     if all(nw == 1 for nw in nws.values()) and (j := _first_other(steps)) is not None:   # (DataLoader workers count their own rows)
-        raise ValueError(f"states[{j}] is at step {steps[j]}, states[0] at step {steps[0]}: the states of two steps mixed")
+        raise ValueError(f"{self.at[j]} is at step {steps[j]}, {self.at[0]} at step {steps[0]}: the states of two steps mixed")
     S = self.config['n_logical_shards']
     self.W, self.nws, self.run, self.step, self.units = W, [nws[r] for r in range(W)], runs[0], max(steps), sorted(seen)
     self.index = [seen[u] for u in self.units]                     # where each unit's state was in `states`, for the messages
@@ -108,8 +113,8 @@ def _units(self:World, states):
 # %% ../nbs/15_elastic.ipynb #e1000005
 @patch
 def _where(self:World, u, *keys) -> str:
-    "A field of unit `u`'s state, named as the caller passed it: `states[j]['datasets'][...]`."
-    return f"states[{self.index[u]}]" + ''.join(f"[{k!r}]" for k in keys)
+    "A field of unit `u`'s state, named where the caller passed it: `states[j]['datasets'][...]`."
+    return self.at[self.index[u]] + ''.join(f"[{k!r}]" for k in keys)
 
 @patch
 def _merge(self:World, i) -> _Set:

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 import numpy as np
 import torch
-from .core import get_dist_info, human_bytes, check_int
+from .core import get_dist_info, human_bytes, check_int, on_drop
 from fastcore.basics import patch
 from .shards import RowGroupReader, RowGroupTexts, Slice, split_files, split_shards, read_documents, nanochat_state, open_shard_bytes, row_group_plan
 from .remote import cache_metrics, pin_copies, unpin_copies
@@ -789,6 +789,7 @@ class PackedLoader(Stage):
         self._q, self._stop = queue.Queue(maxsize=max(1, self.prefetch)), threading.Event()
         self._closed = False
         self._finalizer = weakref.finalize(self, _shutdown, self.transfer, encoder, self._threads, self._q, self._stop)
+        self._drop = on_drop(self, lambda f: f() or True, self._finalizer)   # dropped unclosed: released now, said once
         self._t_first, self._yielded, self.last_metrics = None, 0, None
 
     def __repr__(self):
@@ -905,7 +906,7 @@ class PackedLoader(Stage):
         "Stop the background thread, close the stages (the shard, the tokenizer workers or threads). Idempotent."
         if self._closed: return
         self._closed = True
-        _LIVE.discard(self)
+        _LIVE.discard(self); self._drop.detach()
         # a `next()` in another thread finishes first (its stages must not be closed under it); one waiting on busy workers
         # is freed by killing them, and gets an error saying the loader was closed
         if not self._lock.acquire(timeout=_JOIN_GRACE):

@@ -21,7 +21,7 @@ from typing import NamedTuple
 from urllib.parse import urlsplit
 import pyarrow.fs as pafs
 from fastcore.basics import patch
-from .core import atomic_write, check_int, file_in_the_way, get_base_dir, human_bytes
+from .core import atomic_write, check_int, file_in_the_way, get_base_dir, human_bytes, open_lock_file
 try: import fcntl                  # POSIX; the cache's locks need it
 except ImportError: fcntl = None
 
@@ -251,14 +251,17 @@ class _Flock:
     "An exclusive `flock` on a lock file, held inside a `with` (released by the kernel if the process dies)."
     def __init__(self, path): self.path = path
     def __enter__(self):
-        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
+        self.fd = open_lock_file(self.path)    # never through a link planted in the cache folder
         fcntl.flock(self.fd, fcntl.LOCK_EX); return self
     def __exit__(self, *exc): os.close(self.fd)
 
 def _try_remove(path) -> bool:
     "Unlink `path` unless someone holds a lock on it (a reader's pin, a live writer's temp); True if it is gone."
-    try: fd = os.open(path, os.O_RDONLY)
+    try: fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)   # never waits on a FIFO; a link: removed
     except FileNotFoundError: return True
+    except OSError:
+        if not os.path.islink(path): raise
+        os.unlink(path); return True
     try:
         try: fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError: return False

@@ -16,11 +16,12 @@ import bisect, hashlib, json, math, os, queue, threading, time, warnings, weakre
 from collections import Counter, defaultdict, deque
 from itertools import repeat
 from operator import itemgetter
+from types import SimpleNamespace
 from typing import NamedTuple
 import numpy as np
 import torch
 from fastcore.basics import patch
-from .core import check_int, get_dist_info
+from .core import check_int, get_dist_info, on_drop
 from .stages import Stage, Doc, ShuffleBuffer, check_state, mix64, mix64s
 from pathlib import Path
 from .arrow import TokenRoot, file_sha256
@@ -1521,7 +1522,7 @@ def stream_config(root, seq_len, *,   # the settings of `StreamingLoader`, docum
     if cfg['pad_token'] is None and pack != 'concat': raise ValueError(f"pack={pack!r} pads rows: pad_token must be a token id, not None")
     if tokenizer is not None and not isinstance(tokenizer, str): raise ValueError(f"tokenizer={tokenizer!r} is invalid: expected None or a string (a name or digest)")
     names = None if datasets is None else [datasets] if isinstance(datasets, str) else list(datasets)
-    if not isinstance(root, TokenRoot): root = TokenRoot(root, names, max_open=1 << 30 if max_open is None else max_open, cache_dir=cache_dir, cache_size=cache_size)   # default: keep what we read mapped
+    if not isinstance(root, TokenRoot): root = TokenRoot(root, names, max_open=max_open, cache_dir=cache_dir, cache_size=cache_size)   # default: from the open-file limit
     elif names is not None and [d for d in names if d not in root.datasets]:
         raise ValueError(f"unknown dataset(s) {[d for d in names if d not in root.datasets]} in {root.root}: expected some of {root.datasets}")
     cfg['datasets'] = list(root.datasets) if names is None else names
@@ -1681,7 +1682,7 @@ class StreamingLoader:
                  slots:int=2,               # `DeviceTransfer`'s staging buffers (`views=True`: its reused outputs too)
                  copy:bool=False,           # kept for compatibility: True asks for owned tensors, now the default
                  views:bool=False,          # hand out views of `slots` reused buffers (no allocation per batch)
-                 max_open=None,             # token files kept mapped (default: all that are read)
+                 max_open=None,             # token files kept mapped (default: `default_max_open()`)
                  cache_dir=None,            # a URI root's local copies (default: one folder per root under the base dir)
                  cache_size=None):          # bytes those copies may take (None: no cap)
         self._thread, self._closed = None, True
@@ -1702,7 +1703,8 @@ class StreamingLoader:
         self.transfer = DeviceTransfer(self.B, c['seq_len'], self.device, slots, copy, views=views)
         self._snap, self._state, self._started, self._yielded, self._error, self._last = self.stream.snapshot(), None, False, 0, None, None
         self._next_lock = threading.RLock()
-        self._closed = False
+        self._closed, self._stoppers = False, []
+        self._drop = on_drop(self, _release_loader, self.root, self._stoppers)   # dropped unclosed: files released at once
 
     def _full_state(self, snap) -> dict:
         st = self.stream.state_of(snap)
@@ -1757,6 +1759,12 @@ def _start(self:StreamingLoader):
         self._thread = threading.Thread(target=_produce_loop, args=(self.stream, self.B, self._q, stop), name='nanochat_dl-stream', daemon=True)
         self._finalizer = weakref.finalize(self, _stop, self._thread, stop)
         self._thread.start()
+        self._stoppers.append((self._thread, stop))
+
+def _release_loader(root, stoppers) -> bool:
+    "What a `StreamingLoader` dropped without `close()` holds, released: its thread stopped, its files unmapped."
+    for thread, stop in stoppers: _stop(thread, stop)
+    root.close(); return True
 
 @patch
 def __next__(self:StreamingLoader) -> StreamBatch:
@@ -1778,8 +1786,10 @@ def _next(self:StreamingLoader) -> StreamBatch:
     t2 = time.perf_counter()
     self._yielded += 1
     self._snap, self._state, n, cs = snap, None, self._yielded, self.root.cache_stats()
-    self._last = StreamBatch(x, y, packed, self.stream, lambda: self._metrics(packed, snap, produce_s, t1 - t0, t2 - t1, t2, n, cs),
-                             lambda: self._full_state(snap))
+    me = SimpleNamespace(stream=self.stream, run=self.run, B=self.B, fingerprint=self.fingerprint, config=self.config,
+                         _t_first=self._t_first)   # what the batch needs of the loader, not the loader: no cycle through `_last`
+    metrics = lambda: StreamingLoader._metrics(me, packed, snap, produce_s, t1 - t0, t2 - t1, t2, n, cs)
+    self._last = StreamBatch(x, y, packed, self.stream, metrics, lambda: StreamingLoader._full_state(me, snap))
     return self._last
 
 @patch(as_prop=True)
@@ -1810,6 +1820,7 @@ def close(self:StreamingLoader):
     "Stop the background thread and unmap the files, once a `next()` in another thread has returned. Idempotent."
     if self._closed: return
     self._closed = True   # a `next()` waiting for the background thread sees it and stops waiting
+    self._drop.detach()
     if not self._next_lock.acquire(timeout=_CLOSE_WAIT):   # one making a batch finishes it (its files stay mapped)
         warnings.warn(f"a next() in another thread ran on {_CLOSE_WAIT:.0f} s after close(): its files are left open")
         return
@@ -1833,10 +1844,12 @@ def open_epochs(state,   # a `StreamingLoader` state (or a `StreamingDataset` wo
                 ) -> dict:
     """Per dataset of a state, the lowest epoch that may still have tokens to deliver on its rank: the epochs of its shards'
     cursors, of a document being cut, of the shuffle window's and the packer's pieces. A logical shard with no documents
-    holds no epoch open (`math.inf` for a dataset that has nothing on the rank)."""
+    holds no epoch open, nor does a dataset of weight 0, which is never read (`math.inf` for a dataset that has nothing
+    on the rank)."""
     runs = lambda rle: [v for v, c in rle for _ in range(c)]
     out = {}
     for d, s in state['datasets'].items():
+        if not state['config']['weights'][state['config']['datasets'].index(d)]: out[d] = math.inf; continue   # not read
         starts = shard_starts(state['fingerprint']['data'][d]['docs'], state['config']['n_logical_shards'])
         owned = [j for a, b in s['shards'] for j in range(a, b)]
         eps = [e for j, e in zip(owned, runs(s['epoch'])) if starts[j + 1] > starts[j]]
@@ -1854,9 +1867,10 @@ class StreamingDataset(torch.utils.data.IterableDataset):
         if bad: raise TypeError(f"StreamingDataset takes no {bad}: the DataLoader batches the rows and moves them")
         r, self.config, self.fingerprint = stream_config(root, seq_len, **kwargs)
         mo = kwargs.get('max_open')                                   # workers open the root again, as it was opened here
-        self.root_path, self._open_kw = str(r.root), dict(r.open_args(), max_open=1 << 30 if mo is None else mo)
+        self.root_path, self._open_kw = str(r.root), dict(r.open_args(), max_open=mo)
         if r is not root: r.close()                                   # ours, only for the checks: nothing fetched ahead here
         self._stream, self._built, self._pending, self.run = None, None, None, run_id(self.config, self.fingerprint)
+        self._box, self._drop = [None], None          # the stream built here, for `close()` and for a drop without it
 
     def _ensure(self) -> TokenStream:
         "This worker's stream: built in the process that iterates (one inherited from a parent is not used: its cache's downloads are the parent's), from the state loaded, if any."
@@ -1875,6 +1889,8 @@ class StreamingDataset(torch.utils.data.IterableDataset):
                 check_checksum(st)
                 self.run = st.get('run', self.run)     # the state stays: a worker started later starts from it too
             self._stream, self._built = s, (os.getpid(), w, nw)
+            _close_box(self._box); self._box[0] = s       # a stream built before (a state loaded since): unmapped
+            if self._drop is None: self._drop = on_drop(self, _close_box, self._box)
             s.fetch_ahead()
         return self._stream
 
@@ -1909,4 +1925,23 @@ class StreamingDataset(torch.utils.data.IterableDataset):
         return World(states, root, self.config, self.fingerprint)
 
     def __getstate__(self):
-        return dict(self.__dict__, _stream=None)    # mapped files stay in the process that opened them
+        return dict(self.__dict__, _stream=None, _box=[None], _drop=None)   # maps stay in the process that made them
+
+# %% ../nbs/13_streaming.ipynb #9197999f
+def _close_box(box) -> bool:
+    "Unmap the files of the stream in `box` (a one-item list), if any; True if there was one."
+    s, box[0] = box[0], None
+    if s is None: return False
+    s.root.close(); return True
+
+@patch
+def close(self:StreamingDataset):
+    "Unmap the files this process's stream holds (a later iteration opens them again). Idempotent."
+    if self._drop is not None: self._drop.detach(); self._drop = None
+    _close_box(self._box); self._stream = self._built = None
+
+@patch
+def __enter__(self:StreamingDataset): return self
+@patch
+def __exit__(self:StreamingDataset, *exc): self.close()
+

@@ -410,3 +410,25 @@ def test_torchrun_2_3_2_tiles_the_epoch(root, tmp_path):
     heads = [[json.loads(p.read_text()) for p in sorted((tmp_path/x/'ckpt').iterdir())] for x in 'abc']
     assert [len({h['run'] for h in hs}) for hs in heads] == [1, 1, 1]
     assert len({hs[0]['run'] for hs in heads}) == 3
+
+
+def test_stateful_dataloader_states_are_named_by_their_path(root):
+    "A bad field in a `StatefulDataLoader`'s state is named where it is in that state (the rank's entry, the worker, the field), not by its place in a flattened list (`states[1]`)."
+    import copy, re
+    from torchdata.stateful_dataloader import StatefulDataLoader
+    kw = dict(KW, pack='bestfit')
+    dl = StatefulDataLoader(StreamingDataset(root, T, **kw), batch_size=1, num_workers=2)
+    it = iter(dl)
+    for _ in range(4): next(it)
+    sd = dl.state_dict()
+    del it, dl
+    ld = StreamingLoader(root, T, B, prefetch=0, **kw)
+    w1 = "states[0]['_snapshot']['_worker_snapshots']['worker_1']['dataset_state']"
+    bad = copy.deepcopy(sd); bad['_snapshot']['_worker_snapshots']['worker_1']['dataset_state']['step'] = 'x'
+    with pytest.raises(ValueError, match=re.escape(f"{w1}['step']=x is invalid")): ld.load_state_dict([bad])
+    bad = copy.deepcopy(sd); ds1 = bad['_snapshot']['_worker_snapshots']['worker_1']['dataset_state']
+    del ds1['datasets']['code']
+    with pytest.raises(ValueError, match=re.escape(f"{w1}['datasets']['code'] is missing")): ld.load_state_dict([bad])
+    bad = copy.deepcopy(sd); bad['_snapshot']['_worker_snapshots']['worker_0']['dataset_state']['run'] = '0123456789abcdef'
+    with pytest.raises(ValueError, match=re.escape("states[0]['_snapshot']['_worker_snapshots']['worker_1']['dataset_state'] is of run")):
+        ld.load_state_dict([bad])
