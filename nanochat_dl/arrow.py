@@ -22,7 +22,8 @@ import numpy as np
 import pyarrow as pa
 from fastcore.basics import patch
 from fastcore.script import call_parse
-from .core import check_int, check_regular, file_in_the_way, folder_lock, get_base_dir, get_data_dir, get_dist_info, get_tokenizer_dir
+from .core import (check_int, check_regular, file_in_the_way, folder_lock, get_base_dir, get_data_dir, get_dist_info,
+                              get_tokenizer_dir, location)
 from .dataset import list_parquet_files
 from .shards import split_files, split_shards, _open_shard, _read_group, check_utf8_errors
 from .remote import FileCache, cache_metrics, default_cache_dir, is_local, list_files, open_uri, retry, upload_file
@@ -514,7 +515,7 @@ class TokenRoot:
         self.column, self.cache = column, None
         self.max_open = default_max_open() if max_open is None else check_int('max_open', max_open, 1)
         self.verify = verify = _check_verify(verify)
-        if is_local(root): self.root = Path(open_uri(root)[1]) if '://' in str(root) else Path(root)
+        if is_local(root): self.root = location(root, 'root')
         else: self._open_cache(root, cache_dir, cache_size, prefetch, fetch)
         try: self._setup(datasets, tokenizer, verify)
         except BaseException:
@@ -882,7 +883,7 @@ def _prepare(data_dir, out, dataset, tokenizer_dir, workers, rank, world_size, s
     workers, (rank, world) = check_int('workers', workers, 1), _rank_world(rank, world_size)
     utf8_errors = check_utf8_errors(utf8_errors)
     if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not wait > 0: raise ValueError(f"wait={wait!r} is invalid: expected seconds > 0")
-    root = Path(out).expanduser().absolute()
+    root = location(out, 'out').absolute()
     if (f := file_in_the_way(root/dataset)) is not None: raise ValueError(f"out {root}: {f} is a file; expected folders there (created if missing)")
     uri = data_dir if data_dir is not None else os.environ.get('NANOCHAT_DL_DATA_DIR')
     if uri is not None and not is_local(uri): shards, cache = _uri_shards(str(uri).rstrip('/'), split, cache_dir, cache_size, rank, world)
