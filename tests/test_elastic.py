@@ -241,15 +241,20 @@ def test_exactly_once_over_random_chains_hypothesis(root, pack, window, max_chun
 
 # ---------------------------------------------------------------- a real DataLoader whose number of workers changes
 
+def stateful_state(root, kw, n):
+    "The state of a `StatefulDataLoader` of two workers over the stream, after `n` rows."
+    from torchdata.stateful_dataloader import StatefulDataLoader
+    dl = StatefulDataLoader(StreamingDataset(root, T, **kw), batch_size=1, num_workers=2)
+    it = iter(dl)
+    for _ in range(n): next(it)
+    return dl.state_dict()
+
+
 def test_stateful_dataloader_from_2_to_3_workers(root):
     from torchdata.stateful_dataloader import StatefulDataLoader
     tr = TokenRoot(root)
     kw = dict(KW, pack='bestfit')
-    dl = StatefulDataLoader(StreamingDataset(root, T, **kw), batch_size=1, num_workers=2)
-    it = iter(dl)
-    for _ in range(9): next(it)
-    sd = dl.state_dict()
-    del it, dl
+    sd = stateful_state(root, kw, 9)
     # what the three new workers must deliver: the simulated units, dealt the same states, taken in turn
     cfg, fp = stream_config(tr, T, **kw)[1:]
     units = [Unit(tr, 0, 1, w, 3, **kw) for w in range(3)]
@@ -415,13 +420,8 @@ def test_torchrun_2_3_2_tiles_the_epoch(root, tmp_path):
 def test_stateful_dataloader_states_are_named_by_their_path(root):
     "A bad field in a `StatefulDataLoader`'s state is named where it is in that state (the rank's entry, the worker, the field), not by its place in a flattened list (`states[1]`)."
     import copy, re
-    from torchdata.stateful_dataloader import StatefulDataLoader
     kw = dict(KW, pack='bestfit')
-    dl = StatefulDataLoader(StreamingDataset(root, T, **kw), batch_size=1, num_workers=2)
-    it = iter(dl)
-    for _ in range(4): next(it)
-    sd = dl.state_dict()
-    del it, dl
+    sd = stateful_state(root, kw, 4)
     ld = StreamingLoader(root, T, B, prefetch=0, **kw)
     w1 = "states[0]['_snapshot']['_worker_snapshots']['worker_1']['dataset_state']"
     bad = copy.deepcopy(sd); bad['_snapshot']['_worker_snapshots']['worker_1']['dataset_state']['step'] = 'x'

@@ -87,15 +87,20 @@ def run_py(code, *args, timeout=120):
     return subprocess.run([sys.executable, '-c', code, *map(str, args)], capture_output=True, text=True, timeout=timeout)
 
 
+def refused_by_name(call, arg, fifo, timeout, hung):
+    "Run `call` (a statement on `sys.argv[1]`) in a child, which must refuse the FIFO `fifo` by name, not hang on it."
+    probe = f"import sys\ntry: {call}; print('opened')\nexcept ValueError as e: print(e)"
+    try: out = run_py(probe, arg, timeout=timeout).stdout
+    except subprocess.TimeoutExpired: pytest.fail(hung)
+    assert f"{fifo} is a FIFO" in out, out
+
+
 @pytest.mark.parametrize('counts', [True, False])
 def test_a_fifo_named_arrow_is_refused_by_name_not_opened(tmp_path, counts):
     root = small_root(tmp_path/'root', counts=counts)
     os.mkfifo(root/'web'/'zz.arrow')
-    probe = ("import sys; from nanochat_dl.streaming import StreamingLoader\n"
-             "try: StreamingLoader(sys.argv[1], 8, 2, prefetch=0); print('opened')\nexcept ValueError as e: print(e)")
-    try: out = run_py(probe, root, timeout=60).stdout
-    except subprocess.TimeoutExpired: pytest.fail('StreamingLoader hung on a FIFO named zz.arrow')
-    assert f"{root/'web'/'zz.arrow'} is a FIFO" in out, out
+    refused_by_name("from nanochat_dl.streaming import StreamingLoader; StreamingLoader(sys.argv[1], 8, 2, prefetch=0)", root,
+                    root/'web'/'zz.arrow', 60, 'StreamingLoader hung on a FIFO named zz.arrow')
 
 
 def test_a_symlink_to_a_token_file_is_data_a_symlink_to_a_device_is_not(tmp_path):
@@ -225,18 +230,12 @@ def test_a_fifo_named_parquet_in_a_shard_folder_is_refused_by_name(tmp_path):
     from nanochat_dl.testing import write_toy_shards
     write_toy_shards(tmp_path/'data', [[20, 20], [20, 20], [20]])
     os.mkfifo(tmp_path/'data'/'shard_00001x.parquet')
-    probe = ("import sys; from nanochat_dl.shards import split_shards\n"
-             "try: split_shards('train', sys.argv[1]); print('listed')\nexcept ValueError as e: print(e)")
-    try: out = run_py(probe, tmp_path/'data', timeout=60).stdout
-    except subprocess.TimeoutExpired: pytest.fail('a FIFO named *.parquet hung the shard listing')
-    assert f"{tmp_path/'data'/'shard_00001x.parquet'} is a FIFO" in out, out
+    refused_by_name("from nanochat_dl.shards import split_shards; split_shards('train', sys.argv[1])", tmp_path/'data',
+                    tmp_path/'data'/'shard_00001x.parquet', 60, 'a FIFO named *.parquet hung the shard listing')
 
 
 def test_a_fifo_as_the_manifest_is_refused_by_name(tmp_path):
     root = small_root(tmp_path/'root')
     os.mkfifo(root/'meta'/'manifest.json')
-    probe = ("import sys; from nanochat_dl.arrow import TokenRoot\n"
-             "try: TokenRoot(sys.argv[1]); print('opened')\nexcept ValueError as e: print(e)")
-    try: out = run_py(probe, root, timeout=20).stdout
-    except subprocess.TimeoutExpired: pytest.fail('TokenRoot hung on a FIFO named manifest.json')
-    assert f"{root/'meta'/'manifest.json'} is a FIFO" in out, out
+    refused_by_name("from nanochat_dl.arrow import TokenRoot; TokenRoot(sys.argv[1])", root, root/'meta'/'manifest.json', 20,
+                    'TokenRoot hung on a FIFO named manifest.json')
