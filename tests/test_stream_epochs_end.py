@@ -97,3 +97,87 @@ def test_mixed_datasets_end_their_epochs(tmp_path, kw):
     lens = {(d, f.file, i): L for d in tr.datasets for f in tr.files[d] for i, L in enumerate(tr.open(d, f.file).lens.tolist())}
     ld = StreamingLoader(r, 64, 4, rank=0, world_size=1, n_logical_shards=8, prefetch=0, **kw)
     assert late_documents(ld, lens, 600) == set()
+
+
+# ---------------------------------------------------------------- across rescales: a rank handed shards of different epochs
+
+from nanochat_dl.streaming import owned_shards, shard_starts
+
+
+class Ledger:
+    "Document tokens delivered per `(dataset, file, doc, epoch)` over a whole chain of worlds, and the pieces (`cov`, for `assert_tiles`)."
+    def __init__(self, tr, S):
+        self.tr, self.S, self.got, self.cov = tr, S, Counter(), {}
+        self.docs = {d: [(fi.file, i, L) for fi in tr.files[d] for i, L in enumerate(tr.open(d, fi.file).lens.tolist())] for d in tr.datasets}
+
+    def owned(self, rank, W) -> dict:
+        "Per dataset, the `(file, doc, length)` of the documents in the logical shards of `rank` of `W`."
+        out = {}
+        for d, docs in self.docs.items():
+            b, own = shard_starts(len(docs), self.S), owned_shards(self.S, rank, W)
+            out[d] = docs[b[own.start]:b[own.stop]]
+        return out
+
+    def run(self, ld, n, rank, W) -> set:
+        "Take `n` batches of `ld` (rank `rank` of `W`); the `(dataset, file, doc, epoch)` of its documents still incomplete when a token of epoch + 2 came."
+        own, top, late = self.owned(rank, W), {}, set()
+        for _ in range(n):
+            b = next(ld)
+            for r, row in enumerate(b.segments):
+                for s in row:
+                    k = s.key
+                    assert np.array_equal(b.rows[r, s.start:s.start + s.length], self.tr.doc(k.dataset, k.file, k.doc)[s.offset:s.offset + s.length])
+                    if k.epoch > top.get(k.dataset, 0):
+                        top[k.dataset] = k.epoch
+                        late |= {(k.dataset, f, i, e) for f, i, L in own[k.dataset] if L for e in range(1, k.epoch - 1)
+                                 if self.got[(k.dataset, f, i, e)] < L}
+                    self.got[(k.dataset, k.file, k.doc, k.epoch)] += s.length
+                    self.cov.setdefault(k, []).append((s.offset, s.length))
+        return late
+
+
+def long_then_short(path, n=40, long=40, short=4):
+    "One dataset 'web': documents 0..n/2-1 of about `long` tokens, the rest of about `short` (the first two of four shards take long to walk)."
+    rng = np.random.default_rng(1)
+    L = [int(x) for x in np.r_[rng.integers(long // 2, 2 * long, n // 2), rng.integers(1, 2 * short, n - n // 2)]]
+    c = {('web', 'a.arrow'): write_token_file(Path(path)/'web'/'a.arrow', [(np.int64(1 + i) << 12) | np.arange(l) for i, l in enumerate(L)])}
+    write_counts(path, c)
+    return Path(path)
+
+
+@pytest.mark.parametrize('kw', [dict(pack='concat', shuffle_window=0), dict(pack='bestfit', shuffle_window=3, max_chunk=9, pack_buffer=4),
+                                dict(pack='pad', shuffle_window=0)])
+def test_a_rescale_joining_ranks_apart_by_epochs_keeps_the_contract(tmp_path, kw):
+    "Two ranks drift apart (rank 1's documents are short: it walks its shards ~10x faster); 2 -> 1 rank: the one rank finishes the old epochs of rank 0's shards before any token two epochs later (before: rank 1's shards went on at once, delivering epoch 12 before epoch 2 ended)."
+    r = long_then_short(tmp_path/'root')
+    tr, S = TokenRoot(r), 4
+    led, mk = Ledger(tr, S), lambda rank, W: StreamingLoader(tr, 16, 2, rank=rank, world_size=W, n_logical_shards=S, prefetch=0, **kw)
+    two = [mk(rank, 2) for rank in range(2)]
+    for rank, ld in enumerate(two): assert led.run(ld, 31, rank, 2) == set()
+    states = [ld.state_dict() for ld in two]
+    eps = [min(runs(s['datasets']['web']['epoch'])) for s in states]
+    assert eps[1] >= eps[0] + 2, eps                                          # the ranks are epochs apart
+    one = mk(0, 1).load_state_dict(states)
+    assert led.run(one, 400, 0, 1) == set()
+
+
+def runs(rle): return [v for v, c in rle for _ in range(c)]
+
+
+def test_hand_edited_epochs_two_apart_on_one_rank(tmp_path):
+    "A state whose shards are at epochs 1 and 3 (rank 1's edited two epochs on, as if it had drifted): the epoch-1 documents all come before a token of epoch 3."
+    r = toy_root(tmp_path/'root', {'web': {'a.arrow': 60}}, empty=0.1)
+    tr, S = TokenRoot(r), 6
+    two = [StreamingLoader(tr, 16, 2, rank=rank, world_size=2, n_logical_shards=S, prefetch=0, shuffle_window=0) for rank in range(2)]
+    for ld in two:
+        for _ in range(3): next(ld)
+    states = [ld.state_dict() for ld in two]
+    d = states[1]['datasets']['web']
+    assert runs(d['epoch']) == [1, 1, 1]
+    d['epoch'], d['draws'] = [[3, 3]], d['draws'] + 2 * 30                   # its 30 documents drawn twice more
+    ld = StreamingLoader(tr, 16, 2, rank=0, world_size=1, n_logical_shards=S, prefetch=0, shuffle_window=0).load_state_dict(states)
+    seen = []
+    for _ in range(60):
+        seen += [s.key.epoch for row in next(ld).segments for s in row]
+    first3 = seen.index(3)
+    assert 1 not in seen[first3:] and 1 in seen[:first3], (first3, seen[:first3].count(1))
