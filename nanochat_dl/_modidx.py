@@ -1140,6 +1140,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                          'nanochat_dl/streaming.py'),
                                        'nanochat_dl.streaming.ShardSource._new_epoch': ( 'streaming.html#shardsource._new_epoch',
                                                                                          'nanochat_dl/streaming.py'),
+                                       'nanochat_dl.streaming.ShardSource._passes': ( 'streaming.html#shardsource._passes',
+                                                                                      'nanochat_dl/streaming.py'),
                                        'nanochat_dl.streaming.ShardSource._restart': ( 'streaming.html#shardsource._restart',
                                                                                        'nanochat_dl/streaming.py'),
                                        'nanochat_dl.streaming.ShardSource.at': ( 'streaming.html#shardsource.at',

@@ -141,11 +141,13 @@ class ShardSource(Stage):
         self._restart()
 
     def _restart(self):
-        "Rebuild what follows from `epoch` and `pos`: the tree of documents left, the shards' orders."
-        left = [n - p for n, p in zip(self.n, self.pos)]
+        "Rebuild what follows from `epoch` and `pos`: the shards drawn from (`_emin`, `_drawn`), the tree of their documents left, the orders."
+        self._emin = min((e for e, n in zip(self.epoch, self.n) if n), default=min(self.epoch, default=1))
+        self._drawn = [e <= self._emin + 1 or not n for e, n in zip(self.epoch, self.n)]   # a shard 2+ epochs on waits
+        left = [n - p if d else 0 for n, p, d in zip(self.n, self.pos, self._drawn)]
         self.remaining, self._tree = sum(left), CountTree(left)
         self._perms = [None] * len(self.shards)
-        self._live, self._emin = 0, min(self.epoch, default=1)
+        self._live = 0
 
     def perm(self, j) -> Permutation:
         "The order of the `j`-th shard of this source in its current epoch."
@@ -174,9 +176,10 @@ def __next__(self:ShardSource) -> Doc:
 # %% ../nbs/13_streaming.ipynb #35cc7f04
 @patch
 def _new_epoch(self:ShardSource):
-    "Every shard walked: each starts its next epoch. A source with no document, or none with a token, stops."
+    "Every shard drawn from is walked: each starts its next epoch (a shard left waiting keeps its cursor). A source with no document, or none with a token, stops."
     if self.total == 0 or (self._live == 0 and not self.has_tokens()): raise StopIteration
-    self.epoch, self.pos = [e + 1 for e in self.epoch], [0] * len(self.shards)
+    self.epoch = [e + d for e, d in zip(self.epoch, self._drawn)]
+    self.pos = [0 if d else p for p, d in zip(self.pos, self._drawn)]
     self._restart()
 
 @patch
@@ -215,7 +218,13 @@ def has_tokens(self:ShardSource) -> bool:
 @patch
 def progress(self:ShardSource) -> float:
     "Passes drawn over these shards, with the current one's fraction: 1.25 is a quarter into the second."
-    return self._emin - 1 + (self.total - self.remaining) / self.total if self.total else 0.0
+    return self._passes(self.draws)
+
+@patch
+def _passes(self:ShardSource, drawn:int) -> float:
+    "`drawn` documents (the shards' `(epoch - 1) * n + pos`, summed) as passes over these shards."
+    e = self._emin - 1
+    return e + (drawn - e * self.total) / self.total if self.total else 0.0
 
 @patch
 def fetch(self:ShardSource, addresses) -> list:
@@ -916,9 +925,7 @@ def at(self:BlockSource, cur) -> tuple:
     return epoch, pos, draws + d
 
 @patch
-def progress(self:BlockSource) -> float:
-    left = self.remaining - (self._nd[self._t - 1] if self._t else 0)
-    return self._emin - 1 + (self.total - left) / self.total if self.total else 0.0
+def progress(self:BlockSource) -> float: return self._passes(self.draws + (self._nd[self._t - 1] if self._t else 0))
 
 @patch
 def open_file(self:BlockSource, f:int):
@@ -1320,7 +1327,8 @@ BestFitRows.takes_pieces = True   # `TokenStream` hands it `(pieces, lengths, ke
 def _bestfit(self:TokenStream) -> BestFitRows:
     "The bestfit packer, its epoch guard on, counting the document tokens it holds per dataset (`delivered`)."
     c = self.cfg
-    return BestFitRows(c['seq_len'], c['pack_buffer'], c['pad_token'], guard=True, ds_tokens=[0] * len(self.names), doc_len=self._piece_doc)
+    return BestFitRows(c['seq_len'], c['pack_buffer'], c['pad_token'], c.get('max_wait', MAX_WAIT), guard=True,
+                       ds_tokens=[0] * len(self.names), doc_len=self._piece_doc)
 
 @patch
 def _piece_doc(self:TokenStream, k, n:int) -> int:
@@ -1438,7 +1446,7 @@ def _check_window(self:FastTokenStream, i, doc, ep, at, cur, w, first=0):
 FORMAT = 'nanochat_dl.streaming/2'   # /2: bestfit entries keep their entry rows and may be HELD; /1 states still load
 _UNIT = ('world_size', 'rank', 'n_workers', 'worker')      # which unit of work a state is: the rest of the settings are the run's
 _CONFIG = ('datasets', 'weights', 'seq_len', 'pack', 'max_chunk', 'bos_token', 'eos_token', 'sep_token', 'pad_token',
-           'seed', 'n_logical_shards', 'shuffle_window', 'pack_buffer') + _UNIT
+           'seed', 'n_logical_shards', 'shuffle_window', 'pack_buffer', 'max_wait') + _UNIT
 
 def _token_id(name, v, hi=1 << 32):
     if v is not None and (isinstance(v, bool) or not isinstance(v, (int, np.integer)) or not 0 <= v < hi):
@@ -1485,7 +1493,7 @@ def stream_config(root, seq_len, *,   # the settings of `StreamingLoader`, docum
                   datasets=None, weights=None, rank=None, world_size=None, n_logical_shards=1024,
                   shuffle_window=10_000, seed=0, bos_token=None, eos_token=None, sep_token=None, pad_token=0,
                   pack='concat', max_chunk=None, pack_buffer=1000, tokenizer=None, max_open=None,
-                  cache_dir=None, cache_size=None) -> tuple:
+                  cache_dir=None, cache_size=None, max_wait=MAX_WAIT) -> tuple:
     "Check every setting (the names are `StreamingLoader`'s); returns `(TokenRoot, config, fingerprint)`."
     seq_len = check_int('seq_len', seq_len, 1)
     if pack not in PACKS: raise ValueError(f"pack={pack!r} is invalid: expected one of {list(PACKS)}")
@@ -1498,6 +1506,7 @@ def stream_config(root, seq_len, *,   # the settings of `StreamingLoader`, docum
                n_logical_shards=check_int('n_logical_shards', n_logical_shards, 1), seed=check_int('seed', seed, 0),
                shuffle_window=check_int('shuffle_window', shuffle_window, 0), pack_buffer=check_int('pack_buffer', pack_buffer, 1),
                max_chunk=None if max_chunk is None else check_int('max_chunk', max_chunk, 1),
+               max_wait=None if max_wait is None else check_int('max_wait', max_wait, 0),
                bos_token=_token_id('bos_token', bos_token), eos_token=_token_id('eos_token', eos_token),
                sep_token=_token_id('sep_token', sep_token), pad_token=_token_id('pad_token', pad_token, 1 << 63))
     if cfg['pad_token'] is None and pack != 'concat': raise ValueError(f"pack={pack!r} pads rows: pad_token must be a token id, not None")
@@ -1519,6 +1528,7 @@ def check_resume(state,             # a state from `state_dict()`, or anything a
     missing = [k for k in ('step', 'config', 'fingerprint', 'datasets', 'packer') if k not in state]
     if missing: raise ValueError(f"state lacks {missing}: expected a state from StreamingLoader.state_dict()")
     fp, c = _field(state, 'fingerprint', dict, 'state'), _field(state, 'config', dict, 'state')
+    if 'max_wait' not in c: c = dict(c, max_wait=MAX_WAIT)      # a state from before the setting: made with the default
     if fp.get('tokenizer') != fingerprint['tokenizer']:
         raise ValueError(f"state was saved with tokenizer={fp.get('tokenizer')!r}, this loader has tokenizer={fingerprint['tokenizer']!r}: exact resume needs the same tokens")
     data = _field(fp, 'data', dict, "state['fingerprint']")
@@ -1550,7 +1560,7 @@ def run_id(config:dict,        # checked settings, from `stream_config`
            fingerprint:dict,   # the data's and tokenizer's, from `stream_config`
            ) -> str:
     "The id of a run at its start: a digest of its settings (less the unit of work) and data, the same on every rank with no word between them. Resumes carry it on; a rescale derives the next (`nanochat_dl.elastic`)."
-    c = {k: config[k] for k in _CONFIG[:-len(_UNIT)]}
+    c = {k: config[k] for k in _CONFIG[:-len(_UNIT)] if k != 'max_wait' or config[k] != MAX_WAIT}   # (ids from before max_wait kept)
     return hashlib.sha1(json.dumps([c, fingerprint], sort_keys=True).encode()).hexdigest()[:16]
 
 # %% ../nbs/13_streaming.ipynb #b1e5d7d5
@@ -1626,6 +1636,7 @@ class StreamingLoader:
                  max_chunk=None,            # cut units longer than this into pieces before shuffling
                  device='cpu',              # where batches go ('cpu', 'cuda', 'cuda:N', 'auto')
                  pack_buffer:int=1000,      # pieces the best fit chooses from
+                 max_wait=MAX_WAIT,         # bestfit: rows a piece may wait before it starts a row (None: no age limit)
                  tokenizer=None,            # a name or digest of the tokenizer, checked on resume
                  prefetch:int=2,            # batches made ahead in a background thread (0: on demand)
                  slots:int=2,               # `DeviceTransfer`'s staging buffers (`views=True`: its reused outputs too)
@@ -1640,7 +1651,7 @@ class StreamingLoader:
             root, seq_len, datasets=datasets, weights=weights, rank=rank, world_size=world_size, n_logical_shards=n_logical_shards,
             shuffle_window=shuffle_window, seed=seed, bos_token=bos_token, eos_token=eos_token, sep_token=sep_token,
             pad_token=pad_token, pack=pack, max_chunk=max_chunk, pack_buffer=pack_buffer, tokenizer=tokenizer, max_open=max_open,
-            cache_dir=cache_dir, cache_size=cache_size)
+            cache_dir=cache_dir, cache_size=cache_size, max_wait=max_wait)
         self.device, c = resolve_device(device), self.config
         self.stream = self.stream_class(self.root, c)
         self.stream.fetch_ahead()
