@@ -401,6 +401,7 @@ class TokenStream:
             tops.append(top if src.total else None)
         self.mixer = Mixer(tops, c['weights'], self._size)
         self.packer, self.step = self._make_packer(), 0
+        self.parked = [[] for _ in self.names]   # per dataset, `(doc, epoch, start, tokens, length)` waiting (`_unpark`)
 
     def _stages(self, ds, shards, unit) -> tuple:
         "Dataset `ds`'s source, chunker and shuffle buffer (None where off), and the stage the mixer pulls from."
@@ -445,8 +446,11 @@ def pull(self:TokenStream):
     mixer, C, mc, split = self.mixer, self.C, self.mc, self.pack != 'concat'
     h, nt, bos, tail = self.framing.head, len(self._tail), self._bos, self._tail
     plain = not (h or nt)
-    parts, lens, keys = [], [], []
+    parts, lens, keys, pk = [], [], [], any(self.parked)
     for _ in range(_GROUP):
+        if pk:                                           # parked pieces whose time has come go first (`_unpark`)
+            for t, k in self._unpark(): parts.append(t); lens.append(len(t)); keys.append(k)
+            pk = any(self.parked)
         i, (addr, tok) = next(mixer)
         g, e, a = addr
         L = len(tok)
@@ -556,19 +560,20 @@ def snapshot(self:TokenStream):
           for src, ch, sh in zip(self.sources, self.chunkers, self.shuffles)]
     held = getattr(self.packer, 'ds_tokens', None)
     return (self.step, ds, list(self.mixer.tokens), self._packer_snap(), self.packer.metrics_state(), None if held is None else list(held),
-            getattr(self.packer, '_wait', 0))
+            getattr(self.packer, '_wait', 0), [list(p) for p in self.parked] if any(self.parked) else None)
 
 @patch
 def state_of(self:TokenStream, snap) -> dict:
     "The JSON state at `snap`: per dataset its shard cursors, the cut in progress, the shuffle window's addresses and the tokens mixed; the packer's buffer as addresses with how much was delivered."
     step, ds, tokens, ps, metrics = snap[:5]
-    out = {}
-    for name, src, shuf, (cur, cut, sh, _), t in zip(self.names, self.sources, self.shuffles, ds, tokens):
+    out, parked = {}, snap[7] or [[]] * len(self.names)
+    for name, src, shuf, (cur, cut, sh, _), t, pk in zip(self.names, self.sources, self.shuffles, ds, tokens, parked):
         epoch, pos, draws = src.at(cur)
         d = dict(shards=_ranges(src.shards), epoch=_rle(epoch), pos=list(pos), draws=draws, tokens=t, cut=None if cut is None else list(cut))
         if sh is not None:
             win = [self._address(x) for x in shuf.window_of(sh)]
             d['shuffle'] = dict(drawn=sh[3], doc=[a[0] for a in win], epoch=_rle(a[1] for a in win), start=_rle(a[2] for a in win))
+        if pk: d['parked'] = [[g, e, a] for g, e, a, *_ in pk]
         out[name] = d
     return dict(step=step, datasets=out, packer=dict(self._packer_state(ps), metrics=metrics))
 
@@ -583,6 +588,9 @@ def delivered(self:TokenStream, snap) -> list:
         for (i, g, e, a, L), off in zip(*ps):
             n = self._end(a, L) - a if self.pack == 'concat' else min(self._end(a, L), a + self.C) - a
             held[i] += self._piece_doc((i, g, e, a + off, L), n - off)
+    for i, pk in enumerate(snap[7] or []):   # parked pieces: taken in by the mixer, not delivered
+        held = list(held)
+        held[i] += sum(self._piece_doc((i, g, e, a, L), n) for g, e, a, n, L in pk)
     return [t - h for t, h in zip(tok, held)]
 
 @patch
@@ -650,6 +658,7 @@ def _parse_dataset(self:TokenStream, i, d, where) -> dict:
     cur = _Shards(epoch, pos, {s: j for j, s in enumerate(src.shards)}, shard_starts(src.n_docs, src.n_shards), {})
     out = dict(epoch=epoch, pos=pos, draws=draws, tokens=_int(where + "['tokens']", d.get('tokens')), cut=None, shuffle=None, cur=cur)
     if d.get('cut') is not None: out['cut'] = self._parse_cut(i, d['cut'], cur, where + "['cut']")[:3]
+    out['parked'] = [] if d.get('parked') is None else self._parse_parked(i, d['parked'], cur, where + "['parked']")
     if self.windows[i]:          # a window may hold more pieces than its slots (after a rescale): it draws without refilling until below
         s, w = _field(d, 'shuffle', dict, where), where + "['shuffle']"
         drawn, doc = _int(w + "['drawn']", s.get('drawn')), _field(s, 'doc', list, w)
@@ -719,6 +728,7 @@ def _check_once(self:TokenStream, ds, items):
     "Refuse a state that buffers a piece twice (shuffle window, packer; two `concat` entries in one max_chunk piece overlap), or a piece of a document being cut beyond the cut."
     pieces = [(i, g, e, a, 0, j) for i, d in enumerate(ds) for j, (g, e, a) in enumerate((d['shuffle'] or (0, []))[1])]
     pieces += [(i, g, e, a, 1, j) for j, (i, g, e, a, *_) in enumerate(items)]
+    pieces += [(i, g, e, a, 2, j) for i, d in enumerate(ds) for j, (g, e, a, *_) in enumerate(d['parked'])]
     docs = Counter(p[:3] for p in pieces)
     cuts = {(i, *d['cut'][:2]) for i, d in enumerate(ds) if d['cut'] is not None}
     many = {k for k, n in docs.items() if n > 1} | (cuts & docs.keys())      # only these documents can break a rule
@@ -727,7 +737,8 @@ def _check_once(self:TokenStream, ds, items):
     for i, g, e, a, k, j in pieces:
         if (i, g, e) in many:
             c = a - a % self.mc if self.mc else 0
-            seen[(i, g, e)].append((c, a, k, f"state['datasets'][{self.names[i]!r}]['shuffle'] piece {j}" if k == 0 else f"state['packer']['entries'][{j}]"))
+            seen[(i, g, e)].append((c, a, k, f"state['datasets'][{self.names[i]!r}]['shuffle'] piece {j}" if k == 0 else f"state['packer']['entries'][{j}]"
+                                    if k == 1 else f"state['datasets'][{self.names[i]!r}]['parked'][{j}]"))
     for (i, g, e), ps in seen.items():
         ps.sort()
         for (c0, a0, k0, w0), (c1, a1, k1, w1) in zip(ps, ps[1:]):
@@ -773,7 +784,7 @@ def load_state(self:TokenStream, st:dict):
         if sh is not None: _load_window(sh, *d['shuffle'])
     self.mixer.load_state_dict(dict(tokens=[d['tokens'] for d in p['datasets']]))
     self._load_packer(p['entries'], p['metrics'], p['entered'])
-    self.step = p['step']
+    self.parked, self.step = [list(d['parked']) for d in p['datasets']], p['step']
     return self
 
 def _load_window(sh:ShuffleBuffer, drawn, addresses):
@@ -788,6 +799,46 @@ def _load_packer(self:TokenStream, items, metrics, entered=None):
     pieces = [(self.framing.render(self.sources[i].doc(g), a, a + n), (i, g, e, a, L), off) for i, g, e, a, off, n, L in items]
     if hasattr(self.packer, 'snap'): self.packer.restore(pieces, entered)   # `BestFitRows`
     else: self.packer.restore(pieces)
+
+
+# %% ../nbs/13_streaming.ipynb #e5c0de04
+@patch
+def _parse_parked(self:TokenStream, i, parked, cur, where) -> list:
+    "Dataset `i`'s parked pieces `[[doc, epoch, start], ...]`, each checked as a packer entry is: `(doc, epoch, start, tokens, length)`."
+    if not isinstance(parked, list): raise ValueError(f"{where} must be a list of [doc, epoch, start], got {str(parked)[:80]}")
+    out, concat = [], self.pack == 'concat'
+    for j, x in enumerate(parked):
+        w = f"{where}[{j}]"
+        if not (isinstance(x, list) and len(x) == 3): raise ValueError(f"{w}={str(x)[:80]}: expected [doc, epoch, start]")
+        g, e, a = _int(w + '[0]', x[0]), _int(w + '[1]', x[1], 1), _int(w + '[2]', x[2])
+        L = self._check_doc(i, g, e, cur, w)
+        self._check_start(g, L, a, w, rows=not concat, inside=concat)
+        out.append((g, e, a, (self._end(a, L) if concat else min(self._end(a, L), a + self.C)) - a, L))
+    return out
+
+@patch
+def _low(self:TokenStream, i):
+    "The oldest epoch dataset `i` may still hand the packer from its shards, the document being cut or its shuffle window."
+    src, ch, sh = self.sources[i], self.chunkers[i], self.shuffles[i]
+    epoch, pos, _ = src.at(src.cursor())
+    low = min((e + (p >= n) for e, p, n in zip(epoch, pos, src.n) if n), default=math.inf)
+    cut = None if ch is None else ch.cut()
+    if cut is not None: low = min(low, cut[1])
+    if sh is not None and sh.buf: low = min(low, min(map(sh.epoch_of, sh.buf)))
+    return low
+
+@patch
+def _unpark(self:TokenStream) -> list:
+    "The parked pieces at most one epoch past their dataset's `_low`, in order, as `(tokens, key)`; the others stay parked."
+    out = []
+    for i, ps in enumerate(self.parked):
+        if not ps: continue
+        low, keep = self._low(i), []
+        for g, e, a, n, L in ps:
+            if e <= low + 1: out.append((self.framing.render(self.sources[i].doc(g), a, a + n), (i, g, e, a, L)))
+            else: keep.append((g, e, a, n, L))
+        self.parked[i] = keep
+    return out
 
 
 # %% ../nbs/13_streaming.ipynb #aca83678
@@ -1375,8 +1426,11 @@ def pull(self:FastTokenStream) -> tuple:
     tok, w, active, feeds, srcs = mx.tokens, mx.w, mx.active, mx.ups, self.sources
     h, nt, bos, tail = self.framing.head, len(self._tail), self._bos, self._tail
     plain, both, ex = not (h or nt), h and nt, h + nt
-    pieces, lens, keys, n, total = [], [], [], 0, sum(tok)
+    pieces, lens, keys, n, total, pk = [], [], [], 0, sum(tok), any(self.parked)
     while n < _GROUP:
+        if pk:                                           # parked pieces whose time has come go first (`_unpark`)
+            for t, k in self._unpark(): pieces.append([t]); lens.append(len(t)); keys.append(k)
+            pk = any(self.parked)
         if len(active) == 1: i = active[0]
         elif not active: raise StopIteration
         else:
@@ -1791,7 +1845,7 @@ def open_epochs(state,   # a `StreamingLoader` state (or a `StreamingDataset` wo
         owned = [j for a, b in s['shards'] for j in range(a, b)]
         eps = [e for j, e in zip(owned, runs(s['epoch'])) if starts[j + 1] > starts[j]]
         eps += ([s['cut'][1]] if s['cut'] else []) + (runs(s['shuffle']['epoch']) if 'shuffle' in s else [])
-        eps += [e[2] for e in state['packer']['entries'] if state['config']['datasets'][e[0]] == d]
+        eps += [e[2] for e in state['packer']['entries'] if state['config']['datasets'][e[0]] == d] + [x[1] for x in s.get('parked', [])]
         out[d] = min(eps, default=math.inf)
     return out
 
