@@ -1497,7 +1497,7 @@ def _check_window(self:FastTokenStream, i, doc, ep, at, cur, w, first=0):
         raise AssertionError(f"{w} piece {j}: refused in bulk but not alone")    # (cannot happen: the two checks agree)
 
 # %% ../nbs/13_streaming.ipynb #ebf13e75
-FORMAT = 'nanochat_dl.streaming/2'   # /2: bestfit entries keep their entry rows and may be HELD; /1 states still load
+FORMAT = 'nanochat_dl.streaming/3'   # /3: 'max_wait', pieces 'parked' by a rescale; /2: bestfit entry rows, HELD; /2, /1 still load
 _UNIT = ('world_size', 'rank', 'n_workers', 'worker')      # which unit of work a state is: the rest of the settings are the run's
 _CONFIG = ('datasets', 'weights', 'seq_len', 'pack', 'max_chunk', 'bos_token', 'eos_token', 'sep_token', 'pad_token',
            'seed', 'n_logical_shards', 'shuffle_window', 'pack_buffer', 'max_wait') + _UNIT
@@ -1578,7 +1578,7 @@ def check_resume(state,             # a state from `state_dict()`, or anything a
                  fingerprint:dict): # this loader's data and tokenizer fingerprint
     "Refuse `state`, naming the field, unless it was saved over the same data and tokenizer with the same settings."
     if not isinstance(state, dict): raise TypeError(f"state is {type(state).__name__}: expected a dict from state_dict()")
-    if state.get('format') not in (FORMAT, 'nanochat_dl.streaming/1'): raise ValueError(f"state['format']={str(state.get('format'))[:60]!r}: expected {FORMAT!r}, a state from StreamingLoader.state_dict()")
+    if state.get('format') not in (FORMAT, 'nanochat_dl.streaming/2', 'nanochat_dl.streaming/1'): raise ValueError(f"state['format']={str(state.get('format'))[:60]!r}: expected {FORMAT!r}, a state from StreamingLoader.state_dict()")
     missing = [k for k in ('step', 'config', 'fingerprint', 'datasets', 'packer') if k not in state]
     if missing: raise ValueError(f"state lacks {missing}: expected a state from StreamingLoader.state_dict()")
     fp, c = _field(state, 'fingerprint', dict, 'state'), _field(state, 'config', dict, 'state')

@@ -347,3 +347,16 @@ def test_impossible_parked_pieces_are_refused(tmp_path):
         with pytest.raises(ValueError, match=msg): mk().load_state_dict(bad)
     dup = json.loads(json.dumps(st)); dup['packer']['entries'].append([0, g, e, a, 0])
     with pytest.raises(ValueError, match="parked.*would be delivered twice|would be delivered twice"): mk().load_state_dict(dup)
+
+
+def test_a_state_of_format_2_still_loads(small):
+    "A state written before max_wait and parked pieces (format /2, no 'max_wait' in its config) resumes exactly where max_wait is the default."
+    r, _ = small
+    kw = dict(rank=0, world_size=1, n_logical_shards=8, shuffle_window=5, pack='bestfit', pack_buffer=16, prefetch=0)
+    ld = StreamingLoader(r, 64, 4, **kw)
+    bs = [next(ld) for _ in range(5)]
+    old = json.loads(json.dumps(bs[1].state))
+    assert old['format'] == 'nanochat_dl.streaming/3'
+    old['format'] = 'nanochat_dl.streaming/2'; del old['config']['max_wait']
+    again = StreamingLoader(r, 64, 4, **kw).load_state_dict(old)
+    assert all(np.array_equal(next(again).rows, b.rows) for b in bs[2:])
