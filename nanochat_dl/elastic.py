@@ -45,6 +45,7 @@ class _Set(NamedTuple):
     cur: _Shards      # the cursors, as the address checks take them
     window: tuple     # arrays (doc, epoch, start, shard, unit, slot): the windows' pieces, in the saved units' order
     cuts: list        # (doc, epoch, start, document length, shard, unit): the documents being cut, in the saved units' order
+    parked: list = [] # (doc, epoch, start, tokens, document length, shard, unit): pieces parked by an earlier rescale
 
 class World:
     "The states of every unit of work of a run at one step, checked and merged: each logical shard's cursor, every buffered piece with its shard, the mix totals. `state_for` deals them to a unit of any world."
@@ -120,7 +121,7 @@ def _where(self:World, u, *keys) -> str:
 def _merge(self:World, i) -> _Set:
     "Dataset `i` over every unit: its part of each state checked against the unit's shards; then the cursors, totals and pieces put together."
     name, src, S, win = self.config['datasets'][i], self.stream.sources[i], self.config['n_logical_shards'], self.config['shuffle_window']
-    epoch, pos, tokens, drawn, windows, cuts = [1] * S, [0] * S, 0, 0, [], []
+    epoch, pos, tokens, drawn, windows, cuts, parked = [1] * S, [0] * S, 0, 0, [], [], []
     for u, (s, own) in enumerate(zip(self.states, self.owns)):
         where = self._where(u, 'datasets', name)
         d = _field(_field(s, 'datasets', dict, self._where(u)), name, dict, self._where(u, 'datasets'))
@@ -135,6 +136,7 @@ def _merge(self:World, i) -> _Set:
         epoch[own.start:own.stop], pos[own.start:own.stop] = ep, p
         tokens += _int(where + "['tokens']", d.get('tokens'))
         if d.get('cut') is not None: cuts.append((u, d['cut']))
+        if d.get('parked') is not None: parked.append((u, d['parked']))
         if min(win, sum(n)):                                       # the unit had a window: its pieces
             sh, w_ = _field(d, 'shuffle', dict, where), where + "['shuffle']"
             drawn += _int(w_ + "['drawn']", sh.get('drawn'))
@@ -142,7 +144,20 @@ def _merge(self:World, i) -> _Set:
             for k, g in enumerate(doc): _int(f"{w_}['doc'][{k}]", g)
             windows.append((u, doc, _unrle(sh.get('epoch'), w_ + "['epoch']", len(doc), 1), _unrle(sh.get('start'), w_ + "['start']", len(doc))))
     cur = _Shards(epoch, pos, {s: s for s in range(S)}, shard_starts(src.n_docs, S), {})
-    return _Set(epoch, pos, list(src.n), tokens, drawn, cur, self._check_windows(i, cur, windows), self._check_cuts(i, cur, cuts))
+    return _Set(epoch, pos, list(src.n), tokens, drawn, cur, self._check_windows(i, cur, windows), self._check_cuts(i, cur, cuts),
+                self._check_parked(i, cur, parked))
+
+@patch
+def _check_parked(self:World, i, cur, parked) -> list:
+    "The pieces parked in dataset `i`, each checked, as `(doc, epoch, start, tokens, document length, shard, unit)`."
+    name, out = self.config['datasets'][i], []
+    for u, ps in parked:
+        where = self._where(u, 'datasets', name, 'parked')
+        for k, (g, e, a, n, L) in enumerate(self.stream._parse_parked(i, ps, cur, where)):
+            s = int(np.searchsorted(cur.bounds, g, 'right')) - 1
+            self._check_owned(i, [g], np.array([s]), np.array([u]), lambda _: f"{where}[{k}]")
+            out.append((g, e, a, n, L, s, u))
+    return out
 
 # %% ../nbs/15_elastic.ipynb #e1000006
 @patch
@@ -207,6 +222,7 @@ def _check_overlaps(self:World):
         keys.update(zip([i] * len(z.window[0]), z.window[0].tolist(), z.window[1].tolist()))
         keys.update((i, g, e) for g, e, *_ in z.cuts)
     keys.update(x[:3] for x in self.entries)
+    keys.update((i, g, e) for i, z in enumerate(self.sets) for g, e, *_ in z.parked)
     many = {k for k, n in keys.items() if n > 1}                   # only these documents can break the rule
     if not many: return
     held = defaultdict(list)    # (dataset, doc, epoch) -> [(max_chunk piece, start, kind: 0 window, 1 entry, 2 cut, where)]
@@ -219,6 +235,9 @@ def _check_overlaps(self:World):
             if (i, g, e) in many: held[i, g, e].append((a, a, 2, self._where(u, 'datasets', names[i], 'cut')))
     for i, g, e, a, n, L, s, u, k in self.entries:
         if (i, g, e) in many: held[i, g, e].append((chunk(a), a, 1, f"{self._where(u, 'packer', 'entries')}[{k}]"))
+    for i, z in enumerate(self.sets):
+        for k, (g, e, a, n, L, s, u) in enumerate(z.parked):
+            if (i, g, e) in many: held[i, g, e].append((chunk(a), a, 1, f"{self._where(u, 'datasets', names[i], 'parked')} piece {k}"))
     for (i, g, e), ps in held.items():
         ps.sort()
         what = f"document {g} (epoch {e}) of dataset {names[i]!r}"
@@ -260,6 +279,7 @@ def state_for(self:World, rank:int,       # the rank of the unit ...
         else: extra += [p for g, e, s, L in more for p in self._pieces(i, g, e, s, L)]
         datasets[name] = d
     entries = [(i, g, e, a, n) for i, g, e, a, n, L, s, *_ in self.entries if lo <= s < hi] + extra
+    entries = self._park(datasets, entries, lo, hi)
     metrics = dict.fromkeys(self.stream.packer.metrics_state(), 0)
     metrics.update(docs_in=len(entries), doc_tokens=sum(x[4] for x in entries), tokens_in=sum(x[4] for x in entries))
     config = dict(cfg, rank=r, world_size=W, worker=w, n_workers=nw, **({} if self.batch_size is None else dict(batch_size=self.batch_size)))
@@ -268,14 +288,47 @@ def state_for(self:World, rank:int,       # the rank of the unit ...
                 fingerprint=fp, datasets=datasets, packer=dict(entries=[[i, g, e, a, 0] for i, g, e, a, _ in entries], metrics=metrics,
                                                       **(dict(entered=[[0, len(entries)]] if entries else []) if cfg['pack'] == 'bestfit' else {}))))   # all enter at row 0
 
+@patch
+def _park(self:World, datasets, entries, lo, hi) -> list:
+    "Park the pieces of `entries` (and those parked before) two or more epochs past the oldest epoch their dataset still has on the unit of shards `lo..hi` (`TokenStream._unpark` lets them go): the entries left, then the parked ones whose time has come."
+    far, back, fr = set(), [], self.stream.framing
+    for i, (name, z) in enumerate(zip(self.config['datasets'], self.sets)):
+        d = datasets[name]
+        ps = [(i, g, e, a, n) for g, e, a, n, L, s, u in z.parked if lo <= s < hi]
+        mine = [j for j, x in enumerate(entries) if x[0] == i]
+        eps = [e + (p >= m) for e, p, m in zip(z.epoch[lo:hi], z.pos[lo:hi], z.n[lo:hi]) if m]   # the shards' next draws
+        eps += [entries[j][2] for j in mine] + [x[2] for x in ps] + ([d['cut'][1]] if d['cut'] else [])
+        eps += [v for v, c in d['shuffle']['epoch']] if 'shuffle' in d else []
+        low = min(eps, default=0)
+        f = [j for j in mine if entries[j][2] >= low + 2]
+        far.update(f)
+        back += [x for x in ps if x[2] < low + 2]
+        if d['cut'] and d['cut'][1] >= low + 2:                          # a document being cut that far on: its pieces park
+            (g, e, a), L = d['cut'], len(self.stream.sources[i].doc(d['cut'][0]))
+            ps += [x for t in range(a, self.stream.framing.unit_len(L), self.stream.mc) for x in self._pieces(i, g, e, t, L)]
+            d['cut'] = None
+        if 'shuffle' in d:                                               # window pieces that far on: their packer pieces park,
+            w = d['shuffle']                                              # counted as mixed (the mixer never takes them)
+            win = list(zip(w['doc'], [v for v, c in w['epoch'] for _ in range(c)], [v for v, c in w['start'] for _ in range(c)]))
+            for g, e, a in win:
+                if e >= low + 2:
+                    L = len(self.stream.sources[i].doc(g))
+                    ps += (got := self._pieces(i, g, e, a, L) if self.stream.mc else self._pieces(i, g, e, 0, L, fr.unit_len(L)))
+                    d['tokens'] += sum(self.stream._piece_doc((i, g, e, t, L), n) for _, _, _, t, n in got)
+            win = [x for x in win if x[1] < low + 2]
+            w.update(doc=[x[0] for x in win], epoch=_rle(x[1] for x in win), start=_rle(x[2] for x in win))
+        parked = sorted([entries[j] for j in f] + [x for x in ps if x[2] >= low + 2], key=lambda x: x[2])
+        if parked: d['parked'] = [[g, e, a] for _, g, e, a, _ in parked]
+    return [x for j, x in enumerate(entries) if j not in far] + back
+
 def _lineage(run, step, old, new) -> str:
     "The id of a run after a rescale at `step` from world `old` to world `new`: a digest of the four, the same on every new rank."
     return hashlib.sha1(json.dumps([run, step, old, new]).encode()).hexdigest()[:16]
 
 @patch
-def _pieces(self:World, i, g, e, s, L) -> list:
-    "The packer's pieces of the max_chunk piece at `s` of document `g`: itself in `concat`, its row-sized pieces otherwise; `(dataset, doc, epoch, start, tokens)`."
-    b = min(s + self.stream.mc, self.stream.framing.unit_len(L))
+def _pieces(self:World, i, g, e, s, L, mc=None) -> list:
+    "The packer's pieces of the max_chunk piece (of `mc` tokens) at `s` of document `g`: itself in `concat`, its row-sized pieces otherwise; `(dataset, doc, epoch, start, tokens)`."
+    b = min(s + (mc or self.stream.mc), self.stream.framing.unit_len(L))
     C = (b - s) if self.config['pack'] == 'concat' else self.stream.C
     return [(i, g, e, t, min(t + C, b) - t) for t in range(s, b, C)]
 

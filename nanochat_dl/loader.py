@@ -24,6 +24,7 @@ from .remote import cache_metrics, pin_copies, unpin_copies
 from .stages import Stage, Doc
 from .packing import (Packer, ReferencePacker, PackedBatch, FlatDocs, STRATEGIES, GUARDED, HELD,
                                  position_ids, cu_seqlens, entered_runs, entered_rows)
+from .packing import MAX_WAIT
 from .transfer import DeviceTransfer, SingleBufferTransfer, TrainingTriple, resolve_device
 from .tokenizer import tokenizer_fingerprint
 from .encode import Request, make_encoder, _check_timeout
@@ -582,8 +583,10 @@ def _check_state(sd, cfg, fingerprint, reader, counters):
     if not all(_same(tok[k], v) for k, v in fingerprint['tokenizer'].items()):
         raise ValueError(f"resume_state_dict['fingerprint']: saved with a different tokenizer ({_describe_tok(tok)}); this loader "
                          f"has {_describe_tok(fingerprint['tokenizer'])}: exact resume needs the same tokenizer")
-    theirs = _as_dict(sd['config'], ('config',), _CONFIG_KEYS)
-    for k in _CONFIG_KEYS:
+    theirs = _as_dict(sd['config'], ('config',), _CONFIG_KEYS, optional=('max_wait',))
+    if 'max_wait' not in theirs:   # a state from before the setting: made with its strategy's default
+        theirs = dict(theirs, max_wait=MAX_WAIT if cfg['strategy'] in GUARDED else None)
+    for k in _CONFIG_KEYS + ('max_wait',):
         if not _same(theirs[k], cfg[k]):
             raise ValueError(f"resume_state_dict['config']: saved by a loader with {k}={theirs[k]!r:.60}, but this loader has {k}={cfg[k]!r}: "
                              f"exact resume needs the same {k} (each rank resumes from its own state)"
@@ -715,6 +718,7 @@ class PackedLoader(Stage):
                  *, files=None,                     # the shards to read, instead of a split of `data_dir`
                  strategy='bestfit-crop',           # packing strategy (nanochat's is 'bestfit-crop'); see `STRATEGIES`
                  buffer_size:int=1000,              # documents in the packing buffer
+                 max_wait='auto',                   # bestfit-pad/-split's age limit, in rows ('auto': `MAX_WAIT`; None: none)
                  tokenizer_threads:int=4,           # tokenizer worker processes (or threads)
                  tokenizer_batch_size:int=128,      # documents per slice of a row group
                  device='auto',                     # 'auto', 'cpu', 'cuda', 'cuda:N' or a torch.device
@@ -766,11 +770,11 @@ class PackedLoader(Stage):
         try:
             # an address starts with its epoch: with `bestfit-pad` and `bestfit-split`, every epoch ends
             packer = Packer(self.T, buffer_size, strategy, bos_id=encoder.bos, pad_id=pad_id, max_docs_per_row=max_docs_per_row,
-                            epoch_of=itemgetter(0))
+                            epoch_of=itemgetter(0), max_wait=max_wait)
             self.config = dict(split=split, B=self.B, T=self.T, strategy=strategy, buffer_size=packer.buffer_size,
                                tokenizer_batch_size=reader.batch_size, rank=reader.rank, world_size=reader.world_size,
                                shuffle=reader.shuffle, seed=reader.seed, text_column=text_column, pad_id=packer.pad_id,
-                               max_docs_per_row=packer.max_docs_per_row)
+                               max_docs_per_row=packer.max_docs_per_row, max_wait=packer.max_wait)
             self.source = RowGroupSource(reader)
             self.encode = EncodeStage(self.source, encoder, read_ahead, worker_reads)
             self.pack = PackStage(self.encode, packer)

@@ -143,11 +143,13 @@ class ShardSource(Stage):
         self._restart()
 
     def _restart(self):
-        "Rebuild what follows from `epoch` and `pos`: the tree of documents left, the shards' orders."
-        left = [n - p for n, p in zip(self.n, self.pos)]
+        "Rebuild what follows from `epoch` and `pos`: the shards drawn from (`_emin`, `_drawn`), the tree of their documents left, the orders."
+        self._emin = min((e for e, n in zip(self.epoch, self.n) if n), default=min(self.epoch, default=1))
+        self._drawn = [e <= self._emin + 1 or not n for e, n in zip(self.epoch, self.n)]   # a shard 2+ epochs on waits
+        left = [n - p if d else 0 for n, p, d in zip(self.n, self.pos, self._drawn)]
         self.remaining, self._tree = sum(left), CountTree(left)
         self._perms = [None] * len(self.shards)
-        self._live, self._emin = 0, min(self.epoch, default=1)
+        self._live = 0
 
     def perm(self, j) -> Permutation:
         "The order of the `j`-th shard of this source in its current epoch."
@@ -176,9 +178,10 @@ def __next__(self:ShardSource) -> Doc:
 # %% ../nbs/13_streaming.ipynb #35cc7f04
 @patch
 def _new_epoch(self:ShardSource):
-    "Every shard walked: each starts its next epoch. A source with no document, or none with a token, stops."
+    "Every shard drawn from is walked: each starts its next epoch (a shard left waiting keeps its cursor). A source with no document, or none with a token, stops."
     if self.total == 0 or (self._live == 0 and not self.has_tokens()): raise StopIteration
-    self.epoch, self.pos = [e + 1 for e in self.epoch], [0] * len(self.shards)
+    self.epoch = [e + d for e, d in zip(self.epoch, self._drawn)]
+    self.pos = [0 if d else p for p, d in zip(self.pos, self._drawn)]
     self._restart()
 
 @patch
@@ -217,7 +220,13 @@ def has_tokens(self:ShardSource) -> bool:
 @patch
 def progress(self:ShardSource) -> float:
     "Passes drawn over these shards, with the current one's fraction: 1.25 is a quarter into the second."
-    return self._emin - 1 + (self.total - self.remaining) / self.total if self.total else 0.0
+    return self._passes(self.draws)
+
+@patch
+def _passes(self:ShardSource, drawn:int) -> float:
+    "`drawn` documents (the shards' `(epoch - 1) * n + pos`, summed) as passes over these shards."
+    e = self._emin - 1
+    return e + (drawn - e * self.total) / self.total if self.total else 0.0
 
 @patch
 def fetch(self:ShardSource, addresses) -> list:
@@ -406,6 +415,7 @@ class TokenStream:
             tops.append(top if src.total else None)
         self.mixer = Mixer(tops, c['weights'], self._size)
         self.packer, self.step = self._make_packer(), 0
+        self.parked = [[] for _ in self.names]   # per dataset, `(doc, epoch, start, tokens, length)` waiting (`_unpark`)
 
     def _stages(self, ds, shards, unit) -> tuple:
         "Dataset `ds`'s source, chunker and shuffle buffer (None where off), and the stage the mixer pulls from."
@@ -450,8 +460,11 @@ def pull(self:TokenStream):
     mixer, C, mc, split = self.mixer, self.C, self.mc, self.pack != 'concat'
     h, nt, bos, tail = self.framing.head, len(self._tail), self._bos, self._tail
     plain = not (h or nt)
-    parts, lens, keys = [], [], []
+    parts, lens, keys, pk = [], [], [], any(self.parked)
     for _ in range(_GROUP):
+        if pk:                                           # parked pieces whose time has come go first (`_unpark`)
+            for t, k in self._unpark(): parts.append(t); lens.append(len(t)); keys.append(k)
+            pk = any(self.parked)
         i, (addr, tok) = next(mixer)
         g, e, a = addr
         L = len(tok)
@@ -561,19 +574,20 @@ def snapshot(self:TokenStream):
           for src, ch, sh in zip(self.sources, self.chunkers, self.shuffles)]
     held = getattr(self.packer, 'ds_tokens', None)
     return (self.step, ds, list(self.mixer.tokens), self._packer_snap(), self.packer.metrics_state(), None if held is None else list(held),
-            getattr(self.packer, '_wait', 0))
+            getattr(self.packer, '_wait', 0), [list(p) for p in self.parked] if any(self.parked) else None)
 
 @patch
 def state_of(self:TokenStream, snap) -> dict:
     "The JSON state at `snap`: per dataset its shard cursors, the cut in progress, the shuffle window's addresses and the tokens mixed; the packer's buffer as addresses with how much was delivered."
     step, ds, tokens, ps, metrics = snap[:5]
-    out = {}
-    for name, src, shuf, (cur, cut, sh, _), t in zip(self.names, self.sources, self.shuffles, ds, tokens):
+    out, parked = {}, snap[7] or [[]] * len(self.names)
+    for name, src, shuf, (cur, cut, sh, _), t, pk in zip(self.names, self.sources, self.shuffles, ds, tokens, parked):
         epoch, pos, draws = src.at(cur)
         d = dict(shards=_ranges(src.shards), epoch=_rle(epoch), pos=list(pos), draws=draws, tokens=t, cut=None if cut is None else list(cut))
         if sh is not None:
             win = [self._address(x) for x in shuf.window_of(sh)]
             d['shuffle'] = dict(drawn=sh[3], doc=[a[0] for a in win], epoch=_rle(a[1] for a in win), start=_rle(a[2] for a in win))
+        if pk: d['parked'] = [[g, e, a] for g, e, a, *_ in pk]
         out[name] = d
     return dict(step=step, datasets=out, packer=dict(self._packer_state(ps), metrics=metrics))
 
@@ -588,6 +602,9 @@ def delivered(self:TokenStream, snap) -> list:
         for (i, g, e, a, L), off in zip(*ps):
             n = self._end(a, L) - a if self.pack == 'concat' else min(self._end(a, L), a + self.C) - a
             held[i] += self._piece_doc((i, g, e, a + off, L), n - off)
+    for i, pk in enumerate(snap[7] or []):   # parked pieces: taken in by the mixer, not delivered
+        held = list(held)
+        held[i] += sum(self._piece_doc((i, g, e, a, L), n) for g, e, a, n, L in pk)
     return [t - h for t, h in zip(tok, held)]
 
 @patch
@@ -655,6 +672,7 @@ def _parse_dataset(self:TokenStream, i, d, where) -> dict:
     cur = _Shards(epoch, pos, {s: j for j, s in enumerate(src.shards)}, shard_starts(src.n_docs, src.n_shards), {})
     out = dict(epoch=epoch, pos=pos, draws=draws, tokens=_int(where + "['tokens']", d.get('tokens')), cut=None, shuffle=None, cur=cur)
     if d.get('cut') is not None: out['cut'] = self._parse_cut(i, d['cut'], cur, where + "['cut']")[:3]
+    out['parked'] = [] if d.get('parked') is None else self._parse_parked(i, d['parked'], cur, where + "['parked']")
     if self.windows[i]:          # a window may hold more pieces than its slots (after a rescale): it draws without refilling until below
         s, w = _field(d, 'shuffle', dict, where), where + "['shuffle']"
         drawn, doc = _int(w + "['drawn']", s.get('drawn')), _field(s, 'doc', list, w)
@@ -724,6 +742,7 @@ def _check_once(self:TokenStream, ds, items):
     "Refuse a state that buffers a piece twice (shuffle window, packer; two `concat` entries in one max_chunk piece overlap), or a piece of a document being cut beyond the cut."
     pieces = [(i, g, e, a, 0, j) for i, d in enumerate(ds) for j, (g, e, a) in enumerate((d['shuffle'] or (0, []))[1])]
     pieces += [(i, g, e, a, 1, j) for j, (i, g, e, a, *_) in enumerate(items)]
+    pieces += [(i, g, e, a, 2, j) for i, d in enumerate(ds) for j, (g, e, a, *_) in enumerate(d['parked'])]
     docs = Counter(p[:3] for p in pieces)
     cuts = {(i, *d['cut'][:2]) for i, d in enumerate(ds) if d['cut'] is not None}
     many = {k for k, n in docs.items() if n > 1} | (cuts & docs.keys())      # only these documents can break a rule
@@ -732,7 +751,8 @@ def _check_once(self:TokenStream, ds, items):
     for i, g, e, a, k, j in pieces:
         if (i, g, e) in many:
             c = a - a % self.mc if self.mc else 0
-            seen[(i, g, e)].append((c, a, k, f"state['datasets'][{self.names[i]!r}]['shuffle'] piece {j}" if k == 0 else f"state['packer']['entries'][{j}]"))
+            seen[(i, g, e)].append((c, a, k, f"state['datasets'][{self.names[i]!r}]['shuffle'] piece {j}" if k == 0 else f"state['packer']['entries'][{j}]"
+                                    if k == 1 else f"state['datasets'][{self.names[i]!r}]['parked'][{j}]"))
     for (i, g, e), ps in seen.items():
         ps.sort()
         for (c0, a0, k0, w0), (c1, a1, k1, w1) in zip(ps, ps[1:]):
@@ -778,7 +798,7 @@ def load_state(self:TokenStream, st:dict):
         if sh is not None: _load_window(sh, *d['shuffle'])
     self.mixer.load_state_dict(dict(tokens=[d['tokens'] for d in p['datasets']]))
     self._load_packer(p['entries'], p['metrics'], p['entered'])
-    self.step = p['step']
+    self.parked, self.step = [list(d['parked']) for d in p['datasets']], p['step']
     return self
 
 def _load_window(sh:ShuffleBuffer, drawn, addresses):
@@ -793,6 +813,46 @@ def _load_packer(self:TokenStream, items, metrics, entered=None):
     pieces = [(self.framing.render(self.sources[i].doc(g), a, a + n), (i, g, e, a, L), off) for i, g, e, a, off, n, L in items]
     if hasattr(self.packer, 'snap'): self.packer.restore(pieces, entered)   # `BestFitRows`
     else: self.packer.restore(pieces)
+
+
+# %% ../nbs/13_streaming.ipynb #e5c0de04
+@patch
+def _parse_parked(self:TokenStream, i, parked, cur, where) -> list:
+    "Dataset `i`'s parked pieces `[[doc, epoch, start], ...]`, each checked as a packer entry is: `(doc, epoch, start, tokens, length)`."
+    if not isinstance(parked, list): raise ValueError(f"{where} must be a list of [doc, epoch, start], got {str(parked)[:80]}")
+    out, concat = [], self.pack == 'concat'
+    for j, x in enumerate(parked):
+        w = f"{where}[{j}]"
+        if not (isinstance(x, list) and len(x) == 3): raise ValueError(f"{w}={str(x)[:80]}: expected [doc, epoch, start]")
+        g, e, a = _int(w + '[0]', x[0]), _int(w + '[1]', x[1], 1), _int(w + '[2]', x[2])
+        L = self._check_doc(i, g, e, cur, w)
+        self._check_start(g, L, a, w, rows=not concat, inside=concat)
+        out.append((g, e, a, (self._end(a, L) if concat else min(self._end(a, L), a + self.C)) - a, L))
+    return out
+
+@patch
+def _low(self:TokenStream, i):
+    "The oldest epoch dataset `i` may still hand the packer from its shards, the document being cut or its shuffle window."
+    src, ch, sh = self.sources[i], self.chunkers[i], self.shuffles[i]
+    epoch, pos, _ = src.at(src.cursor())
+    low = min((e + (p >= n) for e, p, n in zip(epoch, pos, src.n) if n), default=math.inf)
+    cut = None if ch is None else ch.cut()
+    if cut is not None: low = min(low, cut[1])
+    if sh is not None and sh.buf: low = min(low, min(map(sh.epoch_of, sh.buf)))
+    return low
+
+@patch
+def _unpark(self:TokenStream) -> list:
+    "The parked pieces at most one epoch past their dataset's `_low`, in order, as `(tokens, key)`; the others stay parked."
+    out = []
+    for i, ps in enumerate(self.parked):
+        if not ps: continue
+        low, keep = self._low(i), []
+        for g, e, a, n, L in ps:
+            if e <= low + 1: out.append((self.framing.render(self.sources[i].doc(g), a, a + n), (i, g, e, a, L)))
+            else: keep.append((g, e, a, n, L))
+        self.parked[i] = keep
+    return out
 
 
 # %% ../nbs/13_streaming.ipynb #aca83678
@@ -930,9 +990,7 @@ def at(self:BlockSource, cur) -> tuple:
     return epoch, pos, draws + d
 
 @patch
-def progress(self:BlockSource) -> float:
-    left = self.remaining - (self._nd[self._t - 1] if self._t else 0)
-    return self._emin - 1 + (self.total - left) / self.total if self.total else 0.0
+def progress(self:BlockSource) -> float: return self._passes(self.draws + (self._nd[self._t - 1] if self._t else 0))
 
 @patch
 def open_file(self:BlockSource, f:int):
@@ -1334,7 +1392,8 @@ BestFitRows.takes_pieces = True   # `TokenStream` hands it `(pieces, lengths, ke
 def _bestfit(self:TokenStream) -> BestFitRows:
     "The bestfit packer, its epoch guard on, counting the document tokens it holds per dataset (`delivered`)."
     c = self.cfg
-    return BestFitRows(c['seq_len'], c['pack_buffer'], c['pad_token'], guard=True, ds_tokens=[0] * len(self.names), doc_len=self._piece_doc)
+    return BestFitRows(c['seq_len'], c['pack_buffer'], c['pad_token'], c.get('max_wait', MAX_WAIT), guard=True,
+                       ds_tokens=[0] * len(self.names), doc_len=self._piece_doc)
 
 @patch
 def _piece_doc(self:TokenStream, k, n:int) -> int:
@@ -1381,8 +1440,11 @@ def pull(self:FastTokenStream) -> tuple:
     tok, w, active, feeds, srcs = mx.tokens, mx.w, mx.active, mx.ups, self.sources
     h, nt, bos, tail = self.framing.head, len(self._tail), self._bos, self._tail
     plain, both, ex = not (h or nt), h and nt, h + nt
-    pieces, lens, keys, n, total = [], [], [], 0, sum(tok)
+    pieces, lens, keys, n, total, pk = [], [], [], 0, sum(tok), any(self.parked)
     while n < _GROUP:
+        if pk:                                           # parked pieces whose time has come go first (`_unpark`)
+            for t, k in self._unpark(): pieces.append([t]); lens.append(len(t)); keys.append(k)
+            pk = any(self.parked)
         if len(active) == 1: i = active[0]
         elif not active: raise StopIteration
         else:
@@ -1449,11 +1511,11 @@ def _check_window(self:FastTokenStream, i, doc, ep, at, cur, w, first=0):
         raise AssertionError(f"{w} piece {j}: refused in bulk but not alone")    # (cannot happen: the two checks agree)
 
 # %% ../nbs/13_streaming.ipynb #ebf13e75
-FORMAT = 'nanochat_dl.streaming/3'   # /3: a checksum; /2: bestfit entries keep their entry rows and may be HELD
+FORMAT = 'nanochat_dl.streaming/3'   # /3: a checksum, 'max_wait', pieces 'parked' by a rescale; /2: bestfit entry rows, HELD
 OLD_FORMATS = ('nanochat_dl.streaming/1', 'nanochat_dl.streaming/2')   # still load, unchecked (they carry no checksum)
 _UNIT = ('world_size', 'rank', 'n_workers', 'worker')      # which unit of work a state is: the rest of the settings are the run's
 _CONFIG = ('datasets', 'weights', 'seq_len', 'pack', 'max_chunk', 'bos_token', 'eos_token', 'sep_token', 'pad_token',
-           'seed', 'n_logical_shards', 'shuffle_window', 'pack_buffer') + _UNIT
+           'seed', 'n_logical_shards', 'shuffle_window', 'pack_buffer', 'max_wait') + _UNIT
 
 def _token_id(name, v, hi=1 << 32):
     if v is not None and (isinstance(v, bool) or not isinstance(v, (int, np.integer)) or not 0 <= v < hi):
@@ -1504,7 +1566,7 @@ def stream_config(root, seq_len, *,   # the settings of `StreamingLoader`, docum
                   datasets=None, weights=None, rank=None, world_size=None, n_logical_shards=1024,
                   shuffle_window=10_000, seed=0, bos_token=None, eos_token=None, sep_token=None, pad_token=0,
                   pack='concat', max_chunk=None, pack_buffer=1000, tokenizer=None, max_open=None,
-                  cache_dir=None, cache_size=None) -> tuple:
+                  cache_dir=None, cache_size=None, max_wait=MAX_WAIT) -> tuple:
     "Check every setting (the names are `StreamingLoader`'s); returns `(TokenRoot, config, fingerprint)`."
     seq_len = check_int('seq_len', seq_len, 1)
     if pack not in PACKS: raise ValueError(f"pack={pack!r} is invalid: expected one of {list(PACKS)}")
@@ -1517,6 +1579,7 @@ def stream_config(root, seq_len, *,   # the settings of `StreamingLoader`, docum
                n_logical_shards=check_int('n_logical_shards', n_logical_shards, 1), seed=check_int('seed', seed, 0),
                shuffle_window=check_int('shuffle_window', shuffle_window, 0), pack_buffer=check_int('pack_buffer', pack_buffer, 1),
                max_chunk=None if max_chunk is None else check_int('max_chunk', max_chunk, 1),
+               max_wait=None if max_wait is None else check_int('max_wait', max_wait, 0),
                bos_token=_token_id('bos_token', bos_token), eos_token=_token_id('eos_token', eos_token),
                sep_token=_token_id('sep_token', sep_token), pad_token=_token_id('pad_token', pad_token, 1 << 63))
     if cfg['pad_token'] is None and pack != 'concat': raise ValueError(f"pack={pack!r} pads rows: pad_token must be a token id, not None")
@@ -1538,6 +1601,7 @@ def check_resume(state,             # a state from `state_dict()`, or anything a
     missing = [k for k in ('step', 'config', 'fingerprint', 'datasets', 'packer') if k not in state]
     if missing: raise ValueError(f"state lacks {missing}: expected a state from StreamingLoader.state_dict()")
     fp, c = _field(state, 'fingerprint', dict, 'state'), _field(state, 'config', dict, 'state')
+    if 'max_wait' not in c: c = dict(c, max_wait=MAX_WAIT)      # a state from before the setting: made with the default
     if fp.get('tokenizer') != fingerprint['tokenizer']:
         raise ValueError(f"state was saved with tokenizer={fp.get('tokenizer')!r}, this loader has tokenizer={fingerprint['tokenizer']!r}: exact resume needs the same tokens")
     data = _field(fp, 'data', dict, "state['fingerprint']")
@@ -1569,7 +1633,7 @@ def run_id(config:dict,        # checked settings, from `stream_config`
            fingerprint:dict,   # the data's and tokenizer's, from `stream_config`
            ) -> str:
     "The id of a run at its start: a digest of its settings (less the unit of work) and data, the same on every rank with no word between them. Resumes carry it on; a rescale derives the next (`nanochat_dl.elastic`)."
-    c = {k: config[k] for k in _CONFIG[:-len(_UNIT)]}
+    c = {k: config[k] for k in _CONFIG[:-len(_UNIT)] if k != 'max_wait' or config[k] != MAX_WAIT}   # (ids from before max_wait kept)
     return hashlib.sha1(json.dumps([c, fingerprint], sort_keys=True).encode()).hexdigest()[:16]
 
 # %% ../nbs/13_streaming.ipynb #c0af5505
@@ -1677,6 +1741,7 @@ class StreamingLoader:
                  max_chunk=None,            # cut units longer than this into pieces before shuffling
                  device='cpu',              # where batches go ('cpu', 'cuda', 'cuda:N', 'auto')
                  pack_buffer:int=1000,      # pieces the best fit chooses from
+                 max_wait=MAX_WAIT,         # bestfit: rows a piece may wait before it starts a row (None: no age limit)
                  tokenizer=None,            # a name or digest of the tokenizer, checked on resume
                  prefetch:int=2,            # batches made ahead in a background thread (0: on demand)
                  slots:int=2,               # `DeviceTransfer`'s staging buffers (`views=True`: its reused outputs too)
@@ -1691,7 +1756,7 @@ class StreamingLoader:
             root, seq_len, datasets=datasets, weights=weights, rank=rank, world_size=world_size, n_logical_shards=n_logical_shards,
             shuffle_window=shuffle_window, seed=seed, bos_token=bos_token, eos_token=eos_token, sep_token=sep_token,
             pad_token=pad_token, pack=pack, max_chunk=max_chunk, pack_buffer=pack_buffer, tokenizer=tokenizer, max_open=max_open,
-            cache_dir=cache_dir, cache_size=cache_size)
+            cache_dir=cache_dir, cache_size=cache_size, max_wait=max_wait)
         self.device, c = resolve_device(device), self.config
         self.stream = self.stream_class(self.root, c)
         self.stream.fetch_ahead()
@@ -1854,7 +1919,7 @@ def open_epochs(state,   # a `StreamingLoader` state (or a `StreamingDataset` wo
         owned = [j for a, b in s['shards'] for j in range(a, b)]
         eps = [e for j, e in zip(owned, runs(s['epoch'])) if starts[j + 1] > starts[j]]
         eps += ([s['cut'][1]] if s['cut'] else []) + (runs(s['shuffle']['epoch']) if 'shuffle' in s else [])
-        eps += [e[2] for e in state['packer']['entries'] if state['config']['datasets'][e[0]] == d]
+        eps += [e[2] for e in state['packer']['entries'] if state['config']['datasets'][e[0]] == d] + [x[1] for x in s.get('parked', [])]
         out[d] = min(eps, default=math.inf)
     return out
 

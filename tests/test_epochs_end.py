@@ -246,3 +246,23 @@ def test_a_held_entry_at_a_wrong_offset_is_named_as_saved(env):
     sd['checksum'] = _checksum(sd)
     with pytest.raises(ValueError, match=rf"entry {i} .*offset=-7"):
         PackedLoader(env['tok'], **kw, resume_state_dict=sd)
+
+
+def test_max_wait_is_a_loader_setting(env):
+    "`PackedLoader(max_wait=...)` reaches the packer and its config; a resume needs the same (an older state, without it, has its strategy's default)."
+    from nanochat_dl.loader import _checksum
+    from nanochat_dl.packing import MAX_WAIT
+    kw = dict(files=env['files'], **KW, buffer_size=16)
+    for strategy, mw, want in [('bestfit-pad', 'auto', MAX_WAIT), ('bestfit-split', None, None), ('bestfit-pad', 3, 3), ('bestfit-crop', 'auto', None)]:
+        with PackedLoader(env['tok'], **kw, strategy=strategy, max_wait=mw) as ld:
+            assert ld.packer.max_wait == want and ld.config['max_wait'] == want
+    with pytest.raises(ValueError, match="only the strategies"): PackedLoader(env['tok'], **kw, strategy='bestfit-crop', max_wait=5)
+    with PackedLoader(env['tok'], **kw, strategy='bestfit-pad', max_wait=3) as ld: full = [json.loads(json.dumps(next(ld).state)) for _ in range(9)]
+    with pytest.raises(ValueError, match=r"saved by a loader with max_wait=3, but this loader has max_wait=256: exact resume needs the same max_wait"):
+        PackedLoader(env['tok'], **kw, strategy='bestfit-pad', resume_state_dict=full[4])
+    with PackedLoader(env['tok'], **kw, strategy='bestfit-pad', max_wait=3, resume_state_dict=full[4]) as ld:
+        assert [next(ld).state for _ in range(4)] == full[5:]
+    with PackedLoader(env['tok'], **kw, strategy='bestfit-pad') as ld: sd = json.loads(json.dumps([next(ld) for _ in range(5)][-1].state))
+    del sd['config']['max_wait']; sd['checksum'] = _checksum(sd)     # a state from before the setting
+    with PackedLoader(env['tok'], **kw, strategy='bestfit-pad', resume_state_dict=sd) as ld: assert ld.resumed == 'exact'
+    with pytest.raises(ValueError, match="max_wait"): PackedLoader(env['tok'], **kw, strategy='bestfit-pad', max_wait=None, resume_state_dict=sd)
