@@ -10,7 +10,7 @@ import pytest
 
 from nanochat_dl.arrow import TokenRoot, write_counts, write_token_file
 from nanochat_dl.packing import fineweb_like_lengths
-from nanochat_dl.streaming import StreamingLoader
+from nanochat_dl.streaming import StreamingLoader, sealed
 from test_streaming import toy_root
 
 pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")
@@ -199,6 +199,7 @@ def test_hand_edited_epochs_two_apart_on_one_rank(tmp_path):
     d = states[1]['datasets']['web']
     assert runs(d['epoch']) == [1, 1, 1]
     d['epoch'], d['draws'] = [[3, 3]], d['draws'] + 2 * 30                   # its 30 documents drawn twice more
+    sealed(states[1])                                                           # (as its loader would have handed it out)
     ld = StreamingLoader(tr, 16, 2, rank=0, world_size=1, n_logical_shards=S, prefetch=0, shuffle_window=0).load_state_dict(states)
     seen = []
     for _ in range(200):
@@ -241,7 +242,8 @@ def test_max_wait_is_part_of_the_state(small):
     # a state saved before max_wait was a setting (no such key) was made with the default: it loads where max_wait is the default
     d = StreamingLoader(r, 64, 4, **kw)
     bs = [next(d) for _ in range(4)]
-    old = json.loads(json.dumps(bs[1].state)); del old['config']['max_wait']
+    old = json.loads(json.dumps(bs[1].state)); del old['config']['max_wait'], old['checksum']
+    old['format'] = 'nanochat_dl.streaming/2'                                   # (as such a state was)
     assert np.array_equal(next(StreamingLoader(r, 64, 4, **kw).load_state_dict(old)).rows, bs[2].rows)
     with pytest.raises(ValueError, match="max_wait"): StreamingLoader(r, 64, 4, max_wait=None, **kw).load_state_dict(old)
     with pytest.raises(ValueError, match=r"max_wait=-1 is invalid"): StreamingLoader(r, 64, 4, max_wait=-1, **kw)
