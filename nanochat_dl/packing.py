@@ -4,8 +4,9 @@
 
 # %% auto #0
 __all__ = ['STRATEGIES', 'HELD', 'GUARDED', 'MAX_WAIT', 'Segment', 'PackedBatch', 'FlatDocs', 'entered_runs', 'entered_rows',
-           'ReferencePacker', 'ListPull', 'show_batch', 'Packer', 'lognormal_tail_share', 'calibrate_lognormal',
-           'fineweb_like_lengths', 'segment_starts', 'pad_mask', 'position_ids', 'CuSeqlens', 'cu_seqlens']
+           'ReferencePacker', 'ListPull', 'batch_colours', 'batch_legend', 'show_batch', 'Packer',
+           'lognormal_tail_share', 'calibrate_lognormal', 'fineweb_like_lengths', 'segment_starts', 'pad_mask',
+           'position_ids', 'CuSeqlens', 'cu_seqlens']
 
 # %% ../nbs/06_packing.ipynb #f96e75f2
 import bisect, heapq, math, os, sys, time, zlib
@@ -385,6 +386,33 @@ class ListPull:
         keys = [(self.epoch, i + j) if self.cycle else i + j for j in range(len(batch))]
         return batch, keys
 
+# %% ../nbs/06_packing.ipynb #e4a5a5c3
+def batch_colours(batch,     # a `PackedBatch`
+                  n=20,      # colours to choose from
+                 ) -> list:
+    "Per row, a colour index per segment: one per document, never that of its left neighbour in a row (when it can be helped)."
+    of, rows = {}, []
+    for segs in batch.segments:
+        left, row = None, []
+        for s in segs:
+            k = repr(s.key)                                      # (keys may be lists)
+            if k not in of:
+                h = s.key if isinstance(s.key, (int, np.integer)) else zlib.crc32(k.encode())
+                of[k] = next(c for c in ((int(h) + j) % n for j in range(n)) if c != left)
+            left = of[k]; row.append(left)
+        rows.append(row)
+    return rows
+
+def batch_legend(ax, bos=True):   # the axes of a `show_batch` picture; bos: whether it has BOS ticks
+    "The key of a `show_batch` picture, below it: what a colour, a tick, grey and a faded tail mean."
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+    h = [Patch(facecolor='tab:blue', label='a colour: one document (neighbours differ)')]
+    if bos: h.append(Line2D([], [], color='black', lw=1.2, label='a tick: a BOS token, where a document starts'))
+    h += [Patch(facecolor='0.85', hatch='xx', edgecolor='0.6', label='grey: padding'),
+          Patch(facecolor='tab:blue', alpha=.35, hatch='///', edgecolor='none', label='faded, right of T+1: tokens cropped')]
+    ax.legend(handles=h, loc='upper center', bbox_to_anchor=(0.5, -0.28), ncol=2, fontsize=7, frameon=False)
+
 # %% ../nbs/06_packing.ipynb #1e1d88ad
 def show_batch(batch,          # a `PackedBatch`
                ax=None,        # matplotlib axes to draw on (default: a new figure)
@@ -392,20 +420,19 @@ def show_batch(batch,          # a `PackedBatch`
                labels=None,    # `labels(id) -> str` writes each token in its cell (short rows only)
                title=None,     # the axes' title
                max_tail=0.2,   # widest cropped tail drawn, as a share of the row
+               legend=False,   # the picture's key below it (`batch_legend`)
               ):
-    "Draw a `PackedBatch`: rows as bars, one colour per document, BOS ticks, grey padding, cropped tails right of the row."
+    "Draw a `PackedBatch`: rows as bars, one colour per document (neighbours differ), BOS ticks, grey padding, cropped tails right of the row."
     import matplotlib.pyplot as plt
     from matplotlib.patches import Rectangle
     rows, B = batch.rows, len(batch.rows)
     C = rows.shape[1]
     if ax is None: _, ax = plt.subplots(figsize=(8, 0.6 + 0.32 * B), dpi=90)
-    cmap, tail_w = plt.get_cmap('tab20'), max_tail * C
-    def color(key):   # the same document gets the same colour in every picture
-        return cmap((key if isinstance(key, (int, np.integer)) else zlib.crc32(repr(key).encode())) % 20)
+    cmap, tail_w, colours = plt.get_cmap('tab20'), max_tail * C, batch_colours(batch)
     for r, segs in enumerate(batch.segments):
         end = 0
-        for s in segs:
-            c = color(s.key)
+        for s, ci in zip(segs, colours[r]):
+            c = cmap(ci)
             ax.add_patch(Rectangle((s.start, r - .4), s.length, .8, facecolor=c, edgecolor='white', lw=.6))
             starts_bos = rows[r, s.start] == bos_id if bos_id is not None else s.offset == 0
             if starts_bos:
@@ -426,6 +453,7 @@ def show_batch(batch,          # a `PackedBatch`
     ax.set_yticks(range(B)); ax.set_yticklabels([f'row {r}' for r in range(B)], fontsize=8)
     ax.set_xlabel('position in row (dotted line: T+1; right of it: tokens cropped and thrown away)', fontsize=8)
     if title: ax.set_title(title, fontsize=9)
+    if legend: batch_legend(ax, bos=bos_id is not None or C > 64)
     return ax
 
 # %% ../nbs/06_packing.ipynb #fbd0f3d0
