@@ -13,7 +13,7 @@ __all__ = ['TOKENS', 'META', 'COUNTS_FILE', 'COUNTS_HEADER', 'TAIL_BYTES', 'MANI
            'tokenize_cli']
 
 # %% ../nbs/12_arrow.ipynb #0782d22d
-import contextlib, csv, hashlib, io, itertools, json, os, queue, shlex, signal, subprocess, sys, tempfile, threading, time
+import contextlib, csv, hashlib, io, itertools, json, os, queue, shlex, signal, subprocess, sys, tempfile, threading, time, warnings
 from collections import OrderedDict
 from pathlib import Path
 from types import SimpleNamespace
@@ -269,7 +269,7 @@ def _counts_rows(p, shown=None):   # shown: the name errors use (default: `p`)
 def read_counts(root,       # the token root
                 datasets,   # names of the datasets whose rows are wanted
                 ) -> dict:
-    "`{(dataset, file): (documents, tokens)}` from ROOT's counts files, for the datasets named (other rows are ignored)."
+    "`{(dataset, file): (documents, tokens)}` from ROOT's counts files, for the datasets named (other rows are ignored); tokens None where empty."
     return _read_counts([(p, p) for p in counts_files(root)], datasets)
 
 def _read_counts(files, datasets) -> dict:
@@ -279,9 +279,10 @@ def _read_counts(files, datasets) -> dict:
         for line, row in _counts_rows(local, p):
             key = _owner(row['dataset/filename'], names)
             if key[0] is None: continue
-            try: val = (int(row['documents']), int(row['tokens']))
-            except (TypeError, ValueError): raise ValueError(f"{p}, line {line}: documents={row['documents']!r}, tokens={row['tokens']!r}: expected integers") from None
-            if min(val) < 0: raise ValueError(f"{p}, line {line}: negative count {val}")
+            try: val = (int(row['documents']), None if (row['tokens'] or '').strip() == '' else int(row['tokens']))   # tokens: informative
+            except (TypeError, ValueError): raise ValueError(f"{p}, line {line}: documents={row['documents']!r}, tokens={row['tokens']!r}: expected integers "
+                                                             "(tokens may be empty)") from None
+            if min(v for v in val if v is not None) < 0: raise ValueError(f"{p}, line {line}: negative count {val}")
             if out.get(key, val) != val: raise ValueError(f"{p}, line {line}: {key[0]}/{key[1]} counted as {val}, elsewhere as {out[key]}")
             out[key] = val
     return out
@@ -553,10 +554,8 @@ class TokenRoot:
         tf = TokenFile(self.path(dataset, file) if self.cache is None else self._local(dataset, file), self.column,
                        (getattr(self, '_given', None) or {}).get('vocab_size'))
         info = next((i for i in self.files.get(dataset, ()) if i.file == file), None)
-        if info is not None and (info.docs, info.tokens) != (len(tf), tf.ntokens):
-            raise ValueError(f"{tf.path} holds {len(tf)} documents and {tf.ntokens} tokens, but the counts file says "
-                             f"{info.docs} and {info.tokens}: the counts are stale; rewrite them (re-run `nanochat-dl tokenize`) "
-                             f"or delete {self._at(META)}/*counts*.csv to count from the files")
+        if info is not None and info.docs != len(tf): tf.close(); raise _stale(tf.path, len(tf), info.docs, self._at(META))
+        if info is not None and info.tokens != tf.ntokens: _tokens_differ(tf.path, info.tokens, tf.ntokens)
         self._open[key] = tf
         while len(self._open) > self.max_open: self._shut(*self._open.popitem(last=False))
         return tf
@@ -584,15 +583,17 @@ def _infos(self: TokenRoot, ds, counts, verify) -> list:
     rel = dataset_files(self.root, ds) if self.cache is None else self._remote_files(ds)
     if not rel: raise ValueError(f"dataset {ds!r} ({self._at(ds)}) holds no .arrow files")
     entry = (self.manifest or {}).get('datasets', {}).get(ds)
-    if entry is None: return [FileInfo(ds, f, *counts[(ds, f)]) if (ds, f) in counts else self._counted(ds, f) for f in rel]
+    if entry is None: return [self._from_counts(ds, f, counts.get((ds, f))) for f in rel]
     if self.cache is None: verify_dataset(self.root, ds, verify, self.manifest)
     else: self._check_listing(ds, rel, entry, verify)
     out = []
     for f in rel:
         r = entry['files'][f]
-        if counts.get((ds, f), (r['documents'], r['tokens'])) != (r['documents'], r['tokens']):
-            raise ValueError(f"the counts file says {ds}/{f} holds {counts[(ds, f)][0]} documents and {counts[(ds, f)][1]} tokens, but "
-                             f"{self._at(META, MANIFEST)} records {r['documents']} and {r['tokens']}: rewrite both with {_rebuild(self.root, ds, entry)}")
+        n, t = counts.get((ds, f), (r['documents'], None))
+        if n != r['documents']:
+            raise ValueError(f"the counts file says {ds}/{f} holds {n} documents, but {self._at(META, MANIFEST)} records "
+                             f"{r['documents']}: rewrite both with {_rebuild(self.root, ds, entry)}")
+        if t not in (None, r['tokens']): _tokens_differ(self._at(ds, f), t, r['tokens'], 'the manifest records')
         out.append(FileInfo(ds, f, r['documents'], r['tokens']))
     return out
 
@@ -600,6 +601,27 @@ def _infos(self: TokenRoot, ds, counts, verify) -> list:
 def _counted(self: TokenRoot, ds, f) -> FileInfo:
     tf = self.open(ds, f)
     return FileInfo(ds, f, len(tf), tf.ntokens)
+
+@patch
+def _from_counts(self: TokenRoot, ds, f, row) -> FileInfo:
+    "File `f`'s `FileInfo` from its counts row `(documents, tokens)`; counted from the file where there is none, or no token count."
+    if row is not None and row[1] is not None: return FileInfo(ds, f, *row)
+    info = self._counted(ds, f)
+    if row is not None and row[0] != info.docs: raise _stale(self._at(ds, f), info.docs, row[0], self._at(META))
+    return info
+
+_WARNED_TOKENS = set()   # files whose token count disagreed, warned of once
+
+def _tokens_differ(path, said, holds, by='the file holds'):
+    "Warn once per file that the counts file's token count is not the one `by` gives (fms-fsdp reads only the documents)."
+    if str(path) in _WARNED_TOKENS: return
+    _WARNED_TOKENS.add(str(path))
+    warnings.warn(f"{path}: the counts file says {said} tokens, {by} {holds}: only its documents count is a contract (as in "
+                  "fms-fsdp, which reads no other column); rewrite the counts file (re-run `nanochat-dl tokenize`) to agree", stacklevel=4)
+
+def _stale(path, holds, said, meta) -> ValueError:
+    return ValueError(f"{path} holds {holds} documents, but the counts file says {said}: the counts are stale; rewrite them "
+                      f"(re-run `nanochat-dl tokenize`) or delete {meta}/*counts*.csv to count from the files")
 
 # %% ../nbs/12_arrow.ipynb #f650bec1
 @patch
