@@ -52,3 +52,16 @@ def test_a_wrong_document_count_is_still_refused(tmp_path):
     set_counts(root, [f'/web/part_0.arrow,{d0 + 1},{t0}', f'/web/part_1.arrow,{d1},{t1}'])
     with pytest.raises(ValueError, match=r"part_0\.arrow holds 6 documents.*the counts file says 7"):
         rows(root)
+
+
+def test_rows_go_into_the_roots_own_counts_file_whatever_its_name(tmp_path):
+    # fms-fsdp reads the first *counts*.csv its folder listing gives: a second file beside the root's own broke it
+    from nanochat_dl.arrow import counts_files, read_counts, update_counts
+    root, c = fms_root(tmp_path/'root')
+    (root/'meta'/'combined_counts.csv').rename(root/'meta'/'file_counts.csv')
+    update_counts(root, 'code', {'x.arrow': (4, 40)})
+    assert [p.name for p in counts_files(root)] == ['file_counts.csv']
+    assert read_counts(root, ['web', 'code']) == {**c, ('code', 'x.arrow'): (4, 40)}
+    (root/'meta'/'more_counts.csv').write_text('dataset/filename,documents,tokens\n')
+    with pytest.raises(ValueError, match=r"holds 2 counts files \(file_counts\.csv, more_counts\.csv\): fms-fsdp reads only one"):
+        update_counts(root, 'code', {'x.arrow': (4, 40)})
