@@ -118,6 +118,7 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                    'nanochat_dl.arrow._version': ('arrow.html#_version', 'nanochat_dl/arrow.py'),
                                    'nanochat_dl.arrow._write_meta': ('arrow.html#_write_meta', 'nanochat_dl/arrow.py'),
                                    'nanochat_dl.arrow.counts_files': ('arrow.html#counts_files', 'nanochat_dl/arrow.py'),
+                                   'nanochat_dl.arrow.counts_target': ('arrow.html#counts_target', 'nanochat_dl/arrow.py'),
                                    'nanochat_dl.arrow.dataset_files': ('arrow.html#dataset_files', 'nanochat_dl/arrow.py'),
                                    'nanochat_dl.arrow.default_max_open': ('arrow.html#default_max_open', 'nanochat_dl/arrow.py'),
                                    'nanochat_dl.arrow.file_record': ('arrow.html#file_record', 'nanochat_dl/arrow.py'),

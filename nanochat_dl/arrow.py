@@ -7,10 +7,10 @@ documents as numpy views, and `nanochat-dl tokenize`, which writes them from par
 # %% auto #0
 __all__ = ['TOKENS', 'META', 'COUNTS_FILE', 'COUNTS_HEADER', 'TAIL_BYTES', 'MANIFEST', 'MANIFEST_FORMAT', 'HASHES',
            'MAX_OPEN_CAP', 'SPLIT_CHOICES', 'FileRecord', 'tail_sha256', 'TokenWriter', 'write_token_file', 'TokenFile',
-           'FileInfo', 'list_datasets', 'dataset_files', 'counts_files', 'read_counts', 'write_counts', 'update_counts',
-           'tokenizer_record', 'read_manifest', 'update_manifest', 'sha256_of_file', 'file_record', 'file_sha256',
-           'verify_dataset', 'default_max_open', 'TokenRoot', 'tokenize_shard', 'TokenizeResult', 'tokenize',
-           'tokenize_cli']
+           'FileInfo', 'list_datasets', 'dataset_files', 'counts_files', 'read_counts', 'write_counts', 'counts_target',
+           'update_counts', 'tokenizer_record', 'read_manifest', 'update_manifest', 'sha256_of_file', 'file_record',
+           'file_sha256', 'verify_dataset', 'default_max_open', 'TokenRoot', 'tokenize_shard', 'TokenizeResult',
+           'tokenize', 'tokenize_cli']
 
 # %% ../nbs/12_arrow.ipynb #0782d22d
 import contextlib, csv, hashlib, io, itertools, json, os, queue, shlex, signal, subprocess, sys, tempfile, threading, time, warnings
@@ -312,12 +312,21 @@ def write_counts(root,     # the token root
     "Write `{(dataset, file): (documents, tokens)}` as `ROOT/meta/combined_counts.csv`, rows sorted, atomically."
     return _write_meta(Path(root)/META/COUNTS_FILE, _counts_text([(f"/{ds}/{f}", int(n), int(t)) for (ds, f), (n, t) in counts.items()]))
 
+def counts_target(root,   # the token root
+                  ) -> Path:
+    "The counts file rows are written to: the root's one counts file, whatever its name (fms-fsdp reads only one), else `COUNTS_FILE`."
+    have = counts_files(root)
+    if len(have) > 1:
+        raise ValueError(f"{Path(root)/META} holds {len(have)} counts files ({', '.join(p.name for p in have)}): fms-fsdp reads only one "
+                         "of them (the first its folder listing gives); merge them into one")
+    return have[0] if have else Path(root)/META/COUNTS_FILE
+
 def update_counts(root,      # the token root
                   dataset,   # the dataset whose rows are replaced
                   counts,    # `{file: (documents, tokens)}`, paths inside the dataset folder
                   ) -> Path:
-    "Replace `dataset`'s rows of `ROOT/meta/combined_counts.csv` by `counts` (`{file: (documents, tokens)}`), keeping every other row."
-    p, names = Path(root)/META/COUNTS_FILE, {dataset, *list_datasets(root)}
+    "Replace `dataset`'s rows of the root's counts file (`counts_target`) by `counts` (`{file: (documents, tokens)}`), keeping every other row."
+    p, names = counts_target(root), {dataset, *list_datasets(root)}
     keep = [(r['dataset/filename'], r['documents'], r['tokens']) for _, r in (_counts_rows(p) if p.exists() else ())
             if _owner(r['dataset/filename'], names)[0] != dataset]
     return _write_meta(p, _counts_text(keep + [(f"/{dataset}/{f}", int(n), int(t)) for f, (n, t) in counts.items()]))
