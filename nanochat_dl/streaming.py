@@ -262,10 +262,36 @@ def load_state_dict(self:ShardSource, state):
     bad = next((j for j, (p, n) in enumerate(zip(pos, self.n)) if p > n), None)
     if bad is not None: raise ValueError(f"{where}['pos'][{bad}]={pos[bad]}: shard {self.shards[bad]} has {self.n[bad]} documents")
     self.epoch, self.pos, self.draws = epoch, pos, check_int(f"{where}['draws']", state['draws'], 0)
+    self._catch_up()
     self._restart()
     return self
 
 def _span(shards) -> str: return f"{shards[0]}..{shards[-1]} ({len(shards)})" if shards else "none"
+
+# %% ../nbs/13_streaming.ipynb #adv2c001
+@patch
+def _catch_up(self:ShardSource):
+    "Shards with no token below the lowest epoch of those with one start that epoch (draws counted), not walked."
+    ep = [e for e, n in zip(self.epoch, self.n) if n]
+    if not ep or max(ep) < min(ep) + 2: return   # within an epoch (all but a rescale's states): nothing read
+    tok = [n > 0 and self._shard_has_tokens(j) for j, n in enumerate(self.n)]
+    low = min((e for e, t in zip(self.epoch, tok) if t), default=None)
+    for j, (e, n, t) in enumerate(zip(self.epoch, self.n, tok)):
+        if low is not None and n and not t and e < low:
+            self.draws += (low - e) * n - self.pos[j]
+            self.epoch[j], self.pos[j] = low, 0
+
+@patch
+def _shard_has_tokens(self:ShardSource, j) -> bool:
+    "Whether a document of the `j`-th shard has a token (reads the lengths of the files it spans)."
+    g, end = self.lo[j], self.lo[j] + self.n[j]
+    while g < end:
+        f, i = self.locate(g)
+        m = min(end, self.file_starts[f + 1]) - g
+        if self.root.open(self.dataset, self.files[f]).lens[i:i + m].any(): return True
+        g += m
+    return False
+
 
 # %% ../nbs/13_streaming.ipynb #42e4cd73
 class Framing(NamedTuple):
