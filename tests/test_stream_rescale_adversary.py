@@ -55,3 +55,21 @@ def test_empty_shards_far_behind_do_not_spin(tmp_path, pack, window):
     again = mk().load_state_dict(json.loads(json.dumps(s)))
     assert all(np.array_equal(next(again).rows, w) for w in want)
 
+
+from test_stream_epochs_end import DRIFT, drifted
+
+
+@pytest.mark.parametrize('kw', DRIFT[:2])
+def test_a_huge_parked_list_is_refused_at_once(tmp_path, kw):
+    """A state whose 'parked' repeats one piece a million times: refused at the first repeat, naming it, on one rank's resume
+    and in a rescale's list of states. Before: every entry was checked first (its document read, its order's index found),
+    a hang of minutes."""
+    led, one, _ = drifted(tmp_path, kw)
+    st = one.state_dict()
+    p = st['datasets']['web']['parked'][0]
+    st['datasets']['web']['parked'] = [list(p)] * 10**6
+    mk = lambda r, W: StreamingLoader(led.tr.root, 16, 2, rank=r, world_size=W, n_logical_shards=4, prefetch=0, **kw)
+    with pytest.raises(ValueError, match=r"\['parked'\]\[1\]: .*twice|\['parked'\]\[1\]: .*also"):
+        within(5, lambda: mk(0, 1).load_state_dict(st))
+    with pytest.raises(ValueError, match=r"\['parked'\]\[1\]"):
+        within(5, lambda: mk(1, 2).load_state_dict([st]))
