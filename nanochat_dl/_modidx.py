@@ -949,6 +949,7 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                     'nanochat_dl.stages.Stage.state_dict': ('stages.html#stage.state_dict', 'nanochat_dl/stages.py'),
                                     'nanochat_dl.stages._Swap': ('stages.html#_swap', 'nanochat_dl/stages.py'),
                                     'nanochat_dl.stages._key': ('stages.html#_key', 'nanochat_dl/stages.py'),
+                                    'nanochat_dl.stages._path': ('stages.html#_path', 'nanochat_dl/stages.py'),
                                     'nanochat_dl.stages.check_state': ('stages.html#check_state', 'nanochat_dl/stages.py'),
                                     'nanochat_dl.stages.draw_base': ('stages.html#draw_base', 'nanochat_dl/stages.py'),
                                     'nanochat_dl.stages.draw_index': ('stages.html#draw_index', 'nanochat_dl/stages.py'),

@@ -832,11 +832,13 @@ def _load_packer(self:TokenStream, items, metrics, entered=None):
 def _parse_parked(self:TokenStream, i, parked, cur, where) -> list:
     "Dataset `i`'s parked pieces `[[doc, epoch, start], ...]`, each checked as a packer entry is: `(doc, epoch, start, tokens, length)`."
     if not isinstance(parked, list): raise ValueError(f"{where} must be a list of [doc, epoch, start], got {str(parked)[:80]}")
-    out, concat = [], self.pack == 'concat'
+    out, concat, seen = [], self.pack == 'concat', {}
     for j, x in enumerate(parked):
         w = f"{where}[{j}]"
         if not (isinstance(x, list) and len(x) == 3): raise ValueError(f"{w}={str(x)[:80]}: expected [doc, epoch, start]")
         g, e, a = _int(w + '[0]', x[0]), _int(w + '[1]', x[1], 1), _int(w + '[2]', x[2])
+        if (k := seen.setdefault((g, e, a), j)) != j:               # a repeat: refused before any more is read
+            raise ValueError(f"{w}: piece (doc {g}, epoch {e}, start {a}) is also {where}[{k}]: it would be delivered twice")
         L = self._check_doc(i, g, e, cur, w)
         self._check_start(g, L, a, w, rows=not concat, inside=concat)
         out.append((g, e, a, (self._end(a, L) if concat else min(self._end(a, L), a + self.C)) - a, L))
