@@ -115,3 +115,18 @@ def test_drifted_chains_keep_the_contract_and_resume_exactly(tmp_path, chain, kw
         states = [ld.state_dict() for ld in units]
         for ld in units: ld.close()
     assert_tiles_to(led, 3)
+
+
+@pytest.mark.parametrize('E', [10**18, 2**62 // 3])
+def test_epochs_too_far_to_count_are_refused(tmp_path, E):
+    """Token-less shards at epoch 1 beside shards with tokens at epoch `E`: the empty shards would start epoch `E` (their
+    draws counted) past what a state holds. Refused by name on load. Before the fix: at 10**18 the loader ran and saved a
+    state it then refused ('draws' too large); at 2**62 // 3 an OverflowError."""
+    r = write(tmp_path/'root', {'web': [0, 0, 0, 5, 3, 4, 0, 0, 0, 2, 6, 1]})
+    mk = lambda: StreamingLoader(r, 4, 2, rank=0, world_size=1, n_logical_shards=4, prefetch=0, pack='concat', shuffle_window=0)
+    st = mk().state_dict()
+    d = st['datasets']['web']
+    d['epoch'], d['draws'] = [[1, 1], [E, 1], [1, 1], [E, 1]], 2 * 3 * (E - 1)
+    ld = mk()
+    with pytest.raises(ValueError, match=r"\['web'\]\['epoch'\]: epoch \d+ over 12 documents"): ld.load_state_dict(st)
+    assert np.array_equal(next(ld).rows, next(mk()).rows)                   # nothing half-loaded
