@@ -681,6 +681,8 @@ def _parse_dataset(self:TokenStream, i, d, where) -> dict:
         if _int(f"{where}['pos'][{j}]", p) > n: raise ValueError(f"{where}['pos'][{j}]={p}: logical shard {src.shards[j]} has {n} documents")
     draws, want = _int(where + "['draws']", d.get('draws')), sum((e - 1) * n + p for e, n, p in zip(epoch, src.n, pos))
     if draws != want: raise ValueError(f"{where}['draws']={draws}, but the shards' 'epoch' and 'pos' count {want} documents drawn")
+    if max(epoch, default=1) * src.total >= _BIG:          # every shard at the highest epoch (`ShardSource._catch_up`) must count
+        raise ValueError(f"{where}['epoch']: epoch {max(epoch)} over {src.total} documents counts 2**63 draws or more")
     cur = _Shards(epoch, pos, {s: j for j, s in enumerate(src.shards)}, shard_starts(src.n_docs, src.n_shards), {})
     out = dict(epoch=epoch, pos=pos, draws=draws, tokens=_int(where + "['tokens']", d.get('tokens')), cut=None, shuffle=None, cur=cur)
     if d.get('cut') is not None: out['cut'] = self._parse_cut(i, d['cut'], cur, where + "['cut']")[:3]
