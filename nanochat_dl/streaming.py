@@ -1590,7 +1590,8 @@ def stream_config(root, seq_len, *,   # the settings of `StreamingLoader`, docum
                n_logical_shards=check_int('n_logical_shards', n_logical_shards, 1), seed=check_int('seed', seed, 0),
                shuffle_window=check_int('shuffle_window', shuffle_window, 0), pack_buffer=check_int('pack_buffer', pack_buffer, 1),
                max_chunk=None if max_chunk is None else check_int('max_chunk', max_chunk, 1),
-               max_wait=None if max_wait is None else check_int('max_wait', max_wait, 0),
+               max_wait=None if max_wait is None else MAX_WAIT if isinstance(max_wait, str) and max_wait == 'auto'
+                        else check_int('max_wait', max_wait, 0),
                bos_token=_token_id('bos_token', bos_token), eos_token=_token_id('eos_token', eos_token),
                sep_token=_token_id('sep_token', sep_token), pad_token=_token_id('pad_token', pad_token, 1 << 63))
     if cfg['pad_token'] is None and pack != 'concat': raise ValueError(f"pack={pack!r} pads rows: pad_token must be a token id, not None")
@@ -1720,7 +1721,7 @@ class StreamingLoader:
                  max_chunk=None,            # cut units longer than this into pieces before shuffling
                  device='cpu',              # where batches go ('cpu', 'cuda', 'cuda:N', 'auto')
                  pack_buffer:int=1000,      # pieces the best fit chooses from
-                 max_wait=MAX_WAIT,         # bestfit: rows a piece may wait before it starts a row (None: no age limit)
+                 max_wait=MAX_WAIT,         # bestfit: rows a piece may wait before it starts a row ('auto': this; None: no limit)
                  tokenizer=None,            # a name or digest of the tokenizer, checked on resume
                  prefetch:int=2,            # batches made ahead in a background thread (0: on demand)
                  slots:int=2,               # `DeviceTransfer`'s staging buffers (`views=True`: its reused outputs too)
