@@ -54,7 +54,9 @@ def check_state(state, where='state') -> dict:
             for k, v in x.items():
                 if not isinstance(k, str): raise TypeError(f"{_path(path)} has key {k!r} of type {type(k).__name__}: state keys must be str")
                 if type(v) not in fast: todo.append((v, (path, k)))
-        elif isinstance(x, (list, tuple)): todo.extend((v, (path, i)) for i, v in enumerate(x) if type(v) not in fast)
+        elif isinstance(x, (list, tuple)):                  # (a list of ints or strs, as a state's addresses are, is not pushed)
+            todo.extend((v, (path, i)) for i, v in enumerate(x)
+                        if type(v) not in fast and not (type(v) is list and all(type(u) in fast for u in v)))
         elif not isinstance(x, _PLAIN) or (isinstance(x, float) and not math.isfinite(x)):
             raise TypeError(f"{_path(path)} is {type(x).__module__}.{type(x).__name__} {str(x)[:60]}: expected plain JSON data "
                             "(dict, list, str, int, finite float, bool, None)")
