@@ -39,20 +39,29 @@ class Stage:
 # %% ../nbs/04_stages.ipynb #69f7dcf4
 _PLAIN = (str, int, float, bool, type(None))
 
+def _path(p) -> str:
+    "A path kept as nested `(parent, key)` pairs (built only for a message), written out."
+    keys = []
+    while not isinstance(p, str): p, k = p; keys.append(k)
+    return p + ''.join(f"[{k!r}]" for k in reversed(keys))
+
 def check_state(state, where='state') -> dict:
     "`state` if it is plain JSON-able data (dicts with str keys, lists, str, int, float, bool, None); else a `TypeError` naming the path of the first offender."
-    todo = [(state, where)]
+    todo, fast = [(state, where)], (int, str)           # an int or str item needs no more look (nor a path): a million take a second
     while todo:
         x, path = todo.pop()
         if isinstance(x, dict):
             for k, v in x.items():
-                if not isinstance(k, str): raise TypeError(f"{path} has key {k!r} of type {type(k).__name__}: state keys must be str")
-                todo.append((v, f"{path}[{k!r}]"))
-        elif isinstance(x, (list, tuple)): todo.extend((v, f"{path}[{i}]") for i, v in enumerate(x))
+                if not isinstance(k, str): raise TypeError(f"{_path(path)} has key {k!r} of type {type(k).__name__}: state keys must be str")
+                if type(v) not in fast: todo.append((v, (path, k)))
+        elif isinstance(x, (list, tuple)):                  # (a list of ints or strs, as a state's addresses are, is not pushed)
+            todo.extend((v, (path, i)) for i, v in enumerate(x)
+                        if type(v) not in fast and not (type(v) is list and all(type(u) in fast for u in v)))
         elif not isinstance(x, _PLAIN) or (isinstance(x, float) and not math.isfinite(x)):
-            raise TypeError(f"{path} is {type(x).__module__}.{type(x).__name__} {str(x)[:60]}: expected plain JSON data "
+            raise TypeError(f"{_path(path)} is {type(x).__module__}.{type(x).__name__} {str(x)[:60]}: expected plain JSON data "
                             "(dict, list, str, int, finite float, bool, None)")
     return state
+
 
 # %% ../nbs/04_stages.ipynb #478d96cc
 class Doc(NamedTuple):

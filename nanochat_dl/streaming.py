@@ -264,10 +264,36 @@ def load_state_dict(self:ShardSource, state):
     bad = next((j for j, (p, n) in enumerate(zip(pos, self.n)) if p > n), None)
     if bad is not None: raise ValueError(f"{where}['pos'][{bad}]={pos[bad]}: shard {self.shards[bad]} has {self.n[bad]} documents")
     self.epoch, self.pos, self.draws = epoch, pos, check_int(f"{where}['draws']", state['draws'], 0)
+    self._catch_up()
     self._restart()
     return self
 
 def _span(shards) -> str: return f"{shards[0]}..{shards[-1]} ({len(shards)})" if shards else "none"
+
+# %% ../nbs/13_streaming.ipynb #adv2c001
+@patch
+def _catch_up(self:ShardSource):
+    "Shards with no token below the lowest epoch of those with one start that epoch (draws counted), not walked."
+    ep = [e for e, n in zip(self.epoch, self.n) if n]
+    if not ep or max(ep) < min(ep) + 2: return   # within an epoch (all but a rescale's states): nothing read
+    tok = [n > 0 and self._shard_has_tokens(j) for j, n in enumerate(self.n)]
+    low = min((e for e, t in zip(self.epoch, tok) if t), default=None)
+    for j, (e, n, t) in enumerate(zip(self.epoch, self.n, tok)):
+        if low is not None and n and not t and e < low:
+            self.draws += (low - e) * n - self.pos[j]
+            self.epoch[j], self.pos[j] = low, 0
+
+@patch
+def _shard_has_tokens(self:ShardSource, j) -> bool:
+    "Whether a document of the `j`-th shard has a token (reads the lengths of the files it spans)."
+    g, end = self.lo[j], self.lo[j] + self.n[j]
+    while g < end:
+        f, i = self.locate(g)
+        m = min(end, self.file_starts[f + 1]) - g
+        if self.root.open(self.dataset, self.files[f]).lens[i:i + m].any(): return True
+        g += m
+    return False
+
 
 # %% ../nbs/13_streaming.ipynb #42e4cd73
 class Framing(NamedTuple):
@@ -669,6 +695,8 @@ def _parse_dataset(self:TokenStream, i, d, where) -> dict:
         if _int(f"{where}['pos'][{j}]", p) > n: raise ValueError(f"{where}['pos'][{j}]={p}: logical shard {src.shards[j]} has {n} documents")
     draws, want = _int(where + "['draws']", d.get('draws')), sum((e - 1) * n + p for e, n, p in zip(epoch, src.n, pos))
     if draws != want: raise ValueError(f"{where}['draws']={draws}, but the shards' 'epoch' and 'pos' count {want} documents drawn")
+    if max(epoch, default=1) * src.total >= _BIG:          # every shard at the highest epoch (`ShardSource._catch_up`) must count
+        raise ValueError(f"{where}['epoch']: epoch {max(epoch)} over {src.total} documents counts 2**63 draws or more")
     cur = _Shards(epoch, pos, {s: j for j, s in enumerate(src.shards)}, shard_starts(src.n_docs, src.n_shards), {})
     out = dict(epoch=epoch, pos=pos, draws=draws, tokens=_int(where + "['tokens']", d.get('tokens')), cut=None, shuffle=None, cur=cur)
     if d.get('cut') is not None: out['cut'] = self._parse_cut(i, d['cut'], cur, where + "['cut']")[:3]
@@ -820,11 +848,13 @@ def _load_packer(self:TokenStream, items, metrics, entered=None):
 def _parse_parked(self:TokenStream, i, parked, cur, where) -> list:
     "Dataset `i`'s parked pieces `[[doc, epoch, start], ...]`, each checked as a packer entry is: `(doc, epoch, start, tokens, length)`."
     if not isinstance(parked, list): raise ValueError(f"{where} must be a list of [doc, epoch, start], got {str(parked)[:80]}")
-    out, concat = [], self.pack == 'concat'
+    out, concat, seen = [], self.pack == 'concat', {}
     for j, x in enumerate(parked):
         w = f"{where}[{j}]"
         if not (isinstance(x, list) and len(x) == 3): raise ValueError(f"{w}={str(x)[:80]}: expected [doc, epoch, start]")
         g, e, a = _int(w + '[0]', x[0]), _int(w + '[1]', x[1], 1), _int(w + '[2]', x[2])
+        if (k := seen.setdefault((g, e, a), j)) != j:               # a repeat: refused before any more is read
+            raise ValueError(f"{w}: piece (doc {g}, epoch {e}, start {a}) is also {where}[{k}]: it would be delivered twice")
         L = self._check_doc(i, g, e, cur, w)
         self._check_start(g, L, a, w, rows=not concat, inside=concat)
         out.append((g, e, a, (self._end(a, L) if concat else min(self._end(a, L), a + self.C)) - a, L))
@@ -1579,7 +1609,8 @@ def stream_config(root, seq_len, *,   # the settings of `StreamingLoader`, docum
                n_logical_shards=check_int('n_logical_shards', n_logical_shards, 1), seed=check_int('seed', seed, 0),
                shuffle_window=check_int('shuffle_window', shuffle_window, 0), pack_buffer=check_int('pack_buffer', pack_buffer, 1),
                max_chunk=None if max_chunk is None else check_int('max_chunk', max_chunk, 1),
-               max_wait=None if max_wait is None else check_int('max_wait', max_wait, 0),
+               max_wait=None if max_wait is None else MAX_WAIT if isinstance(max_wait, str) and max_wait == 'auto'
+                        else check_int('max_wait', max_wait, 0),
                bos_token=_token_id('bos_token', bos_token), eos_token=_token_id('eos_token', eos_token),
                sep_token=_token_id('sep_token', sep_token), pad_token=_token_id('pad_token', pad_token, 1 << 63))
     if cfg['pad_token'] is None and pack != 'concat': raise ValueError(f"pack={pack!r} pads rows: pad_token must be a token id, not None")
@@ -1741,7 +1772,7 @@ class StreamingLoader:
                  max_chunk=None,            # cut units longer than this into pieces before shuffling
                  device='cpu',              # where batches go ('cpu', 'cuda', 'cuda:N', 'auto')
                  pack_buffer:int=1000,      # pieces the best fit chooses from
-                 max_wait=MAX_WAIT,         # bestfit: rows a piece may wait before it starts a row (None: no age limit)
+                 max_wait=MAX_WAIT,         # bestfit: rows a piece may wait before it starts a row ('auto': this; None: no limit)
                  tokenizer=None,            # a name or digest of the tokenizer, checked on resume
                  prefetch:int=2,            # batches made ahead in a background thread (0: on demand)
                  slots:int=2,               # `DeviceTransfer`'s staging buffers (`views=True`: its reused outputs too)
