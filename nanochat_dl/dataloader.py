@@ -28,6 +28,8 @@ def _no_nanochat_folder(out, env) -> str:
         return f"{out} is a file: expected a folder of parquet shards (nanochat would read it as one, and fail); {fix}"
     tilde = (" (nanochat does not expand '~' in $NANOCHAT_BASE_DIR: it is a folder named '~' under the current "
              f"directory, {os.getcwd()}; write the full path)") if str(base).startswith('~') else ''
+    ours = get_data_dir(env=env)   # where the demo and `nanochat-dl download` write: named when it holds shards
+    if ours.is_dir() and any(ours.glob('*.parquet')): fix += f" (the shards in {ours}: NANOCHAT_DL_DATA_DIR={ours})"
     return (f"no shards where nanochat keeps them: neither {base/'base_data_climbmix'} nor {base/'base_data'} is a "
             f"folder{tilde}; expected the shards nanochat's `python -m nanochat.dataset` downloads there; {fix}")
 

@@ -12,7 +12,7 @@ import zlib, itertools, json, sys, time
 from pathlib import Path
 import numpy as np
 from fastcore.script import call_parse
-from .core import usable_folder, get_data_dir, get_base_dir, get_tokenizer_dir, check_int
+from .core import usable_folder, get_data_dir, get_base_dir, get_tokenizer_dir, check_int, local_location
 from .dataset import list_parquet_files, make_sample_shards
 from .tokenizer import get_tokenizer, train_tokenizer
 from .packing import STRATEGIES, PackedBatch, show_batch, _pct
@@ -27,7 +27,7 @@ def _digest(x, y) -> int:
 
 def _ensure_tokenizer(data_dir, tokenizer_dir, vocab_size, out=print):
     "The tokenizer in `tokenizer_dir` (default: the cache's), trained on `data_dir`'s train shards when missing."
-    tdir = get_tokenizer_dir() if tokenizer_dir is None else Path(tokenizer_dir)
+    tdir = get_tokenizer_dir() if tokenizer_dir is None else local_location(tokenizer_dir, 'tokenizer_dir')
     try: return get_tokenizer(tdir)
     except FileNotFoundError: pass
     out(f"no tokenizer in {tdir}: training one (vocab {vocab_size:,}) on the train shards of {get_data_dir(data_dir)}")

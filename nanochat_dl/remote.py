@@ -21,8 +21,8 @@ from typing import NamedTuple
 from urllib.parse import urlsplit
 import pyarrow.fs as pafs
 from fastcore.basics import patch
-from .core import (atomic_write, check_int, file_in_the_way, get_base_dir, human_bytes, location, open_lock_file,
-                              uri_scheme)
+from .core import (atomic_write, check_int, file_in_the_way, get_base_dir, human_bytes, local_location, location,
+                              open_lock_file, uri_scheme)
 try: import fcntl                  # POSIX; the cache's locks need it
 except ImportError: fcntl = None
 
@@ -310,7 +310,7 @@ class FileCache:
             self.files = {f.path: f.size for f in list_files(self.local_root, suffix)}
         else:
             if fcntl is None: raise OSError(f"caching {self.root} needs POSIX file locks (fcntl), which this platform lacks")
-            self.cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir(self.root)
+            self.cache_dir = local_location(cache_dir, 'cache_dir') if cache_dir is not None else default_cache_dir(self.root)
             if (there := file_in_the_way(self.cache_dir)) is not None:
                 raise ValueError(f"{there} is not a directory: expected a folder for the cache at {self.cache_dir}")
             for d in ('files', '.tmp', '.locks'): (self.cache_dir/d).mkdir(parents=True, exist_ok=True)

@@ -408,3 +408,13 @@ def test_kill_9_mid_fetch_leaves_nothing_to_read(s3, tmp_path, proxy):
     c = FileCache(root, tmp_path/'c', **FAST)                              # the next start removes it
     assert temps(tmp_path/'c') == []
     assert c.local(n).read_bytes() == objs[n] and c.stats()['misses'] == 1
+
+
+def test_the_cache_dir_expands_home(s3, tmp_path, monkeypatch):
+    "`cache_dir='~/...'` is a folder under HOME, as every path argument is (the README's example; a folder named '~' before)."
+    root, objs = s3
+    monkeypatch.setenv('HOME', str(tmp_path/'home'))
+    monkeypatch.chdir(tmp_path)
+    c = FileCache(root, '~/nvme/cache', **FAST)
+    try: assert c.local(NAMES[1]) == tmp_path/'home'/'nvme'/'cache'/'files'/NAMES[1] and not (tmp_path/'~').exists()
+    finally: c.close()
