@@ -312,6 +312,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                   'nanochat_dl.core.get_nanochat_data_dir': ('core.html#get_nanochat_data_dir', 'nanochat_dl/core.py'),
                                   'nanochat_dl.core.get_tokenizer_dir': ('core.html#get_tokenizer_dir', 'nanochat_dl/core.py'),
                                   'nanochat_dl.core.human_bytes': ('core.html#human_bytes', 'nanochat_dl/core.py'),
+                                  'nanochat_dl.core.load_average': ('core.html#load_average', 'nanochat_dl/core.py'),
+                                  'nanochat_dl.core.load_line': ('core.html#load_line', 'nanochat_dl/core.py'),
                                   'nanochat_dl.core.local_location': ('core.html#local_location', 'nanochat_dl/core.py'),
                                   'nanochat_dl.core.location': ('core.html#location', 'nanochat_dl/core.py'),
                                   'nanochat_dl.core.on_drop': ('core.html#on_drop', 'nanochat_dl/core.py'),

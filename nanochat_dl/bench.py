@@ -14,7 +14,7 @@ import gc, json, math, os, subprocess, sys, time
 from collections import deque
 import numpy as np
 from fastcore.script import call_parse
-from .core import get_data_dir, human_bytes, check_int
+from .core import get_data_dir, human_bytes, check_int, load_average, load_line
 from .shards import RowGroupReader, RowGroupTexts, split_files
 from .tokenizer import get_tokenizer
 from .packing import Packer, ReferencePacker, STRATEGIES, _pct, fineweb_like_lengths
@@ -171,8 +171,9 @@ def bench_pack_cli(B: int = 32,             # rows per batch
         print(f"nanochat-dl bench-pack: error: {e}", file=sys.stderr); return 2
     mu, sigma = calibrate_lognormal(T=2048)
     print(f"document lengths: lognormal mean 1000, sigma {sigma:.3f} (23% of tokens beyond 2049, as FineWeb-Edu at T=2048)")
+    l0 = load_average()
     r = bench_pack(B, T, buffer_size, batches, seed)
-    print(format_bench(r))
+    print(format_bench(r)); print(load_line(l0))
     return 0 if r['identical'] else 1
 
 # %% ../nbs/11_bench.ipynb #86e7f42b
@@ -424,7 +425,7 @@ def run_bench(data_dir=None,                        # the shard folder
                 B=B, T=T, warmup=warmup, batches=batches, threads=threads, buffer_size=buffer_size, best=best, repeats=repeats,
                 gc_mode=gc_mode)
     res, identical, ratios, cpu_ratios = {}, True, {k: [] for k in _VS}, {k: [] for k in _VS}
-    load0 = os.getloadavg() if hasattr(os, 'getloadavg') else None
+    load0 = load_average()
     for rep in range(repeats):                        # rounds interleave the contenders, so a slow spell hits all of them
         got = {}
         for kind, extra in _RUNS:
@@ -450,7 +451,7 @@ def run_bench(data_dir=None,                        # the shard folder
                 of_tokenize_pct={k: float(np.median(v)) for k, v in ratios.items()}, of_tokenize_cpu_pct=cpu_pct,
                 c_over_a=c['delivered_per_s'] / a['delivered_per_s'], identical=identical, cpus=os.cpu_count(),
                 short=sorted(k for k in _VS if too_short(res[k], cpu_pct[k])),
-                load=None if load0 is None else [load0[0], os.getloadavg()[0]])
+                load=None if load0 is None else [load0, load_average()])
 
 def _ms(x, k): return 1e3 * x[k] / x['batches'] if x.get(k) is not None and x.get('batches') else None
 

@@ -14,7 +14,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 from fastcore.script import call_parse
-from .core import check_int, get_base_dir
+from .core import check_int, get_base_dir, load_average, load_line
 from .arrow import TokenRoot, write_counts, write_token_file
 from .packing import fineweb_like_lengths
 from .streaming import PACKS, StreamingLoader, TokenStream
@@ -152,8 +152,9 @@ def bench_stream_cli(batch_size:int=8,    # rows per batch
         if root is not None and not Path(root).is_dir(): raise ValueError(f"root={root!r} is not a folder of datasets")
     except ValueError as e:
         print(f"nanochat-dl bench-stream: error: {e}", file=sys.stderr); return 2
+    l0 = load_average()
     r = bench_stream(root, batch_size, seq_len, batches, seed, prefetch=prefetch, repeats=repeats, simple=not no_simple)
-    print(format_bench_stream(r))
+    print(format_bench_stream(r)); print(load_line(l0))
     ok = all(x['resumed_exactly'] for x in r['runs'] if 'resumed_exactly' in x) and r['simple_same_rows'] is not False
     return 0 if ok else 1
 

@@ -5,7 +5,8 @@
 # %% auto #0
 __all__ = ['LOCK_FILE', 'LOCK_WAIT_S', 'DistInfo', 'get_dist_info', 'uri_scheme', 'location', 'local_location', 'get_base_dir',
            'get_data_dir', 'get_tokenizer_dir', 'get_nanochat_data_dir', 'atomic_write', 'check_int', 'file_in_the_way',
-           'human_bytes', 'usable_folder', 'file_kind', 'open_lock_file', 'folder_lock', 'check_regular', 'on_drop']
+           'human_bytes', 'usable_folder', 'file_kind', 'open_lock_file', 'folder_lock', 'check_regular', 'on_drop',
+           'load_average', 'load_line']
 
 # %% ../nbs/00_core.ipynb #4db050d3
 import os
@@ -285,3 +286,16 @@ def on_drop(obj,       # the object (a loader) that holds files
     f.atexit = False
     return f
 
+
+# %% ../nbs/00_core.ipynb #b84beda3
+def load_average() -> float | None:
+    "The machine's 1-minute load average (None where the platform has none)."
+    try: return os.getloadavg()[0]
+    except (AttributeError, OSError): return None
+
+def load_line(before:float|None, # `load_average()` when the run began
+             ) -> str:
+    "What a benchmark prints beside its numbers: the load average before and after the run, and the CPUs."
+    now = load_average()
+    load = f"load average {before:.2f} before, {now:.2f} after, " if before is not None and now is not None else ''
+    return f"{load}{os.cpu_count()} CPUs" 
