@@ -372,3 +372,100 @@ def test_a_source_edited_in_place_at_the_same_size_is_done_again(corpus, tmp_pat
     (tmp_path / 'out' / 'meta' / 'manifest.json').write_text(json.dumps(m))
     res = tokenize(tmp_path / 'src', tmp_path / 'out', 'web', corpus / 'tok', **kw)
     assert (res.done, res.skipped) == (['shard_00000.arrow', 'shard_00001.arrow'], [])
+
+
+# ---------------------------------------------------------------- the train split by default, empty documents
+
+def test_the_default_is_the_train_split_and_val_goes_apart(corpus, tmp_path):
+    """`tokenize` with its defaults takes the train split: files only from the first N-1 shards, none of the val shard's
+    documents in them; the val shard goes into the same root as its own dataset, and a loader reads either by its weight."""
+    from nanochat_dl.arrow import TokenFile, read_counts
+    from nanochat_dl.streaming import StreamingLoader
+    root, tok = tmp_path / 'root', Tokenizer.load(corpus / 'tok')
+    texts = {s.stem: pq.read_table(s).column('text').to_pylist() for s in sorted((corpus / 'src').glob('*.parquet'))}
+    res = tokenize(corpus / 'src', root, 'web', corpus / 'tok', workers=2, progress=False, verbose=False)
+    assert sorted(os.listdir(root / 'web')) == NAMES[:4] and res.done == NAMES[:4]
+    assert res.documents == sum(len(texts[n[:-6]]) for n in NAMES[:4])
+    val = {tuple(ids) for ids in tok.encode(texts['shard_00004'])}
+    for n in NAMES[:4]:
+        with TokenFile(root / 'web' / n) as tf: assert not val & {tuple(tf.doc(i).tolist()) for i in range(len(tf))}, n
+    assert read_manifest(root)['datasets']['web']['source']['split'] == 'train'
+    assert main(['tokenize', '--data-dir', str(corpus / 'src'), '--out', str(tmp_path / 'cli'), '--dataset', 'web',
+                 '--tokenizer-dir', str(corpus / 'tok'), '-w', '1', '--no-progress']) == 0          # the command's default too
+    assert sorted(os.listdir(tmp_path / 'cli' / 'web')) == NAMES[:4]
+    assert main(['tokenize', '--data-dir', str(corpus / 'src'), '--out', str(root), '--dataset', 'web-val', '--split', 'val',
+                 '--tokenizer-dir', str(corpus / 'tok'), '-w', '1', '--no-progress']) == 0          # the README's second command
+    assert sorted(p.name for p in (root / 'meta').iterdir() if not p.name.startswith('.')) == ['combined_counts.csv', 'manifest.json']
+    assert sorted(read_manifest(root)['datasets']) == ['web', 'web-val']
+    assert sorted(read_counts(root, ['web', 'web-val'])) == [('web', n) for n in NAMES[:4]] + [('web-val', NAMES[4])]
+    for ds in ('web', 'web-val'):
+        with StreamingLoader(root, 32, 2, weights={ds: 1}, shuffle_window=0, prefetch=0) as ld:
+            seen = {s.key.dataset for _ in range(20) for row in next(ld).segments for s in row}
+        assert seen == {ds}, (ds, seen)
+
+
+def test_the_split_default_rebuilds_old_manifests_as_they_were(corpus, tmp_path):
+    "A manifest's source record without a split was written when the default was 'all': its rebuild hint says `--split all`."
+    from nanochat_dl.arrow import _rebuild
+    rec = lambda **kw: dict(source=dict(data_dir='/s', tokenizer_dir='/t', **kw))
+    base = f"`nanochat-dl tokenize --data-dir /s --out {tmp_path} --dataset web --tokenizer-dir /t"
+    assert _rebuild(tmp_path, 'web', rec(split='train', keep_empty=False)) == base + '`'
+    assert _rebuild(tmp_path, 'web', rec(split='val', keep_empty=False)) == base + ' --split val`'
+    assert _rebuild(tmp_path, 'web', rec(split='all', keep_empty=True)) == base + ' --split all --keep-empty`'
+    assert _rebuild(tmp_path, 'web', rec()) == base + ' --split all --keep-empty`'           # written before either option
+
+
+EMPTY = [['alpha beta', '', 'gamma', ''], ['', 'delta'], ['epsilon zeta', 'eta'], ['theta', '']]   # shard 2 has none
+
+
+def test_empty_documents_are_dropped_and_counted_or_kept(corpus, tmp_path, capsys):
+    """Texts that encode to no token are dropped by default, counted in the result, the summary and the records;
+    `keep_empty=True` writes the old files byte for byte; a rerun with the other setting redoes the shards it changes."""
+    from nanochat_dl.arrow import TokenFile, write_token_file
+    tok, kw = Tokenizer.load(corpus / 'tok'), dict(workers=2, split='all', progress=False)
+    _shards(tmp_path / 'src', EMPTY)
+    res = tokenize(tmp_path / 'src', tmp_path / 'drop', 'web', corpus / 'tok', **kw)
+    out = capsys.readouterr().out
+    assert res.dropped_empty == 5 and res.documents == 6 and 'dropped 5 empty documents' in out, out
+    for i, t in enumerate(EMPTY):
+        with TokenFile(tmp_path / 'drop' / 'web' / f'shard_{i:05d}.arrow') as tf:
+            assert [tok.decode(tf.doc(j)) for j in range(len(tf))] == [x for x in t if x] and all(tf.lens > 0)
+    m = read_manifest(tmp_path / 'drop')['datasets']['web']
+    assert m['source']['keep_empty'] is False and [r['source']['empty'] for _, r in sorted(m['files'].items())] == [2, 1, 0, 1]
+    res = tokenize(tmp_path / 'src', tmp_path / 'keep', 'web', corpus / 'tok', keep_empty=True, verbose=False, **kw)
+    assert res.dropped_empty == 0 and res.documents == 11
+    for i, t in enumerate(EMPTY):                                       # the bytes the code wrote before the option
+        write_token_file(tmp_path / 'old' / f'{i}.arrow', tok.encode(t))
+        assert (tmp_path / 'keep' / 'web' / f'shard_{i:05d}.arrow').read_bytes() == (tmp_path / 'old' / f'{i}.arrow').read_bytes()
+    res = tokenize(tmp_path / 'src', tmp_path / 'drop', 'web', corpus / 'tok', keep_empty=True, verbose=False, **kw)
+    assert (res.done, res.skipped) == ([NAMES[0], NAMES[1], NAMES[3]], [NAMES[2]])   # shard 2 is the same either way
+    assert read_manifest(tmp_path / 'drop') == read_manifest(tmp_path / 'keep')
+    for n in NAMES[:4]: assert (tmp_path / 'drop' / 'web' / n).read_bytes() == (tmp_path / 'keep' / 'web' / n).read_bytes()
+    assert main(['tokenize', '--data-dir', str(tmp_path / 'src'), '--out', str(tmp_path / 'keep'), '--dataset', 'web', '--split', 'all',
+                 '--tokenizer-dir', str(corpus / 'tok'), '-w', '1', '--no-progress', '--keep-empty']) == 0
+    assert capsys.readouterr().out.splitlines()[0].endswith(': 0 to do, 4 finished before')
+
+
+def test_empty_documents_resume_ranks_and_old_records(corpus, tmp_path, capsys):
+    """Dropping empty documents holds across a run stopped half way (its finished shards kept), across ranks (rank 0's
+    summary counts every rank's), and a record written before the option (empty texts kept) is redone."""
+    kw = dict(workers=1, split='all', progress=False)
+    _shards(tmp_path / 'src', EMPTY)
+    tokenize(tmp_path / 'src', tmp_path / 'ref', 'web', corpus / 'tok', verbose=False, **kw)
+    with pytest.raises(TimeoutError):                                   # rank 0 of 2 alone: half the shards, then it stops
+        tokenize(tmp_path / 'src', tmp_path / 'r', 'web', corpus / 'tok', rank=0, world_size=2, wait=0.1, verbose=False, **kw)
+    res = tokenize(tmp_path / 'src', tmp_path / 'r', 'web', corpus / 'tok', verbose=False, **kw)
+    assert (res.done, res.skipped, res.dropped_empty) == ([NAMES[1], NAMES[3]], [NAMES[0], NAMES[2]], 2)
+    assert read_manifest(tmp_path / 'r') == read_manifest(tmp_path / 'ref')
+    for n in NAMES[:4]: assert (tmp_path / 'r' / 'web' / n).read_bytes() == (tmp_path / 'ref' / 'web' / n).read_bytes()
+    r1 = tokenize(tmp_path / 'src', tmp_path / 'r2', 'web', corpus / 'tok', rank=1, world_size=2, verbose=False, **kw)
+    capsys.readouterr()
+    r0 = tokenize(tmp_path / 'src', tmp_path / 'r2', 'web', corpus / 'tok', rank=0, world_size=2, **kw)
+    assert (r0.dropped_empty, r1.dropped_empty) == (2, 3) and '5 empty documents dropped' in capsys.readouterr().out
+    assert read_manifest(tmp_path / 'r2') == read_manifest(tmp_path / 'ref')
+    m = read_manifest(tmp_path / 'r')
+    for r in m['datasets']['web']['files'].values(): del r['source']['empty'], r['source']['keep_empty']   # before the option
+    (tmp_path / 'r' / 'meta' / 'manifest.json').write_text(json.dumps(m))
+    res = tokenize(tmp_path / 'src', tmp_path / 'r', 'web', corpus / 'tok', verbose=False, **kw)
+    assert (res.done, res.skipped) == (NAMES[:4], [])
+    assert read_manifest(tmp_path / 'r') == read_manifest(tmp_path / 'ref')
