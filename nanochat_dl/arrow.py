@@ -438,7 +438,9 @@ def _rebuild(root, dataset, entry, tokenizer_dir=None, overwrite=False) -> str:
     src = (entry or {}).get('source') or {}
     cmd = ['nanochat-dl', 'tokenize', '--data-dir', src.get('data_dir', 'SRC'), '--out', str(root), '--dataset', dataset]
     if tokenizer_dir or src.get('tokenizer_dir'): cmd += ['--tokenizer-dir', tokenizer_dir or src['tokenizer_dir']]
-    if src.get('split', 'all') != 'all': cmd += ['--split', src['split']]
+    if src:                            # a record without split or keep_empty is older: all shards, empties kept
+        if src.get('split', 'all') != 'train': cmd += ['--split', src.get('split', 'all')]
+        if src.get('keep_empty', True): cmd += ['--keep-empty']
     return '`' + ' '.join(c if c in ('SRC', 'YOUR_TOKENIZER_DIR') else shlex.quote(c) for c in cmd) + (' --overwrite' if overwrite else '') + '`'
 
 
@@ -748,16 +750,21 @@ def tokenize_shard(src,                # a parquet text shard
                    text_column='text', # the column of documents
                    on_progress=None,   # called with (documents, characters) after each row group
                    utf8_errors='strict', # 'strict': text that is not UTF-8 fails the shard, naming the row; 'replace': U+FFFD
+                   keep_empty=False,   # write a text that encodes to no token as a 0-token document (default: drop it)
                    ) -> dict:
     "Tokenize `src` into `dst` row group by row group: one record batch per document, ids as `encode_ordinary` gives them, no BOS; returns the file's record (and its source's name, size, sha256)."
-    src, enc = Path(src), getattr(tokenizer, 'enc', tokenizer)
+    src, enc, empty = Path(src), getattr(tokenizer, 'enc', tokenizer), 0
     size, sha = src.stat().st_size, file_sha256(src)
     with _open_shard(src, text_column) as pf, TokenWriter(dst) as w:
         for g in range(pf.num_row_groups):
             texts = _read_group(pf, src, g, text_column, utf8_errors)
-            for t in texts: w.write(enc.encode_to_numpy(t, disallowed_special=()))   # special tokens in the text stay text
+            for t in texts:
+                ids = enc.encode_to_numpy(t, disallowed_special=())   # special tokens in the text stay text
+                empty += not len(ids)                                 # counted kept or not: the record says
+                if len(ids) or keep_empty: w.write(ids)
             if on_progress is not None: on_progress(len(texts), sum(map(len, texts)))
-    return dict(w.record._asdict(), source=dict(name=src.name, bytes=size, sha256=sha))
+    src_rec = dict(name=src.name, bytes=size, sha256=sha, empty=empty, keep_empty=bool(keep_empty))   # empty: texts
+    return dict(w.record._asdict(), source=src_rec)
 
 # %% ../nbs/12_arrow.ipynb #dd653dac
 def _die_with(parent:int):
@@ -781,7 +788,8 @@ def _serve_tokenize(tokenizer_dir, parent=None):   # parent: the pid of the proc
     send(ready=True)
     for line in sys.stdin:
         t = json.loads(line)
-        try: send(done=tokenize_shard(t['src'], t['dst'], enc, t['text_column'], lambda d, c: send(progress=[d, c]), t['utf8_errors']))
+        try: send(done=tokenize_shard(t['src'], t['dst'], enc, t['text_column'], lambda d, c: send(progress=[d, c]),
+                                      t['utf8_errors'], t['keep_empty']))
         except Exception as e: send(error=str(e) if t['src'] in str(e) else f"{t['src']}: {type(e).__name__}: {e}")
 
 # %% ../nbs/12_arrow.ipynb #9cae1f59
@@ -802,9 +810,11 @@ class _Worker:
     def _pump(self, answers):
         for line in self.proc.stdout: answers.put((self, json.loads(line)))
         answers.put((self, None))
-    def give(self, task, text_column, utf8_errors='strict'):
+    def give(self, task, text_column, utf8_errors='strict', keep_empty=False):
         self.task = task
-        try: self.proc.stdin.write(json.dumps(dict(src=str(task[0]), dst=str(task[1]), text_column=text_column, utf8_errors=utf8_errors)) + '\n'); self.proc.stdin.flush()
+        t = dict(src=str(task[0]), dst=str(task[1]), text_column=text_column, utf8_errors=utf8_errors,
+                 keep_empty=keep_empty)
+        try: self.proc.stdin.write(json.dumps(t) + '\n'); self.proc.stdin.flush()
         except OSError: pass   # it died: its end of output says so
     def stderr(self) -> str:
         self.err.seek(0)
@@ -823,7 +833,8 @@ def _drop_temps(dst):
     for t in Path(dst).parent.glob(f".{Path(dst).name}.*.tmp"): t.unlink(missing_ok=True)
 
 def _run_tasks(tasks, tokenizer_dir, workers, text_column='text', on_progress=None, utf8_errors='strict',
-               on_done=None) -> dict:   # on_done(name, record): called as each file is finished
+               on_done=None,     # on_done(name, record): called as each file is finished
+               keep_empty=False) -> dict:   # write empty documents (`tokenize_shard`)
     "Tokenize `tasks` (`[(src, dst)]`) in up to `workers` worker processes; `{dst name: its record, or an error message}`."
     todo, out, answers, pool = list(tasks), {}, queue.Queue(), []
     with tempfile.TemporaryDirectory(prefix='nanochat-dl-tokenize-') as cwd:
@@ -846,7 +857,7 @@ def _run_tasks(tasks, tokenizer_dir, workers, text_column='text', on_progress=No
                         out[w.task[1].name] = m.get('done', m.get('error'))
                         if on_done is not None and 'done' in m: on_done(w.task[1].name, m['done'])
                         w.task = None
-                    if todo: w.give(todo.pop(0), text_column, utf8_errors)
+                    if todo: w.give(todo.pop(0), text_column, utf8_errors, keep_empty)
                     else: w.proc.stdin.close()
         finally:                                        # done, failed or interrupted (Ctrl-C): no worker outlives us
             for w in pool: w.close()
@@ -859,7 +870,9 @@ SPLIT_CHOICES = ('all', 'train', 'val')    # which shards `tokenize` takes: all,
 
 def _source_shards(data_dir, split) -> list:
     if split not in SPLIT_CHOICES: raise ValueError(f"split {split!r} is invalid: expected one of {', '.join(SPLIT_CHOICES)}")
-    if split != 'all': return split_files(split, data_dir)
+    if split != 'all':
+        try: return split_files(split, data_dir)
+        except ValueError as e: raise ValueError(f"{e}; pass split='all' (--split all) to take every shard") from None
     d = get_data_dir(data_dir)
     files = list_parquet_files(d)
     if not files: raise FileNotFoundError(f"no .parquet shards in {d}: download shards (`nanochat-dl download`) or write the offline sample (`nanochat-dl sample`) first")
@@ -868,7 +881,9 @@ def _source_shards(data_dir, split) -> list:
 def _uri_shards(uri, split, cache_dir, cache_size, rank, world) -> tuple:
     "A URI's parquet shards for `tokenize`: the local paths of their copies, and the `FileCache` that holds them; this rank's copies fetched now and pinned."
     if split not in SPLIT_CHOICES: raise ValueError(f"split {split!r} is invalid: expected one of {', '.join(SPLIT_CHOICES)}")
-    if split != 'all': files, cache = split_shards(split, uri, cache_dir, cache_size)
+    if split != 'all':
+        try: files, cache = split_shards(split, uri, cache_dir, cache_size)
+        except ValueError as e: raise ValueError(f"{e}; pass split='all' (--split all) to take every shard") from None
     else:
         cache = FileCache(uri, cache_dir, cache_size, suffix='.parquet')
         files = [cache.path(r) for r in sorted(r for r in cache.files if '/' not in r)]
@@ -906,7 +921,7 @@ def _rank_world(rank, world_size) -> tuple:
 
 # %% ../nbs/12_arrow.ipynb #be5b1de8
 def _prepare(data_dir, out, dataset, tokenizer_dir, workers, rank, world_size, split, text_column, overwrite, wait,
-             cache_dir=None, cache_size=None, utf8_errors='strict') -> SimpleNamespace:
+             cache_dir=None, cache_size=None, utf8_errors='strict', keep_empty=False) -> SimpleNamespace:
     "Check everything `tokenize` is asked before any work: a `ValueError` or `FileNotFoundError` says what is wrong."
     if out is None: raise ValueError("out (--out) is required: the token root that holds one folder per dataset")
     if dataset is None: raise ValueError("dataset (--dataset) is required: the name of the dataset's folder under the token root")
@@ -922,7 +937,8 @@ def _prepare(data_dir, out, dataset, tokenizer_dir, workers, rank, world_size, s
     where = str(uri).rstrip('/') if cache is not None else str(shards[0].parent.absolute())
     try:
         p = _prepare_rest(root, dataset, shards, cache, where, workers, rank, world, split, text_column, overwrite, wait, tokenizer_dir)
-        p.utf8_errors = utf8_errors
+        p.utf8_errors, p.keep_empty = utf8_errors, bool(keep_empty)
+        p.source['keep_empty'] = p.keep_empty         # with the split: what the manifest's rebuild hint repeats
         return p
     except BaseException:
         if cache is not None: cache.close()
@@ -981,6 +997,9 @@ def _still_valid(p, rec, src, full=False) -> bool:
     if rec is None or rec.get('tokenizer') != p.tok['fingerprint']: return False
     if (s.get('name'), s.get('bytes')) != (src.name, _src_bytes(p, src)): return False
     if not isinstance(s.get('sha256'), str): return False              # a record from before the source's hash: redone
+    if s.get('keep_empty', True) != p.keep_empty:                      # made with the other setting (before it: kept)
+        if s.get('empty') != 0: return False                           # a shard with empty texts, or not known: redone
+        rec['source'] = dict(s, keep_empty=p.keep_empty)               # none: the same file either way, recorded as now
     try:
         if dst.stat().st_size != rec['bytes']: return False
         if _src_key(p, src)['sha256'] not in (None, s['sha256']): return False   # keyed on the source's content
@@ -1017,6 +1036,7 @@ class TokenizeResult(NamedTuple):
     tokens: int       # tokens written in this run
     seconds: float    # wall time of this run
     manifest: Path    # the manifest rank 0 wrote (None on other ranks, or after a failure)
+    dropped_empty: int = 0   # empty documents (texts that encode to no token) left out in this run; 0 with `keep_empty`
 
 def _execute(p, progress=True, say=print) -> TokenizeResult:
     with _run_lock(p): return _execute_locked(p, progress, say)
@@ -1037,15 +1057,27 @@ def _execute_locked(p, progress, say) -> TokenizeResult:
         r = dict(r, tokenizer=p.tok['fingerprint'])
         atomic_write(_sidecar(p.root, p.dataset, n), json.dumps(r), 'w'); recs[n] = r   # temp: `<name>.json.*.tmp`
     try: res = _run_tasks(todo, p.tok_dir, p.workers, p.text_column, lambda d, c: bar.update(d), p.utf8_errors,
-                          finished) if todo else {}
+                          finished, p.keep_empty) if todo else {}
     finally: bar.close()
     failed = {n: r for n, r in res.items() if isinstance(r, str)}
     done = [n for n in res if n not in failed]
     docs, toks, secs = sum(recs[n]['documents'] for n in done), sum(recs[n]['tokens'] for n in done), time.perf_counter() - t0
-    say(f"rank {p.rank}: {len(done)} written ({docs:,} documents, {toks:,} tokens, {toks / secs:,.0f} tokens/s), {len(skipped)} kept, {len(failed)} failed in {secs:.1f} s")
+    empty = _empties(recs[n] for n in done)
+    say(f"rank {p.rank}: {len(done)} written ({docs:,} documents, {toks:,} tokens, {toks / secs:,.0f} tokens/s; "
+        f"{_say_empties(p, empty)}), {len(skipped)} kept, {len(failed)} failed in {secs:.1f} s")
     _barrier(p)
     manifest = _finalize(p, recs, say) if p.rank == 0 and not failed else None
-    return TokenizeResult(sorted(done), sorted(skipped), failed, docs, toks, secs, manifest)
+    dropped = 0 if p.keep_empty else empty or 0
+    return TokenizeResult(sorted(done), sorted(skipped), failed, docs, toks, secs, manifest, dropped)
+
+def _empties(recs):
+    "The empty texts the records' source shards held (None if a record from before they were counted is among them)."
+    n = [r['source'].get('empty') for r in recs]
+    return None if None in n else sum(n)
+
+def _say_empties(p, n) -> str:
+    how = 'an unknown number of' if n is None else f'{n:,}'
+    return f"{'kept' if p.keep_empty else 'dropped'} {how} empty documents"
 
 def _rows(src) -> int:
     import pyarrow.parquet as pq
@@ -1085,7 +1117,8 @@ def _finalize(p, recs, say) -> Path:
         path = update_manifest(p.root, p.dataset, files, p.tok, p.source)
     for n in files: _sidecar(p.root, p.dataset, n).unlink(missing_ok=True)
     say(f"wrote {p.root/META/COUNTS_FILE} and {path}: {p.dataset}: {len(files)} files, "
-        f"{sum(r['documents'] for r in files.values()):,} documents, {sum(r['tokens'] for r in files.values()):,} tokens")
+        f"{sum(r['documents'] for r in files.values()):,} documents, {sum(r['tokens'] for r in files.values()):,} "
+        f"tokens; {_say_empties(p, _empties(files.values()))}")
     return path
 
 # %% ../nbs/12_arrow.ipynb #0d65a42f
@@ -1096,7 +1129,7 @@ def tokenize(data_dir=None,        # parquet text shards (else $NANOCHAT_DL_DATA
              workers:int=4,        # worker processes, each tokenizing one shard at a time
              rank=None,            # this process's rank (else torchrun's RANK, else 0)
              world_size=None,      # ranks sharing the work (else torchrun's WORLD_SIZE, else 1)
-             split='all',          # 'all' shards, 'train' (all but the last) or 'val' (the last)
+             split='train',        # 'train' (every shard but the last), 'val' (the last: the validation shard) or 'all'
              text_column='text',   # the column of documents in the shards
              overwrite=False,      # replace a dataset of another tokenizer; remove .arrow files no shard makes
              wait:float=600,       # rank 0 gives up after this many seconds without another rank finishing a shard
@@ -1106,11 +1139,13 @@ def tokenize(data_dir=None,        # parquet text shards (else $NANOCHAT_DL_DATA
              cache_dir=None,       # for a URI `data_dir`: the shards' local copies (this rank's are fetched before it starts)
              cache_size=None,      # for a URI `data_dir`: bytes those copies may take (None: no cap)
              utf8_errors='strict', # 'strict': text that is not UTF-8 fails its shard, naming the row; 'replace': U+FFFD
+             keep_empty=False,     # keep texts that encode to no token as 0-token documents (default: dropped, counted)
              ) -> TokenizeResult:
     "One `.arrow` token file per parquet shard of `data_dir` under `out/dataset/`; this rank's shards are i = rank (mod world_size); rank 0 then writes the counts file and the manifest. A URI `out` (`s3://bucket/prefix`, ...) gets each file uploaded once it is finished, the counts file and the manifest last."
     args = (data_dir, out, dataset, tokenizer_dir, workers, rank, world_size, split, text_column, overwrite, wait)
     say = print if verbose else lambda *a: None
-    p = _prepare_uri(*args, stage_dir, cache_dir, cache_size, utf8_errors) if out is not None and not is_local(out) else _prepare(*args, cache_dir, cache_size, utf8_errors)
+    if out is None or is_local(out): p = _prepare(*args, cache_dir, cache_size, utf8_errors, keep_empty)
+    else: p = _prepare_uri(*args, stage_dir, cache_dir, cache_size, utf8_errors, keep_empty)
     try: return (_execute_uri if hasattr(p, 'uri') else _execute)(p, progress, say)
     finally:
         if p.cache is not None: p.cache.close()
@@ -1131,14 +1166,15 @@ def _pull_meta(fs, base, stage, out):
         _write_meta(stage/META/name, data.decode())
 
 def _prepare_uri(data_dir, out, dataset, tokenizer_dir, workers, rank, world_size, split, text_column, overwrite, wait, stage_dir=None,
-                 cache_dir=None, cache_size=None, utf8_errors='strict'):
+                 cache_dir=None, cache_size=None, utf8_errors='strict', keep_empty=False):
     "`_prepare` for a URI `out`: the staging root primed with the store's meta files; `.arrow` files in the store that no shard makes refused unless `overwrite`."
     out = str(out).rstrip('/')
     fs, base = open_uri(out)
     stage = Path(stage_dir).expanduser().absolute() if stage_dir is not None else _stage_dir(out)
     if dataset is not None: _check_dataset_name(dataset)
     _pull_meta(fs, base, stage, out)
-    p = _prepare(data_dir, stage, dataset, tokenizer_dir, workers, rank, world_size, split, text_column, overwrite, wait, cache_dir, cache_size, utf8_errors)
+    p = _prepare(data_dir, stage, dataset, tokenizer_dir, workers, rank, world_size, split, text_column, overwrite,
+                 wait, cache_dir, cache_size, utf8_errors, keep_empty)
     p.uri, p.fs, p.base = out, fs, base
     made = {s.stem + '.arrow' for s in p.shards}
     p.stored = {f.path: f.size for f in retry(lambda: list_files(f"{base}/{dataset}", '.arrow', fs=fs), f"{out}/{dataset}")}
@@ -1179,7 +1215,7 @@ def tokenize_cli(data_dir:str=None,       # parquet text shards (else $NANOCHAT_
                  Workers:int=4,           # worker processes
                  rank:int=None,           # this process's rank (else torchrun's RANK, else 0); with --world-size
                  world_size:int=None,     # ranks sharing the shards (else torchrun's WORLD_SIZE, else 1)
-                 split:str='all',         # all, train (all shards but the last) or val (the last)
+                 split:str='train',       # train (every shard but the last), val (the last: validation) or all
                  text_column:str='text',  # the column of documents
                  overwrite:bool=False,    # replace a dataset of another tokenizer; remove .arrow files no shard makes
                  wait:float=600,          # rank 0 gives up after this many seconds without another rank finishing a shard
@@ -1188,12 +1224,14 @@ def tokenize_cli(data_dir:str=None,       # parquet text shards (else $NANOCHAT_
                  cache_dir:str=None,      # for a URI --data-dir: the shards' local copies (this rank's are fetched before it starts)
                  cache_size:int=None,     # for a URI --data-dir: bytes those copies may take
                  utf8_errors:str='strict', # strict (text that is not UTF-8 fails its shard) or replace (U+FFFD)
+                 keep_empty:bool=False,   # keep texts of no token as 0-token documents (else dropped, counted)
                 ) -> int:
     "Tokenize parquet shards into fms-fsdp's arrow layout, on disk or in object storage (--out s3://...); exit code 2 for bad arguments or a busy dataset, 1 if a shard (or an upload) failed, 130 on Ctrl-C."
     err = lambda msg: print(f"nanochat-dl tokenize: error: {msg}", file=sys.stderr)
     uri = out is not None and not is_local(out)
     args = (data_dir, out, dataset, tokenizer_dir, Workers, rank, world_size, split, text_column, overwrite, wait)
-    try: p = _prepare_uri(*args, stage_dir, cache_dir, cache_size, utf8_errors) if uri else _prepare(*args, cache_dir, cache_size, utf8_errors)
+    try: p = (_prepare_uri(*args, stage_dir, cache_dir, cache_size, utf8_errors, keep_empty) if uri
+              else _prepare(*args, cache_dir, cache_size, utf8_errors, keep_empty))
     except (ValueError, FileNotFoundError) as e: err(e); return 2
     except OSError as e: err(e); return 1                       # the store could not be read
     except KeyboardInterrupt: print("nanochat-dl tokenize: interrupted before any work", file=sys.stderr); return 130

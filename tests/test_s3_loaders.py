@@ -450,10 +450,11 @@ def test_tokenize_to_s3(text, moto, bucket, tmp_path):
     same(batches(StreamingLoader(f's3://{bucket}/tok', **KW, cache_dir=tmp_path/'c'), 10), batches(StreamingLoader(local, **KW), 10))
     # a second dataset into the same bucket root keeps the first one's entries
     r2 = tokenize(shards, f's3://{bucket}/tok', 'again', tok_dir, workers=1, split='val', progress=False, verbose=False,
-                  stage_dir=tmp_path/'stage2')
+                  stage_dir=tmp_path/'stage2', keep_empty=True)
     assert r2.manifest == f's3://{bucket}/tok/meta/manifest.json'
     m = json.loads(listing(moto, bucket, 'tok')['meta/manifest.json'])
     assert sorted(m['datasets']) == ['again', 'toy']
+    assert (m['datasets']['again']['source']['keep_empty'], m['datasets']['toy']['source']['keep_empty']) == (True, False)
 
 
 def read_json(p): return json.loads(Path(p).read_text())
@@ -499,9 +500,9 @@ def test_tokenize_from_s3_shards(text, s3text, moto, tmp_path):
     from nanochat_dl.arrow import read_manifest, tokenize
     from nanochat_dl.cli import main
     shards, tok = text
-    tokenize(shards, tmp_path/'local', 'toy', shards.parent/'tok', workers=1, progress=False, verbose=False)
+    tokenize(shards, tmp_path/'local', 'toy', shards.parent/'tok', workers=1, split='all', progress=False, verbose=False)
     assert main(['tokenize', '--data-dir', s3text, '--out', str(tmp_path/'remote'), '--dataset', 'toy', '--tokenizer-dir', str(shards.parent/'tok'),
-                 '-w', '1', '--no-progress', '--cache-dir', str(tmp_path/'c'), '--cache-size', '1000000']) == 0
+                 '-w', '1', '--split', 'all', '--no-progress', '--cache-dir', str(tmp_path/'c'), '--cache-size', '1000000']) == 0
     for p in sorted((tmp_path/'local'/'toy').glob('*.arrow')): assert p.read_bytes() == (tmp_path/'remote'/'toy'/p.name).read_bytes()
     assert read_manifest(tmp_path/'remote')['datasets']['toy']['source']['data_dir'] == s3text
     assert sorted(p.name for p in (tmp_path/'c'/'files').iterdir()) == sorted(p.name for p in shards.glob('*.parquet'))

@@ -24,12 +24,12 @@ def corpus(tmp_path_factory):
     d = tmp_path_factory.mktemp('corpus')
     make_sample_shards(d / 'src')
     train_tokenizer(d / 'src', vocab_size=512, out_dir=d / 'tok', progress=False)
-    tokenize(d / 'src', d / 'ref', 'web', d / 'tok', workers=2, progress=False, verbose=False)
+    tokenize(d / 'src', d / 'ref', 'web', d / 'tok', workers=2, split='all', progress=False, verbose=False)   # all 5
     return d
 
 
 def _cli(*args, cwd=None, env=None, timeout=240):
-    return subprocess.run([CLI, 'tokenize', *map(str, args)], capture_output=True, text=True, cwd=cwd,
+    return subprocess.run([CLI, 'tokenize', '--split', 'all', *map(str, args)], capture_output=True, text=True, cwd=cwd,
                           env=dict(os.environ, **(env or {})), timeout=timeout)
 
 
@@ -93,7 +93,7 @@ def test_a_corrupt_shard_is_named_the_others_finish_exit_1(corpus, tmp_path):
 
 def test_two_ranks_as_two_processes(corpus, tmp_path):
     args = ['--data-dir', corpus / 'src', '--out', tmp_path, '--dataset', 'web', '--tokenizer-dir', corpus / 'tok', '-w', '1',
-            '--world-size', '2', '--no-progress', '--wait', '120']
+            '--split', 'all', '--world-size', '2', '--no-progress', '--wait', '120']
     procs = [subprocess.Popen([CLI, 'tokenize', *map(str, args), '--rank', str(r)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for r in (0, 1)]
     outs = [p.communicate(timeout=240) for p in procs]
@@ -117,7 +117,8 @@ import sys, time, torch.distributed as dist
 from nanochat_dl.arrow import tokenize
 dist.init_process_group('gloo')
 if dist.get_rank() == 1: time.sleep(3)     # rank 0 finishes first; without the barrier its 1 ms wait would give up
-res = tokenize(sys.argv[1], sys.argv[2], 'web', sys.argv[3], workers=1, wait=0.001 if dist.get_rank() == 0 else 600, progress=False)
+res = tokenize(sys.argv[1], sys.argv[2], 'web', sys.argv[3], workers=1, split='all',
+               wait=0.001 if dist.get_rank() == 0 else 600, progress=False)
 print('RESULT', dist.get_rank(), dist.get_world_size(), len(res.done), res.manifest is not None, flush=True)
 dist.destroy_process_group()
 """
@@ -142,7 +143,7 @@ def test_torchrun_with_a_gloo_group(corpus, tmp_path):
 @pytest.mark.timeout(300)
 def test_torchrun_the_command_reads_rank_and_world_size(corpus, tmp_path):
     r = _torchrun('--no-python', CLI, 'tokenize', '--data-dir', corpus / 'src', '--out', tmp_path, '--dataset', 'web',
-                  '--tokenizer-dir', corpus / 'tok', '-w', '1', '--no-progress', '--wait', '120')
+                  '--tokenizer-dir', corpus / 'tok', '-w', '1', '--split', 'all', '--no-progress', '--wait', '120')
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     assert '(rank 0 of 2, 1 workers): 3 to do' in r.stdout and '(rank 1 of 2, 1 workers): 2 to do' in r.stdout
     _same_as_reference(tmp_path, corpus)
@@ -216,10 +217,10 @@ def test_rank0_writes_counts_and_manifest_under_the_folder_lock(corpus, tmp_path
     try:
         assert holder.stdout.readline() == 'locked\n'
         with pytest.raises(ValueError, match=r"is being written by another process \(pid \d+"):
-            tokenize(corpus / 'src', root, 'web', corpus / 'tok', workers=1, progress=False, verbose=False)
+            tokenize(corpus / 'src', root, 'web', corpus / 'tok', workers=1, split='all', progress=False, verbose=False)
     finally: holder.kill(); holder.wait()
     assert read_manifest(root) is None and not (root / 'meta' / 'combined_counts.csv').exists()
-    tokenize(corpus / 'src', root, 'web', corpus / 'tok', workers=1, progress=False, verbose=False)   # the lock is free again
+    tokenize(corpus / 'src', root, 'web', corpus / 'tok', workers=1, split='all', progress=False, verbose=False)
     _same_as_reference(root, corpus)
 
 
@@ -231,7 +232,8 @@ def test_text_that_is_not_utf8(corpus, tmp_path, capsys):
     bad = pa.array([b'alpha beta', b'caf\xe9 au lait', b'gamma'], pa.binary()).view(pa.string())
     pq.write_table(pa.table({'text': bad}), src / 'shard_00000.parquet')
     pq.write_table(pa.table({'text': ['delta epsilon', 'zeta']}), src / 'shard_00001.parquet')
-    base = ['tokenize', '--data-dir', str(src), '--dataset', 'web', '--tokenizer-dir', str(corpus / 'tok'), '--no-progress']
+    base = ['tokenize', '--data-dir', str(src), '--dataset', 'web', '--tokenizer-dir', str(corpus / 'tok'),
+            '--no-progress', '--split', 'all']
     assert main(base + ['--out', str(tmp_path / 'a')]) == 1
     err = capsys.readouterr().err
     assert f"shard_00000.arrow: {src / 'shard_00000.parquet'}: row group 0, row 1: 'text' is not valid UTF-8" in err, err
@@ -243,7 +245,8 @@ def test_text_that_is_not_utf8(corpus, tmp_path, capsys):
     tok = Tokenizer.load(corpus / 'tok')
     with TokenFile(tmp_path / 'b' / 'web' / 'shard_00000.arrow') as tf:
         assert [tok.decode(tf.doc(i)) for i in range(len(tf))] == ['alpha beta', 'caf\ufffd au lait', 'gamma']
-    res = tokenize(src, tmp_path / 'c', 'web', corpus / 'tok', workers=1, progress=False, verbose=False, utf8_errors='replace')
+    res = tokenize(src, tmp_path / 'c', 'web', corpus / 'tok', workers=1, split='all', progress=False, verbose=False,
+                   utf8_errors='replace')
     assert not res.failed and (tmp_path / 'c' / 'web' / 'shard_00000.arrow').read_bytes() == (tmp_path / 'b' / 'web' / 'shard_00000.arrow').read_bytes()
 
 
@@ -272,7 +275,8 @@ def test_a_killed_run_keeps_what_it_finished(corpus, tmp_path, sig):
     """A real run killed (SIGKILL) or interrupted (Ctrl-C's SIGINT) after 2 of its 5 shards: those are recorded as they
     finished, the rerun does only the rest, and the result is byte for byte a clean run's. Ctrl-C exits 130 with one line."""
     out = tmp_path / 'out'
-    args = ['--data-dir', corpus / 'src', '--out', out, '--dataset', 'web', '--tokenizer-dir', corpus / 'tok', '-w', '1', '--no-progress']
+    args = ['--data-dir', corpus / 'src', '--out', out, '--dataset', 'web', '--tokenizer-dir', corpus / 'tok',
+            '-w', '1', '--no-progress', '--split', 'all']
     proc = subprocess.Popen([CLI, 'tokenize', *map(str, args)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     recs = out / 'meta' / '.records' / 'web'
     _until(lambda: proc.poll() is not None or (recs.is_dir() and len([f for f in os.listdir(recs) if f.endswith('.json')]) >= 2))
@@ -304,7 +308,8 @@ def test_workers_stop_when_the_command_is_killed(corpus, tmp_path):
     "kill -9 of the command in the middle of a long shard: its worker does not work on as an orphan."
     (tmp_path / 'src').mkdir(); _big_shard(tmp_path / 'src' / 'shard_00000.parquet')
     proc = subprocess.Popen([CLI, 'tokenize', '--data-dir', str(tmp_path / 'src'), '--out', str(tmp_path / 'out'), '--dataset', 'web',
-                             '--tokenizer-dir', str(corpus / 'tok'), '-w', '1', '--no-progress'], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                             '--tokenizer-dir', str(corpus / 'tok'), '-w', '1', '--no-progress', '--split', 'all'],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     web = tmp_path / 'out' / 'web'
     _until(lambda: proc.poll() is not None or (web.is_dir() and any(f.startswith('.') and f.endswith('.tmp') for f in os.listdir(web))))
     workers = _children('_serve_tokenize', proc.pid)
@@ -324,7 +329,8 @@ def test_a_second_run_into_the_same_dataset_waits_then_exits_2(corpus, tmp_path,
     import nanochat_dl.core as core
     monkeypatch.setattr(core, 'LOCK_WAIT_S', 0.5)
     out = tmp_path / 'out'
-    args = ['--data-dir', corpus / 'src', '--out', out, '--dataset', 'web', '--tokenizer-dir', corpus / 'tok', '-w', '1', '--no-progress']
+    args = ['--data-dir', corpus / 'src', '--out', out, '--dataset', 'web', '--tokenizer-dir', corpus / 'tok',
+            '-w', '1', '--no-progress', '--split', 'all']
     first = subprocess.Popen([CLI, 'tokenize', *map(str, args)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         web = out / 'web'
@@ -351,7 +357,7 @@ def _shards(src, texts):
 def test_a_source_edited_in_place_at_the_same_size_is_done_again(corpus, tmp_path):
     "Finished work is keyed on the source shard's content (sha256), not its name and size; a record without that key is redone."
     from nanochat_dl.arrow import TokenFile
-    tok, kw = Tokenizer.load(corpus / 'tok'), dict(workers=1, progress=False, verbose=False)
+    tok, kw = Tokenizer.load(corpus / 'tok'), dict(workers=1, split='all', progress=False, verbose=False)
     texts = [['alpha beta gamma', 'delta epsilon'], ['zeta eta theta', 'iota kappa']]
     _shards(tmp_path / 'src', texts)
     footer = lambda b: b[-8 - int.from_bytes(b[-8:-4], 'little'):]          # the parquet footer: metadata, its length, PAR1
@@ -372,3 +378,105 @@ def test_a_source_edited_in_place_at_the_same_size_is_done_again(corpus, tmp_pat
     (tmp_path / 'out' / 'meta' / 'manifest.json').write_text(json.dumps(m))
     res = tokenize(tmp_path / 'src', tmp_path / 'out', 'web', corpus / 'tok', **kw)
     assert (res.done, res.skipped) == (['shard_00000.arrow', 'shard_00001.arrow'], [])
+
+
+# ---------------------------------------------------------------- the train split by default, empty documents
+
+def test_the_default_is_the_train_split_and_val_goes_apart(corpus, tmp_path):
+    """`tokenize` with its defaults takes the train split: files only from the first N-1 shards, none of the val shard's
+    documents in them; the val shard goes into the same root as its own dataset, and a loader reads either by its weight."""
+    from nanochat_dl.arrow import TokenFile, read_counts
+    from nanochat_dl.streaming import StreamingLoader
+    root, tok = tmp_path / 'root', Tokenizer.load(corpus / 'tok')
+    texts = {s.stem: pq.read_table(s).column('text').to_pylist() for s in sorted((corpus / 'src').glob('*.parquet'))}
+    res = tokenize(corpus / 'src', root, 'web', corpus / 'tok', workers=2, progress=False, verbose=False)
+    assert sorted(os.listdir(root / 'web')) == NAMES[:4] and res.done == NAMES[:4]
+    assert res.documents == sum(len(texts[n[:-6]]) for n in NAMES[:4])
+    val = {tuple(ids) for ids in tok.encode(texts['shard_00004'])}
+    for n in NAMES[:4]:
+        with TokenFile(root / 'web' / n) as tf: assert not val & {tuple(tf.doc(i).tolist()) for i in range(len(tf))}, n
+    assert read_manifest(root)['datasets']['web']['source']['split'] == 'train'
+    assert main(['tokenize', '--data-dir', str(corpus / 'src'), '--out', str(tmp_path / 'cli'), '--dataset', 'web',
+                 '--tokenizer-dir', str(corpus / 'tok'), '-w', '1', '--no-progress']) == 0          # the command's default too
+    assert sorted(os.listdir(tmp_path / 'cli' / 'web')) == NAMES[:4]
+    assert main(['tokenize', '--data-dir', str(corpus / 'src'), '--out', str(root), '--dataset', 'web-val', '--split', 'val',
+                 '--tokenizer-dir', str(corpus / 'tok'), '-w', '1', '--no-progress']) == 0          # the README's second command
+    assert sorted(p.name for p in (root / 'meta').iterdir() if not p.name.startswith('.')) == ['combined_counts.csv', 'manifest.json']
+    assert sorted(read_manifest(root)['datasets']) == ['web', 'web-val']
+    assert sorted(read_counts(root, ['web', 'web-val'])) == [('web', n) for n in NAMES[:4]] + [('web-val', NAMES[4])]
+    for ds in ('web', 'web-val'):
+        with StreamingLoader(root, 32, 2, weights={ds: 1}, shuffle_window=0, prefetch=0) as ld:
+            seen = {s.key.dataset for _ in range(20) for row in next(ld).segments for s in row}
+        assert seen == {ds}, (ds, seen)
+
+
+def test_the_split_default_rebuilds_old_manifests_as_they_were(corpus, tmp_path):
+    "A manifest's source record without a split was written when the default was 'all': its rebuild hint says `--split all`."
+    from nanochat_dl.arrow import _rebuild
+    rec = lambda **kw: dict(source=dict(data_dir='/s', tokenizer_dir='/t', **kw))
+    base = f"`nanochat-dl tokenize --data-dir /s --out {tmp_path} --dataset web --tokenizer-dir /t"
+    assert _rebuild(tmp_path, 'web', rec(split='train', keep_empty=False)) == base + '`'
+    assert _rebuild(tmp_path, 'web', rec(split='val', keep_empty=False)) == base + ' --split val`'
+    assert _rebuild(tmp_path, 'web', rec(split='all', keep_empty=True)) == base + ' --split all --keep-empty`'
+    assert _rebuild(tmp_path, 'web', rec()) == base + ' --split all --keep-empty`'           # written before either option
+
+
+EMPTY = [['alpha beta', '', 'gamma', ''], ['', 'delta'], ['epsilon zeta', 'eta'], ['theta', '']]   # shard 2 has none
+
+
+def test_empty_documents_are_dropped_and_counted_or_kept(corpus, tmp_path, capsys):
+    """Texts that encode to no token are dropped by default, counted in the result, the summary and the records;
+    `keep_empty=True` writes the old files byte for byte; a rerun with the other setting redoes the shards it changes."""
+    from nanochat_dl.arrow import TokenFile, write_token_file
+    tok, kw = Tokenizer.load(corpus / 'tok'), dict(workers=2, split='all', progress=False)
+    _shards(tmp_path / 'src', EMPTY)
+    res = tokenize(tmp_path / 'src', tmp_path / 'drop', 'web', corpus / 'tok', **kw)
+    shutil.copytree(tmp_path / 'drop', tmp_path / 'ref')
+    out = capsys.readouterr().out
+    assert res.dropped_empty == 4 and res.documents == 6 and 'dropped 4 empty documents' in out, out
+    for i, t in enumerate(EMPTY):
+        with TokenFile(tmp_path / 'drop' / 'web' / f'shard_{i:05d}.arrow') as tf:
+            assert [tok.decode(tf.doc(j)) for j in range(len(tf))] == [x for x in t if x] and all(tf.lens > 0)
+    m = read_manifest(tmp_path / 'drop')['datasets']['web']
+    assert m['source']['keep_empty'] is False and [r['source']['empty'] for _, r in sorted(m['files'].items())] == [2, 1, 0, 1]
+    res = tokenize(tmp_path / 'src', tmp_path / 'keep', 'web', corpus / 'tok', keep_empty=True, verbose=False, **kw)
+    assert res.dropped_empty == 0 and res.documents == 10
+    for i, t in enumerate(EMPTY):                                       # the bytes the code wrote before the option
+        write_token_file(tmp_path / 'old' / f'{i}.arrow', tok.encode(t))
+        assert (tmp_path / 'keep' / 'web' / f'shard_{i:05d}.arrow').read_bytes() == (tmp_path / 'old' / f'{i}.arrow').read_bytes()
+    res = tokenize(tmp_path / 'src', tmp_path / 'drop', 'web', corpus / 'tok', keep_empty=True, verbose=False, **kw)
+    assert (res.done, res.skipped) == ([NAMES[0], NAMES[1], NAMES[3]], [NAMES[2]])   # shard 2 is the same either way
+    assert read_manifest(tmp_path / 'drop') == read_manifest(tmp_path / 'keep')
+    for n in NAMES[:4]: assert (tmp_path / 'drop' / 'web' / n).read_bytes() == (tmp_path / 'keep' / 'web' / n).read_bytes()
+    assert main(['tokenize', '--data-dir', str(tmp_path / 'src'), '--out', str(tmp_path / 'keep'), '--dataset', 'web', '--split', 'all',
+                 '--tokenizer-dir', str(corpus / 'tok'), '-w', '1', '--no-progress', '--keep-empty']) == 0
+    assert capsys.readouterr().out.splitlines()[0].endswith(': 0 to do, 4 finished before')
+    res = tokenize(tmp_path / 'src', tmp_path / 'keep', 'web', corpus / 'tok', verbose=False, **kw)   # and back
+    assert (res.done, res.skipped, res.dropped_empty) == ([NAMES[0], NAMES[1], NAMES[3]], [NAMES[2]], 4)
+    assert read_manifest(tmp_path / 'keep') == read_manifest(tmp_path / 'ref')
+
+
+def test_empty_documents_resume_ranks_and_old_records(corpus, tmp_path, capsys):
+    """Dropping empty documents holds across a run stopped half way (its finished shards kept), across ranks (rank 0's
+    summary counts every rank's), and a record written before the option (empty texts kept) is redone."""
+    kw = dict(workers=1, split='all', progress=False)
+    _shards(tmp_path / 'src', EMPTY)
+    tokenize(tmp_path / 'src', tmp_path / 'ref', 'web', corpus / 'tok', verbose=False, **kw)
+    with pytest.raises(TimeoutError):                                   # rank 0 of 2 alone: half the shards, then it stops
+        tokenize(tmp_path / 'src', tmp_path / 'r', 'web', corpus / 'tok', rank=0, world_size=2, wait=0.1, verbose=False, **kw)
+    res = tokenize(tmp_path / 'src', tmp_path / 'r', 'web', corpus / 'tok', verbose=False, **kw)
+    assert (res.done, res.skipped, res.dropped_empty) == ([NAMES[1], NAMES[3]], [NAMES[0], NAMES[2]], 2)
+    assert read_manifest(tmp_path / 'r') == read_manifest(tmp_path / 'ref')
+    for n in NAMES[:4]: assert (tmp_path / 'r' / 'web' / n).read_bytes() == (tmp_path / 'ref' / 'web' / n).read_bytes()
+    r1 = tokenize(tmp_path / 'src', tmp_path / 'r2', 'web', corpus / 'tok', rank=1, world_size=2, verbose=False, **kw)
+    capsys.readouterr()
+    r0 = tokenize(tmp_path / 'src', tmp_path / 'r2', 'web', corpus / 'tok', rank=0, world_size=2, **kw)
+    assert (r0.dropped_empty, r1.dropped_empty) == (2, 2)
+    assert 'tokens; dropped 4 empty documents' in capsys.readouterr().out           # every rank's, merged
+    assert read_manifest(tmp_path / 'r2') == read_manifest(tmp_path / 'ref')
+    m = read_manifest(tmp_path / 'r')
+    for r in m['datasets']['web']['files'].values(): del r['source']['empty'], r['source']['keep_empty']   # before the option
+    (tmp_path / 'r' / 'meta' / 'manifest.json').write_text(json.dumps(m))
+    res = tokenize(tmp_path / 'src', tmp_path / 'r', 'web', corpus / 'tok', verbose=False, **kw)
+    assert (res.done, res.skipped) == (NAMES[:4], [])
+    assert read_manifest(tmp_path / 'r') == read_manifest(tmp_path / 'ref')
