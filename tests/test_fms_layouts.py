@@ -151,7 +151,9 @@ def test_a_flat_root_keeps_its_names(tmp_path):
     write_token_file(tmp_path/'web'/'a.arrow', [[1, 2]])
     write_token_file(tmp_path/'web'/'2024'/'b.arrow', [[3]])
     write_token_file(tmp_path/'code'/'x.arrow', [[4]])
-    assert list_datasets(tmp_path) == ['code', 'web']
+    write_token_file(tmp_path/'books'/'2023'/'a.arrow', [[5]])          # files only in subfolders: one dataset still
+    write_token_file(tmp_path/'books'/'2024'/'b.arrow', [[6]])
+    assert list_datasets(tmp_path) == ['books', 'code', 'web']
     assert dataset_files(tmp_path, 'web') == ['2024/b.arrow', 'a.arrow']
 
 
