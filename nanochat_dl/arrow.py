@@ -217,7 +217,7 @@ def _check(self:TokenFile, i, a):
 # %% ../nbs/12_arrow.ipynb #fms1a002
 @patch
 def edge_ids(self:TokenFile) -> tuple:
-    "Each document's first and last id, two int64 arrays (0 for an empty document): what fms-fsdp's `strip_tokens` looks at."
+    "Each document's first and last id, two int64 arrays (0 where empty): what fms-fsdp's `strip_tokens` looks at."
     L, s = self.lens, self._starts
     ne = np.flatnonzero(L)
     first, last = np.zeros(len(L), np.int64), np.zeros(len(L), np.int64)
@@ -233,11 +233,12 @@ class FileInfo(NamedTuple):
     tokens: int    # token ids in all
 
 def check_dataset_name(name) -> str:
-    "`name` if it can name a dataset: a folder's path under ROOT, '/'-separated, relative, no '.' or '..' parts, not `meta`'s."
+    "`name` if it can name a dataset: a folder's path under ROOT, '/'-separated, relative, not under `meta`."
     parts = name.split('/') if isinstance(name, str) else None
     if not parts or any(p in ('', '.', '..') for p in parts) or parts[0] == META or '\\' in name or '\0' in name:
         raise ValueError(f"dataset {name!r} is invalid: expected a folder path under the token root ('/'-separated, "
-                         f"relative, no empty, '.' or '..' parts, not under {META}/), such as 'web' or 'lang=en/dataset=wiki'")
+                         f"relative, no empty, '.' or '..' parts, not under {META}/), such as 'web' or "
+                         "'lang=en/dataset=wiki'")
     return name
 
 def check_overlap(names):
@@ -246,12 +247,13 @@ def check_overlap(names):
     for n in sorted(have):
         parts = n.split('/')
         up = next((p for p in ('/'.join(parts[:k]) for k in range(1, len(parts))) if p in have), None)
-        if up is not None: raise ValueError(f"datasets {sorted(have)} overlap: {n!r} is a folder of {up!r}; name one or the other")
+        if up is not None:
+            raise ValueError(f"datasets {sorted(have)} overlap: {n!r} is a folder of {up!r}; name one or the other")
 
 def _hidden(rel) -> bool: return any(s.startswith('.') for s in rel.split('/'))
 
 def datasets_of(files, tops=()) -> list:
-    "The datasets a root's visible `.arrow` files (paths under ROOT) make, by `list_datasets`'s rule; `tops`: its other top folders."
+    "The datasets a root's visible `.arrow` files (paths under ROOT) and other `tops` folders make (`list_datasets`)."
     direct, kids = {f.rsplit('/', 1)[0] for f in files if '/' in f}, {}
     for d in direct:
         parts = d.split('/')
@@ -264,7 +266,9 @@ def datasets_of(files, tops=()) -> list:
 # %% ../nbs/12_arrow.ipynb #fms1a001
 def list_datasets(root,   # the token root
                   ) -> list:
-    "The datasets under `root`, sorted: each top folder (not `meta`, not hidden), with all below it; but a `key=value` folder that holds `.arrow` files only in subfolders (fms-fsdp's `lang=en`) stands for those subfolders, by the same rule (`lang=en/dataset=wiki`)."
+    """The datasets under `root`, sorted: each top folder (not `meta`, not hidden), with all below it; but a
+    `key=value` folder that holds `.arrow` files only in subfolders (fms-fsdp's `lang=en`) stands for those
+    subfolders, by the same rule (`lang=en/dataset=wiki`)."""
     r = Path(root)
     if not r.is_dir(): raise FileNotFoundError(f"token root {r} does not exist: write one with `nanochat-dl tokenize --out {r}`")
     tops, files = [p.name for p in r.iterdir() if p.is_dir() and p.name != META and not p.name.startswith('.')], []
@@ -280,7 +284,7 @@ def dataset_files(root,      # the token root
                   listed=(), # files the counts file or manifest lists: hidden ones among them are data
                   skipped=None, # a list: the hidden `.arrow` files left out are added to it
                   ) -> list:
-    "The `.arrow` files anywhere below `dataset`, as sorted '/'-separated paths inside it; a hidden one (a part of its path starts with '.') only where `listed` names it."
+    "`dataset`'s `.arrow` files at any depth, sorted '/'-separated paths inside it; hidden ones only where `listed`."
     d, listed, out = Path(root)/dataset, set(listed), []
     for dirpath, dirnames, filenames in os.walk(d):
         rel = Path(dirpath).relative_to(d)
@@ -299,13 +303,13 @@ def _hidden_top(f) -> str:
     return '/'.join(parts[:next(k for k, s in enumerate(parts) if s.startswith('.')) + 1])
 
 def skipped_note(skipped) -> str:
-    "What `dataset_files` left out, in words: `skipped 1 hidden file and 2 hidden folders (5 .arrow files in all: ...)`."
+    "What `dataset_files` left out, in words: `skipped 1 hidden file and 2 hidden folders (5 .arrow files ...`."
     tops = {_hidden_top(f) for f in skipped}
     files = len(tops & set(skipped))
-    say = lambda n, w: f"{n} hidden {w}{'s' if n != 1 else ''}"
-    return (f"skipped {' and '.join(say(n, w) for n, w in ((files, 'file'), (len(tops) - files, 'folder')) if n)} "
-            f"({len(skipped)} .arrow files in all: {', '.join(skipped[:3])}{', ...' if len(skipped) > 3 else ''}; "
-            "data only where the counts file lists them)")
+    say = lambda n, w: f"{n} {w}{'s' if n != 1 else ''}"
+    what = ' and '.join(say(n, w) for n, w in ((files, 'hidden file'), (len(tops) - files, 'hidden folder')) if n)
+    some = ', '.join(skipped[:3]) + (', ...' if len(skipped) > 3 else '')
+    return f"skipped {what} ({say(len(skipped), '.arrow file')} in all: {some}; data only where the counts file lists them)"
 
 # %% ../nbs/12_arrow.ipynb #8eb1abc7
 def counts_files(root,   # the token root
@@ -315,7 +319,7 @@ def counts_files(root,   # the token root
     return sorted(p for p in m.iterdir() if 'counts' in p.name and p.name.endswith('.csv')) if m.is_dir() else []
 
 def _owner(path, names):
-    "The dataset a counts row belongs to, and the file's path inside it: the first place in the row's path where one of `names` (folder paths) stands, the longest there."
+    "A counts row's dataset and file path inside it: the first place in its path where one of `names` stands."
     parts, names = [s for s in path.split('/') if s], set(names)
     deep = max((n.count('/') + 1 for n in names), default=1)
     for i in range(len(parts) - 1):
@@ -609,7 +613,8 @@ class TokenRoot:
         elif isinstance(datasets, str): datasets = [datasets]
         datasets = [check_dataset_name(d) for d in datasets]
         unknown = [d for d in datasets if d not in have and not self._is_folder(d)]
-        if unknown: raise ValueError(f"unknown dataset(s) {unknown} in {self.root}: expected folders under it, such as {have}")
+        if unknown:
+            raise ValueError(f"unknown dataset(s) {unknown} in {self.root}: expected folders under it, such as {have}")
         if len(set(datasets)) != len(datasets): raise ValueError(f"datasets {datasets} names one twice")
         if not datasets: raise ValueError(f"{self.root} holds no dataset folders: expected ROOT/<dataset>/**/*.arrow")
         check_overlap(datasets)
@@ -666,7 +671,7 @@ class TokenRoot:
 def _infos(self: TokenRoot, ds, counts, verify) -> list:
     "The `FileInfo`s of dataset `ds`: checked against the manifest and counted by it where it lists `ds`, else by the counts file or the files."
     entry = (self.manifest or {}).get('datasets', {}).get(ds)
-    listed = {f for d, f in counts if d == ds} | set((entry or {}).get('files', ()))   # hidden files these list are data
+    listed = {f for d, f in counts if d == ds} | set((entry or {}).get('files', ()))   # hidden ones listed: data
     self.skipped[ds] = []
     rel = dataset_files(self.root, ds, listed, self.skipped[ds]) if self.cache is None else self._remote_files(ds)
     if not rel: raise ValueError(f"dataset {ds!r} ({self._at(ds)}) holds no .arrow files")

@@ -408,12 +408,13 @@ class Mixer(Stage):
 
 # %% ../nbs/13_streaming.ipynb #fms1s001
 class Trim(NamedTuple):
-    "fms-fsdp's `strip_tokens` and `min_length`: the first id goes if it is one of `strip`, then the last if it is; a document whose unit (what is left plus `extra` delimiters) is under `min_length`, or that is left empty, is dropped."
+    """fms-fsdp's `strip_tokens` and `min_length`: the first id goes if it is one of `strip`, then the last if it is;
+    a document whose unit (what is left plus `extra` delimiters) is under `min_length`, or left empty, is dropped."""
     strip: tuple = ()      # ids stripped at either end (one at each end)
     min_length: int = 1    # the shortest unit kept
     extra: int = 0         # delimiters the loader adds to a document (`Framing`'s head and tail)
     def cut(self, tf) -> tuple:
-        "`(offsets, lengths)` of the documents of `tf` (a `TokenFile`) after the trim: where what is left starts, and its ids (0: dropped)."
+        "`(offsets, lengths)` of `tf`'s documents after the trim: where what is left starts, and its ids (0: dropped)."
         L, (first, last) = tf.lens, tf.edge_ids()
         s = np.asarray(self.strip, dtype=np.int64)
         h = ((L > 0) & np.isin(first, s)).astype(np.int64)
@@ -467,7 +468,7 @@ class TokenStream:
         self.root, self.cfg = root, dict(config, worker=worker, n_workers=n_workers)
         c = self.cfg
         self.framing = Framing(c['bos_token'], c['eos_token'], c['sep_token'])
-        if c.get('strip_tokens') or c.get('min_length', 1) > 1:   # the sources see documents as fms-fsdp's trim leaves them
+        if c.get('strip_tokens') or c.get('min_length', 1) > 1:   # sources see documents as the trim leaves them
             self.root = TrimmedRoot(root, Trim(tuple(c['strip_tokens']), c['min_length'], self.framing.unit_len(0)))
         self.C, self.mc, self.pack, self.names = c['seq_len'] + 1, c['max_chunk'], c['pack'], c['datasets']
         unit, shards = c['rank'] * n_workers + worker, owned_shards(c['n_logical_shards'], c['rank'], c['world_size'], worker, n_workers)
@@ -1584,8 +1585,9 @@ FORMAT = 'nanochat_dl.streaming/3'   # /3: a checksum, 'max_wait', pieces 'parke
 OLD_FORMATS = ('nanochat_dl.streaming/1', 'nanochat_dl.streaming/2')   # still load, unchecked (they carry no checksum)
 _UNIT = ('world_size', 'rank', 'n_workers', 'worker')      # which unit of work a state is: the rest of the settings are the run's
 _CONFIG = ('datasets', 'weights', 'seq_len', 'pack', 'max_chunk', 'bos_token', 'eos_token', 'sep_token', 'pad_token',
-           'seed', 'n_logical_shards', 'shuffle_window', 'pack_buffer', 'max_wait', 'strip_tokens', 'min_length') + _UNIT
-_LATER = dict(max_wait=MAX_WAIT, strip_tokens=[], min_length=1)   # settings added since /1: an older state was made with these
+           'seed', 'n_logical_shards', 'shuffle_window', 'pack_buffer', 'max_wait', 'strip_tokens',
+           'min_length') + _UNIT
+_LATER = dict(max_wait=MAX_WAIT, strip_tokens=[], min_length=1)   # added since /1: an older state was made with these
 
 def _token_id(name, v, hi=1 << 32):
     if v is not None and (isinstance(v, bool) or not isinstance(v, (int, np.integer)) or not 0 <= v < hi):
@@ -1715,7 +1717,7 @@ def run_id(config:dict,        # checked settings, from `stream_config`
            fingerprint:dict,   # the data's and tokenizer's, from `stream_config`
            ) -> str:
     "The id of a run at its start: a digest of its settings (less the unit of work) and data, the same on every rank with no word between them. Resumes carry it on; a rescale derives the next (`nanochat_dl.elastic`)."
-    c = {k: config[k] for k in _CONFIG[:-len(_UNIT)] if k not in _LATER or config[k] != _LATER[k]}   # (ids from before them kept)
+    c = {k: config[k] for k in _CONFIG[:-len(_UNIT)] if k not in _LATER or config[k] != _LATER[k]}   # (older ids kept)
     return hashlib.sha1(json.dumps([c, fingerprint], sort_keys=True).encode()).hexdigest()[:16]
 
 # %% ../nbs/13_streaming.ipynb #c0af5505
@@ -1824,8 +1826,8 @@ class StreamingLoader:
                  device='cpu',              # where batches go ('cpu', 'cuda', 'cuda:N', 'auto')
                  pack_buffer:int=1000,      # pieces the best fit chooses from
                  max_wait=MAX_WAIT,         # bestfit: rows a piece may wait before it starts a row ('auto': this; None: no limit)
-                 strip_tokens=(),           # ids dropped from a document's start and end, one at each (fms-fsdp's; see `Trim`)
-                 min_length:int=1,          # documents whose unit (with delimiters) is shorter are dropped, counted as read
+                 strip_tokens=(),           # ids dropped from a document's start and end, one at each (`Trim`)
+                 min_length:int=1,          # documents whose unit (delimiters too) is shorter: dropped, counted read
                  tokenizer=None,            # a name or digest of the tokenizer, checked on resume
                  prefetch:int=2,            # batches made ahead in a background thread (0: on demand)
                  slots:int=2,               # `DeviceTransfer`'s staging buffers (`views=True`: its reused outputs too)
@@ -1840,7 +1842,8 @@ class StreamingLoader:
             root, seq_len, datasets=datasets, weights=weights, rank=rank, world_size=world_size, n_logical_shards=n_logical_shards,
             shuffle_window=shuffle_window, seed=seed, bos_token=bos_token, eos_token=eos_token, sep_token=sep_token,
             pad_token=pad_token, pack=pack, max_chunk=max_chunk, pack_buffer=pack_buffer, tokenizer=tokenizer, max_open=max_open,
-            cache_dir=cache_dir, cache_size=cache_size, max_wait=max_wait, strip_tokens=strip_tokens, min_length=min_length)
+            cache_dir=cache_dir, cache_size=cache_size, max_wait=max_wait, strip_tokens=strip_tokens,
+            min_length=min_length)
         self.device, c = resolve_device(device), self.config
         self.stream = self.stream_class(self.root, c)
         self.stream.fetch_ahead()
@@ -1986,7 +1989,8 @@ def __exit__(self:StreamingLoader, *exc): self.close()
 def __repr__(self:StreamingLoader):
     c = self.config
     return (f"StreamingLoader({c['datasets']}, batch_size={self.B}, seq_len={c['seq_len']}, pack={c['pack']!r}, "
-            f"rank={c['rank']}/{c['world_size']}, device='{self.device}', prefetch={self.prefetch})" + self.root.skipped_line())
+            f"rank={c['rank']}/{c['world_size']}, device='{self.device}', prefetch={self.prefetch})"
+            + self.root.skipped_line())
 
 # %% ../nbs/13_streaming.ipynb #0e9c1a02
 def open_epochs(state,   # a `StreamingLoader` state (or a `StreamingDataset` worker's)
