@@ -259,3 +259,24 @@ def test_strip_settings_in_streaming_dataset(tmp_path):
     got = [next(it)[0].tolist() for _ in range(8)]
     ds.close()
     assert got == [w[:-1] for w in want]
+
+
+def test_dropped_documents_count_as_read_across_a_rescale(tmp_path):
+    "Two ranks with strip_tokens/min_length, resumed at one rank from both states: each kept document of epoch 1 once, no dropped one."
+    docs = [[10 + i] * (i % 4) + [EOS] for i in range(40)]            # lengths 1..4, each ending in EOS: i % 4 == 0 is EOS alone
+    write_token_file(tmp_path/'web'/'a.arrow', docs)
+    kw = dict(eos_token=EOS, strip_tokens=[EOS], min_length=3, n_logical_shards=4, shuffle_window=3, prefetch=0, pack='concat')
+    got, states = {}, []
+    def take(ld, n):
+        for _ in range(n):
+            b = next(ld)
+            for row in b.segments:
+                for s in row: got[(s.key.doc, s.key.epoch)] = got.get((s.key.doc, s.key.epoch), 0) + s.length
+        return b.state
+    for r in range(2):
+        with StreamingLoader(tmp_path, 6, 1, rank=r, world_size=2, **kw) as ld: states.append(take(ld, 3))
+    with StreamingLoader(tmp_path, 6, 1, rank=0, world_size=1, **kw) as ld:
+        ld.load_state_dict(states)
+        while not any(e >= 3 for _, e in got): take(ld, 1)
+    kept = {i: i % 4 for i in range(40) if i % 4 >= 2}                  # the unit (ids + EOS) of 3 or more ids
+    for e in (1, 2): assert {d: n for (d, ep), n in got.items() if ep == e} == kept
