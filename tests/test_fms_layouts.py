@@ -280,3 +280,14 @@ def test_dropped_documents_count_as_read_across_a_rescale(tmp_path):
         while not any(e >= 3 for _, e in got): take(ld, 1)
     kept = {i: i % 4 for i in range(40) if i % 4 >= 2}                  # the unit (ids + EOS) of 3 or more ids
     for e in (1, 2): assert {d: n for (d, ep), n in got.items() if ep == e} == kept
+
+
+def test_nested_names_in_the_manifest_are_verified(tmp_path):
+    from nanochat_dl.arrow import TokenRoot, file_record, update_manifest, verify_dataset
+    root, c = nested_root(tmp_path/'root')
+    for ds in NESTED: update_manifest(root, ds, {f: file_record(root/ds/f) for d, f in c if d == ds})
+    with TokenRoot(root) as tr: assert sorted(tr.manifest['datasets']) == sorted(NESTED)
+    verify_dataset(root, 'lang=en/dataset=wiki')
+    write_token_file(root/'lang=en'/'dataset=wiki'/'part_1.arrow', [[9, 9]] * 4)      # same count, other ids
+    with pytest.raises(ValueError, match=r"lang=en/dataset=wiki/part_1\.arrow changed since .*manifest\.json recorded it"):
+        TokenRoot(root)
