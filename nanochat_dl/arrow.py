@@ -7,10 +7,11 @@ documents as numpy views, and `nanochat-dl tokenize`, which writes them from par
 # %% auto #0
 __all__ = ['TOKENS', 'META', 'COUNTS_FILE', 'COUNTS_HEADER', 'TAIL_BYTES', 'MANIFEST', 'MANIFEST_FORMAT', 'HASHES',
            'MAX_OPEN_CAP', 'SPLIT_CHOICES', 'FileRecord', 'tail_sha256', 'TokenWriter', 'write_token_file', 'TokenFile',
-           'FileInfo', 'list_datasets', 'dataset_files', 'counts_files', 'read_counts', 'write_counts', 'counts_target',
-           'update_counts', 'tokenizer_record', 'read_manifest', 'update_manifest', 'sha256_of_file', 'file_record',
-           'file_sha256', 'verify_dataset', 'default_max_open', 'TokenRoot', 'tokenize_shard', 'TokenizeResult',
-           'tokenize', 'tokenize_cli']
+           'FileInfo', 'check_dataset_name', 'check_overlap', 'datasets_of', 'list_datasets', 'dataset_files',
+           'skipped_note', 'counts_files', 'read_counts', 'write_counts', 'counts_target', 'update_counts',
+           'tokenizer_record', 'read_manifest', 'update_manifest', 'sha256_of_file', 'file_record', 'file_sha256',
+           'verify_dataset', 'default_max_open', 'TokenRoot', 'tokenize_shard', 'TokenizeResult', 'tokenize',
+           'tokenize_cli']
 
 # %% ../nbs/12_arrow.ipynb #0782d22d
 import contextlib, csv, hashlib, io, itertools, json, os, queue, shlex, signal, subprocess, sys, tempfile, threading, time, warnings
@@ -213,33 +214,102 @@ def _check(self:TokenFile, i, a):
                              f"vocabulary size {self.vocab}")
     self._unchecked[i] = False
 
+# %% ../nbs/12_arrow.ipynb #fms1a002
+@patch
+def edge_ids(self:TokenFile) -> tuple:
+    "Each document's first and last id, two int64 arrays (0 where empty): what fms-fsdp's `strip_tokens` looks at."
+    L, s = self.lens, self._starts
+    ne = np.flatnonzero(L)
+    first, last = np.zeros(len(L), np.int64), np.zeros(len(L), np.int64)
+    first[ne], last[ne] = self._flat[s[ne]], self._flat[s[ne] + L[ne] - 1]
+    return first, last
+
 # %% ../nbs/12_arrow.ipynb #9fb2d5c0
 class FileInfo(NamedTuple):
     "One token file of a dataset."
-    dataset: str   # the dataset's folder name
+    dataset: str   # the dataset: its folder's '/'-separated path under ROOT ('web', 'lang=en/dataset=wiki')
     file: str      # path inside the dataset folder, '/'-separated
     docs: int      # documents (record batches)
     tokens: int    # token ids in all
 
+def check_dataset_name(name) -> str:
+    "`name` if it can name a dataset: a folder's path under ROOT, '/'-separated, relative, not under `meta`."
+    parts = name.split('/') if isinstance(name, str) else None
+    if not parts or any(p in ('', '.', '..') for p in parts) or parts[0] == META or '\\' in name or '\0' in name:
+        raise ValueError(f"dataset {name!r} is invalid: expected a folder path under the token root ('/'-separated, "
+                         f"relative, no empty, '.' or '..' parts, not under {META}/), such as 'web' or "
+                         "'lang=en/dataset=wiki'")
+    return name
+
+def check_overlap(names):
+    "Refuse dataset names of which one is a folder of another: the files below both would be read twice."
+    have = set(names)
+    for n in sorted(have):
+        parts = n.split('/')
+        up = next((p for p in ('/'.join(parts[:k]) for k in range(1, len(parts))) if p in have), None)
+        if up is not None:
+            raise ValueError(f"datasets {sorted(have)} overlap: {n!r} is a folder of {up!r}; name one or the other")
+
+def _hidden(rel) -> bool: return any(s.startswith('.') for s in rel.split('/'))
+
+def datasets_of(files, tops=()) -> list:
+    "The datasets a root's visible `.arrow` files (paths under ROOT) and other `tops` folders make (`list_datasets`)."
+    direct, kids = {f.rsplit('/', 1)[0] for f in files if '/' in f}, {}
+    for d in direct:
+        parts = d.split('/')
+        for k in range(1, len(parts)): kids.setdefault('/'.join(parts[:k]), set()).add('/'.join(parts[:k + 1]))
+    def pick(d):   # a `key=value` folder with token files only below it is a group: its subfolders are the datasets
+        if d in direct or d not in kids or '=' not in d.rsplit('/', 1)[-1][1:]: return [d]
+        return [x for c in sorted(kids[d]) for x in pick(c)]
+    return sorted(x for t in {f.split('/', 1)[0] for f in files if '/' in f} | set(tops) for x in pick(t))
+
+# %% ../nbs/12_arrow.ipynb #fms1a001
 def list_datasets(root,   # the token root
                   ) -> list:
-    "The dataset folders under `root`: every folder but `meta` and hidden ones, sorted."
+    """The datasets under `root`, sorted: each top folder (not `meta`, not hidden), with all below it; but a
+    `key=value` folder that holds `.arrow` files only in subfolders (fms-fsdp's `lang=en`) stands for those
+    subfolders, by the same rule (`lang=en/dataset=wiki`)."""
     r = Path(root)
     if not r.is_dir(): raise FileNotFoundError(f"token root {r} does not exist: write one with `nanochat-dl tokenize --out {r}`")
-    return sorted(p.name for p in r.iterdir() if p.is_dir() and p.name != META and not p.name.startswith('.'))
+    tops, files = [p.name for p in r.iterdir() if p.is_dir() and p.name != META and not p.name.startswith('.')], []
+    for t in tops:
+        for dirpath, dirnames, filenames in os.walk(r/t):
+            dirnames[:] = [n for n in dirnames if not n.startswith('.')]
+            rel = Path(dirpath).relative_to(r).as_posix()
+            files += [f"{rel}/{f}" for f in filenames if f.endswith('.arrow') and not f.startswith('.')]
+    return datasets_of(files, tops)
 
 def dataset_files(root,      # the token root
-                  dataset,   # a dataset folder's name
+                  dataset,   # a dataset: a folder's path under `root`
+                  listed=(), # files the counts file or manifest lists: hidden ones among them are data
+                  skipped=None, # a list: the hidden `.arrow` files left out are added to it
                   ) -> list:
-    "The `.arrow` files of `dataset` under `root`, as sorted '/'-separated paths inside the dataset folder (hidden ones skipped)."
-    d = Path(root)/dataset
-    out = []
+    "`dataset`'s `.arrow` files at any depth, sorted '/'-separated paths inside it; hidden ones only where `listed`."
+    d, listed, out = Path(root)/dataset, set(listed), []
     for dirpath, dirnames, filenames in os.walk(d):
-        dirnames[:] = [n for n in dirnames if not n.startswith('.')]
         rel = Path(dirpath).relative_to(d)
-        out += [(rel/f).as_posix() for f in filenames if f.endswith('.arrow') and not f.startswith('.')]
+        for f in filenames:
+            r = (rel/f).as_posix()
+            if not f.endswith('.arrow'): continue
+            if not _hidden(r) or r in listed: out.append(r)
+            elif skipped is not None: skipped.append(r)
     for f in out: check_regular(d/f, 'a token file')   # a FIFO, socket or device named *.arrow is refused, never opened
+    if skipped is not None: skipped.sort()
     return sorted(out)
+
+def _hidden_top(f) -> str:
+    "The first hidden part of path `f`, with the path leading to it."
+    parts = f.split('/')
+    return '/'.join(parts[:next(k for k, s in enumerate(parts) if s.startswith('.')) + 1])
+
+def skipped_note(skipped) -> str:
+    "What `dataset_files` left out, in words: `skipped 1 hidden file and 2 hidden folders (5 .arrow files ...`."
+    tops = {_hidden_top(f) for f in skipped}
+    files = len(tops & set(skipped))
+    say = lambda n, w: f"{n} {w}{'s' if n != 1 else ''}"
+    what = ' and '.join(say(n, w) for n, w in ((files, 'hidden file'), (len(tops) - files, 'hidden folder')) if n)
+    some = ', '.join(skipped[:3]) + (', ...' if len(skipped) > 3 else '')
+    return f"skipped {what} ({say(len(skipped), '.arrow file')} in all: {some}; data only where the counts file lists them)"
 
 # %% ../nbs/12_arrow.ipynb #8eb1abc7
 def counts_files(root,   # the token root
@@ -249,10 +319,13 @@ def counts_files(root,   # the token root
     return sorted(p for p in m.iterdir() if 'counts' in p.name and p.name.endswith('.csv')) if m.is_dir() else []
 
 def _owner(path, names):
-    "The dataset a counts row belongs to, and the file's path inside it: the first component that names one of `names`."
-    parts = [s for s in path.split('/') if s]
-    hit = next((i for i, s in enumerate(parts[:-1]) if s in names), None)
-    return (None, None) if hit is None else (parts[hit], '/'.join(parts[hit + 1:]))
+    "A counts row's dataset and file path inside it: the first place in its path where one of `names` stands."
+    parts, names = [s for s in path.split('/') if s], set(names)
+    deep = max((n.count('/') + 1 for n in names), default=1)
+    for i in range(len(parts) - 1):
+        for k in range(min(deep, len(parts) - 1 - i), 0, -1):
+            if (n := '/'.join(parts[i:i + k])) in names: return n, '/'.join(parts[i + k:])
+    return None, None
 
 def _counts_rows(p, shown=None):   # shown: the name errors use (default: `p`)
     check_regular(p, 'a counts file')
@@ -321,12 +394,15 @@ def counts_target(root,   # the token root
                          "of them (the first its folder listing gives); merge them into one")
     return have[0] if have else Path(root)/META/COUNTS_FILE
 
+def _nested(a, b) -> bool: return (a + '/').startswith(b + '/')   # folder a is b or below it
+
 def update_counts(root,      # the token root
                   dataset,   # the dataset whose rows are replaced
                   counts,    # `{file: (documents, tokens)}`, paths inside the dataset folder
                   ) -> Path:
     "Replace `dataset`'s rows of the root's counts file (`counts_target`) by `counts` (`{file: (documents, tokens)}`), keeping every other row."
-    p, names = counts_target(root), {dataset, *list_datasets(root)}
+    p = counts_target(root)
+    names = {dataset, *(n for n in list_datasets(root) if not _nested(n, dataset) and not _nested(dataset, n))}
     keep = [(r['dataset/filename'], r['documents'], r['tokens']) for _, r in (_counts_rows(p) if p.exists() else ())
             if _owner(r['dataset/filename'], names)[0] != dataset]
     return _write_meta(p, _counts_text(keep + [(f"/{dataset}/{f}", int(n), int(t)) for f, (n, t) in counts.items()]))
@@ -458,7 +534,7 @@ def verify_dataset(root,             # the token root
     m = read_manifest(root) if manifest is None else manifest
     e, mp = m['datasets'][dataset], root/META/MANIFEST
     if v == 'off': return
-    have, listed = set(dataset_files(root, dataset)), e['files']
+    have, listed = set(dataset_files(root, dataset, e['files'])), e['files']
     for f in sorted(set(listed) - have):
         raise ValueError(f"{root/dataset/f} is listed in {mp} but missing; rebuild it with {_rebuild(root, dataset, e)}")
     for f in sorted(have - set(listed)):
@@ -537,17 +613,19 @@ class TokenRoot:
         have = list_datasets(self.root) if self.cache is None else self._remote_datasets()
         if datasets is None: datasets = have
         elif isinstance(datasets, str): datasets = [datasets]
-        datasets = list(datasets)
-        unknown = [d for d in datasets if d not in have]
-        if unknown: raise ValueError(f"unknown dataset(s) {unknown} in {self.root}: expected some of {have}")
+        datasets = [check_dataset_name(d) for d in datasets]
+        unknown = [d for d in datasets if d not in have and not self._is_folder(d)]
+        if unknown:
+            raise ValueError(f"unknown dataset(s) {unknown} in {self.root}: expected folders under it, such as {have}")
         if len(set(datasets)) != len(datasets): raise ValueError(f"datasets {datasets} names one twice")
         if not datasets: raise ValueError(f"{self.root} holds no dataset folders: expected ROOT/<dataset>/**/*.arrow")
+        check_overlap(datasets)
         self.datasets = datasets
         self.manifest = read_manifest(self.root) if self.cache is None else self._remote_manifest()
         self.tokenizer = None if self.manifest is None else _check_tokenizers(self.root, self.manifest, datasets, tokenizer)
         self._given = None if tokenizer is None else _as_fingerprint(tokenizer)   # its vocab_size bounds the ids read
         counts = read_counts(self.root, datasets) if self.cache is None else self._remote_counts(datasets)
-        self.files, self._open = {}, OrderedDict()
+        self.files, self._open, self.skipped = {}, OrderedDict(), {}
         if self.cache is not None: self.max_open = min(self.max_open, self._fits())   # before any file is opened (counted)
         for ds in datasets: self.files[ds] = self._infos(ds, counts, verify)
     def _at(self, *parts):
@@ -585,15 +663,20 @@ class TokenRoot:
     def __exit__(self, *exc): self.close()
     def __repr__(self):
         return (f"TokenRoot({str(self.root)!r}, " + ', '.join(f"{d}: {len(fs)} files, {sum(i.docs for i in fs)} docs, "
-                f"{sum(i.tokens for i in fs)} tokens" for d, fs in self.files.items()) + ")")
+                f"{sum(i.tokens for i in fs)} tokens" for d, fs in self.files.items()) + ")" + self.skipped_line())
+    def skipped_line(self) -> str:
+        "`; web: skipped ...` for each dataset whose hidden `.arrow` files were left out (`skipped_note`), else ''."
+        return ''.join(f"; {d}: {skipped_note(s)}" for d, s in getattr(self, 'skipped', {}).items() if s)
 
 # %% ../nbs/12_arrow.ipynb #b7b05e84
 @patch
 def _infos(self: TokenRoot, ds, counts, verify) -> list:
     "The `FileInfo`s of dataset `ds`: checked against the manifest and counted by it where it lists `ds`, else by the counts file or the files."
-    rel = dataset_files(self.root, ds) if self.cache is None else self._remote_files(ds)
-    if not rel: raise ValueError(f"dataset {ds!r} ({self._at(ds)}) holds no .arrow files")
     entry = (self.manifest or {}).get('datasets', {}).get(ds)
+    listed = {f for d, f in counts if d == ds} | set((entry or {}).get('files', ()))   # hidden ones listed: data
+    self.skipped[ds] = []
+    rel = dataset_files(self.root, ds, listed, self.skipped[ds]) if self.cache is None else self._remote_files(ds)
+    if not rel: raise ValueError(f"dataset {ds!r} ({self._at(ds)}) holds no .arrow files")
     if entry is None: return [self._from_counts(ds, f, counts.get((ds, f))) for f in rel]
     if self.cache is None: verify_dataset(self.root, ds, verify, self.manifest)
     else: self._check_listing(ds, rel, entry, verify)
@@ -607,6 +690,11 @@ def _infos(self: TokenRoot, ds, counts, verify) -> list:
         if t not in (None, r['tokens']): _tokens_differ(self._at(ds, f), t, r['tokens'], 'the manifest records')
         out.append(FileInfo(ds, f, r['documents'], r['tokens']))
     return out
+
+@patch
+def _is_folder(self: TokenRoot, d) -> bool:
+    "Whether dataset name `d` is a folder under the root (for a URI root: a prefix of its listed files)."
+    return (self.root/d).is_dir() if self.cache is None else any(r.startswith(d + '/') for r in self.cache.files)
 
 @patch
 def _counted(self: TokenRoot, ds, f) -> FileInfo:
@@ -650,8 +738,9 @@ def _live_cache(self:TokenRoot) -> FileCache:
 
 @patch
 def _remote_datasets(self:TokenRoot) -> list:
-    "A URI root's dataset folders, from its listing: the first parts of the paths, but `meta` (hidden names are never listed)."
-    return sorted({r.split('/', 1)[0] for r in self.cache.files if '/' in r} - {META})
+    "A URI root's datasets, from its listing (hidden names are never listed), by `list_datasets`'s rule."
+    fs = [r for r in self.cache.files if '/' in r and r.split('/', 1)[0] != META]
+    return datasets_of([r for r in fs if r.endswith('.arrow')], {r.split('/', 1)[0] for r in fs})
 
 @patch
 def _remote_files(self:TokenRoot, ds) -> list:

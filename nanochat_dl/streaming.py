@@ -6,10 +6,10 @@ resumed exactly from a few kilobytes of state."""
 
 # %% auto #0
 __all__ = ['PACKS', 'FORMAT', 'OLD_FORMATS', 'shard_starts', 'owned_shards', 'Permutation', 'shard_key', 'CountTree',
-           'ShardSource', 'Framing', 'Chunker', 'Mixer', 'DocKey', 'TokenStream', 'Permutations', 'shard_keys',
-           'BlockSource', 'Feed', 'LazyBatch', 'ConcatRows', 'PadRows', 'BestFitRows', 'FastTokenStream',
-           'data_fingerprint', 'stream_config', 'check_resume', 'run_id', 'state_checksum', 'sealed', 'check_checksum',
-           'StreamBatch', 'own_copy', 'StreamingLoader', 'open_epochs', 'StreamingDataset']
+           'ShardSource', 'Framing', 'Chunker', 'Mixer', 'Trim', 'TrimmedFile', 'TrimmedRoot', 'DocKey', 'TokenStream',
+           'Permutations', 'shard_keys', 'BlockSource', 'Feed', 'LazyBatch', 'ConcatRows', 'PadRows', 'BestFitRows',
+           'FastTokenStream', 'data_fingerprint', 'stream_config', 'check_resume', 'run_id', 'state_checksum', 'sealed',
+           'check_checksum', 'StreamBatch', 'own_copy', 'StreamingLoader', 'open_epochs', 'StreamingDataset']
 
 # %% ../nbs/13_streaming.ipynb #5eb651c8
 import bisect, hashlib, json, math, os, queue, threading, time, warnings, weakref, zlib
@@ -406,6 +406,44 @@ class Mixer(Stage):
         for u in self.ups:
             if u is not None: u.close()
 
+# %% ../nbs/13_streaming.ipynb #fms1s001
+class Trim(NamedTuple):
+    """fms-fsdp's `strip_tokens` and `min_length`: the first id goes if it is one of `strip`, then the last if it is;
+    a document whose unit (what is left plus `extra` delimiters) is under `min_length`, or left empty, is dropped."""
+    strip: tuple = ()      # ids stripped at either end (one at each end)
+    min_length: int = 1    # the shortest unit kept
+    extra: int = 0         # delimiters the loader adds to a document (`Framing`'s head and tail)
+    def cut(self, tf) -> tuple:
+        "`(offsets, lengths)` of `tf`'s documents after the trim: where what is left starts, and its ids (0: dropped)."
+        L, (first, last) = tf.lens, tf.edge_ids()
+        s = np.asarray(self.strip, dtype=np.int64)
+        h = ((L > 0) & np.isin(first, s)).astype(np.int64)
+        L1 = L - h
+        L2 = L1 - ((L1 > 0) & np.isin(last, s))
+        return h, np.where((L2 > 0) & (L2 + self.extra >= self.min_length), L2, 0)
+
+class TrimmedFile:
+    "A `TokenFile` as a `Trim` leaves it: `lens` and `doc(i)` of what is left; the rest is the file's."
+    def __init__(self, tf, cut): self.tf, (self.off, self.lens) = tf, cut
+    def __len__(self): return len(self.lens)
+    def doc(self, i) -> np.ndarray:
+        o = int(self.off[i])
+        return self.tf.doc(i)[o:o + int(self.lens[i])]
+    def __getattr__(self, k): return getattr(self.tf, k)
+
+class TrimmedRoot:
+    "A `TokenRoot` whose files open as `TrimmedFile`s (each file's cut made once); everything else is the root's."
+    def __init__(self, root, trim:Trim): self._root, self.trim, self._cuts, self._views = root, trim, {}, {}
+    def open(self, dataset, file) -> TrimmedFile:
+        tf, key = self._root.open(dataset, file), (dataset, file)
+        v = self._views.get(key)
+        if v is None or v.tf is not tf:                        # (a file the root closed and opened again: the same cut)
+            if key not in self._cuts: self._cuts[key] = self.trim.cut(tf)
+            v = self._views[key] = TrimmedFile(tf, self._cuts[key])
+        return v
+    def doc(self, dataset, file, i) -> np.ndarray: return self.open(dataset, file).doc(i)
+    def __getattr__(self, k): return getattr(self._root, k)
+
 # %% ../nbs/13_streaming.ipynb #50f804f0
 class DocKey(NamedTuple):
     "Where a segment's tokens come from."
@@ -430,6 +468,8 @@ class TokenStream:
         self.root, self.cfg = root, dict(config, worker=worker, n_workers=n_workers)
         c = self.cfg
         self.framing = Framing(c['bos_token'], c['eos_token'], c['sep_token'])
+        if c.get('strip_tokens') or c.get('min_length', 1) > 1:   # sources see documents as the trim leaves them
+            self.root = TrimmedRoot(root, Trim(tuple(c['strip_tokens']), c['min_length'], self.framing.unit_len(0)))
         self.C, self.mc, self.pack, self.names = c['seq_len'] + 1, c['max_chunk'], c['pack'], c['datasets']
         unit, shards = c['rank'] * n_workers + worker, owned_shards(c['n_logical_shards'], c['rank'], c['world_size'], worker, n_workers)
         self._h, self._bos = self.framing.head, np.array([self.framing.bos or 0], dtype=np.uint32)
@@ -1545,7 +1585,9 @@ FORMAT = 'nanochat_dl.streaming/3'   # /3: a checksum, 'max_wait', pieces 'parke
 OLD_FORMATS = ('nanochat_dl.streaming/1', 'nanochat_dl.streaming/2')   # still load, unchecked (they carry no checksum)
 _UNIT = ('world_size', 'rank', 'n_workers', 'worker')      # which unit of work a state is: the rest of the settings are the run's
 _CONFIG = ('datasets', 'weights', 'seq_len', 'pack', 'max_chunk', 'bos_token', 'eos_token', 'sep_token', 'pad_token',
-           'seed', 'n_logical_shards', 'shuffle_window', 'pack_buffer', 'max_wait') + _UNIT
+           'seed', 'n_logical_shards', 'shuffle_window', 'pack_buffer', 'max_wait', 'strip_tokens',
+           'min_length') + _UNIT
+_LATER = dict(max_wait=MAX_WAIT, strip_tokens=[], min_length=1)   # added since /1: an older state was made with these
 
 def _token_id(name, v, hi=1 << 32):
     if v is not None and (isinstance(v, bool) or not isinstance(v, (int, np.integer)) or not 0 <= v < hi):
@@ -1596,7 +1638,7 @@ def stream_config(root, seq_len, *,   # the settings of `StreamingLoader`, docum
                   datasets=None, weights=None, rank=None, world_size=None, n_logical_shards=1024,
                   shuffle_window=10_000, seed=0, bos_token=None, eos_token=None, sep_token=None, pad_token=0,
                   pack='concat', max_chunk=None, pack_buffer=1000, tokenizer=None, max_open=None,
-                  cache_dir=None, cache_size=None, max_wait=MAX_WAIT) -> tuple:
+                  cache_dir=None, cache_size=None, max_wait=MAX_WAIT, strip_tokens=(), min_length=1) -> tuple:
     "Check every setting (the names are `StreamingLoader`'s); returns `(TokenRoot, config, fingerprint)`."
     seq_len = check_int('seq_len', seq_len, 1)
     if pack not in PACKS: raise ValueError(f"pack={pack!r} is invalid: expected one of {list(PACKS)}")
@@ -1612,7 +1654,8 @@ def stream_config(root, seq_len, *,   # the settings of `StreamingLoader`, docum
                max_wait=None if max_wait is None else MAX_WAIT if isinstance(max_wait, str) and max_wait == 'auto'
                         else check_int('max_wait', max_wait, 0),
                bos_token=_token_id('bos_token', bos_token), eos_token=_token_id('eos_token', eos_token),
-               sep_token=_token_id('sep_token', sep_token), pad_token=_token_id('pad_token', pad_token, 1 << 63))
+               sep_token=_token_id('sep_token', sep_token), pad_token=_token_id('pad_token', pad_token, 1 << 63),
+               strip_tokens=_strip_ids(strip_tokens), min_length=check_int('min_length', min_length, 1))
     if cfg['pad_token'] is None and pack != 'concat': raise ValueError(f"pack={pack!r} pads rows: pad_token must be a token id, not None")
     if tokenizer is not None and not isinstance(tokenizer, str): raise ValueError(f"tokenizer={tokenizer!r} is invalid: expected None or a string (a name or digest)")
     names = None if datasets is None else [datasets] if isinstance(datasets, str) else list(datasets)
@@ -1623,6 +1666,16 @@ def stream_config(root, seq_len, *,   # the settings of `StreamingLoader`, docum
     cfg['weights'] = _weights(weights, cfg['datasets'], root)
     return root, cfg, dict(data=data_fingerprint(root, cfg['datasets']), tokenizer=tokenizer)
 
+def _strip_ids(v) -> list:
+    "`strip_tokens` checked: token ids in [0, 2**32), as a sorted list without repeats (None: none)."
+    if v is None: return []
+    if isinstance(v, (str, bytes, dict)) or not hasattr(v, '__iter__'):
+        raise ValueError(f"strip_tokens={v!r} is invalid: expected a set or list of token ids in [0, 2**32)")
+    ids = list(v)
+    bad = [x for x in ids if isinstance(x, bool) or not isinstance(x, (int, np.integer)) or not 0 <= x < 1 << 32]
+    if bad: raise ValueError(f"strip_tokens={ids!r} is invalid: {bad[0]!r} is not a token id in [0, 2**32)")
+    return sorted({int(x) for x in ids})
+
 def check_resume(state,             # a state from `state_dict()`, or anything a checkpoint file held
                  config:dict,       # this loader's checked settings
                  fingerprint:dict): # this loader's data and tokenizer fingerprint
@@ -1632,7 +1685,7 @@ def check_resume(state,             # a state from `state_dict()`, or anything a
     missing = [k for k in ('step', 'config', 'fingerprint', 'datasets', 'packer') if k not in state]
     if missing: raise ValueError(f"state lacks {missing}: expected a state from StreamingLoader.state_dict()")
     fp, c = _field(state, 'fingerprint', dict, 'state'), _field(state, 'config', dict, 'state')
-    if 'max_wait' not in c: c = dict(c, max_wait=MAX_WAIT)      # a state from before the setting: made with the default
+    c = {**_LATER, **c}      # a state from before a setting was made with its default
     if fp.get('tokenizer') != fingerprint['tokenizer']:
         raise ValueError(f"state was saved with tokenizer={fp.get('tokenizer')!r}, this loader has tokenizer={fingerprint['tokenizer']!r}: exact resume needs the same tokens")
     data = _field(fp, 'data', dict, "state['fingerprint']")
@@ -1664,7 +1717,7 @@ def run_id(config:dict,        # checked settings, from `stream_config`
            fingerprint:dict,   # the data's and tokenizer's, from `stream_config`
            ) -> str:
     "The id of a run at its start: a digest of its settings (less the unit of work) and data, the same on every rank with no word between them. Resumes carry it on; a rescale derives the next (`nanochat_dl.elastic`)."
-    c = {k: config[k] for k in _CONFIG[:-len(_UNIT)] if k != 'max_wait' or config[k] != MAX_WAIT}   # (ids from before max_wait kept)
+    c = {k: config[k] for k in _CONFIG[:-len(_UNIT)] if k not in _LATER or config[k] != _LATER[k]}   # (older ids kept)
     return hashlib.sha1(json.dumps([c, fingerprint], sort_keys=True).encode()).hexdigest()[:16]
 
 # %% ../nbs/13_streaming.ipynb #c0af5505
@@ -1773,6 +1826,8 @@ class StreamingLoader:
                  device='cpu',              # where batches go ('cpu', 'cuda', 'cuda:N', 'auto')
                  pack_buffer:int=1000,      # pieces the best fit chooses from
                  max_wait=MAX_WAIT,         # bestfit: rows a piece may wait before it starts a row ('auto': this; None: no limit)
+                 strip_tokens=(),           # ids dropped from a document's start and end, one at each (`Trim`)
+                 min_length:int=1,          # documents whose unit (delimiters too) is shorter: dropped, counted read
                  tokenizer=None,            # a name or digest of the tokenizer, checked on resume
                  prefetch:int=2,            # batches made ahead in a background thread (0: on demand)
                  slots:int=2,               # `DeviceTransfer`'s staging buffers (`views=True`: its reused outputs too)
@@ -1787,7 +1842,8 @@ class StreamingLoader:
             root, seq_len, datasets=datasets, weights=weights, rank=rank, world_size=world_size, n_logical_shards=n_logical_shards,
             shuffle_window=shuffle_window, seed=seed, bos_token=bos_token, eos_token=eos_token, sep_token=sep_token,
             pad_token=pad_token, pack=pack, max_chunk=max_chunk, pack_buffer=pack_buffer, tokenizer=tokenizer, max_open=max_open,
-            cache_dir=cache_dir, cache_size=cache_size, max_wait=max_wait)
+            cache_dir=cache_dir, cache_size=cache_size, max_wait=max_wait, strip_tokens=strip_tokens,
+            min_length=min_length)
         self.device, c = resolve_device(device), self.config
         self.stream = self.stream_class(self.root, c)
         self.stream.fetch_ahead()
@@ -1933,7 +1989,8 @@ def __exit__(self:StreamingLoader, *exc): self.close()
 def __repr__(self:StreamingLoader):
     c = self.config
     return (f"StreamingLoader({c['datasets']}, batch_size={self.B}, seq_len={c['seq_len']}, pack={c['pack']!r}, "
-            f"rank={c['rank']}/{c['world_size']}, device='{self.device}', prefetch={self.prefetch})")
+            f"rank={c['rank']}/{c['world_size']}, device='{self.device}', prefetch={self.prefetch})"
+            + self.root.skipped_line())
 
 # %% ../nbs/13_streaming.ipynb #0e9c1a02
 def open_epochs(state,   # a `StreamingLoader` state (or a `StreamingDataset` worker's)

@@ -506,3 +506,18 @@ def test_tokenize_from_s3_shards(text, s3text, moto, tmp_path):
     for p in sorted((tmp_path/'local'/'toy').glob('*.arrow')): assert p.read_bytes() == (tmp_path/'remote'/'toy'/p.name).read_bytes()
     assert read_manifest(tmp_path/'remote')['datasets']['toy']['source']['data_dir'] == s3text
     assert sorted(p.name for p in (tmp_path/'c'/'files').iterdir()) == sorted(p.name for p in shards.glob('*.parquet'))
+
+
+def test_nested_dataset_names_from_s3(moto, bucket, tmp_path):
+    "fms-fsdp's layout in a bucket (issue 19, section 7): the datasets the local root lists, by the same rule, and the same batches."
+    local, names = tmp_path/'nested', ['lang=en/dataset=commoncrawl', 'lang=en/dataset=wiki', 'web']
+    for k, ds in enumerate(names): write_token_file(local/ds/'part_0.arrow', [[10 * k + i + 2] * (1 + i % 3) for i in range(12)])
+    moto.put(bucket, objects(local, 'tokens'))
+    uri = f's3://{bucket}/tokens'
+    with TokenRoot(uri, cache_dir=tmp_path/'c') as tr: assert tr.datasets == names
+    w = {'lang=en/dataset=commoncrawl': 2, 'lang=en/dataset=wiki': 1}
+    kw = dict(KW, datasets=list(w), weights=w)
+    got, want = batches(StreamingLoader(uri, **kw, cache_dir=tmp_path/'c2'), 10), batches(StreamingLoader(local, **kw), 10)
+    assert all(np.array_equal(a[0], b[0]) and a[1]['datasets'] == b[1]['datasets'] for a, b in zip(got, want))   # (no manifest: digests differ)
+    with pytest.raises(ValueError, match=r"unknown dataset\(s\) \['lang=fr'\]"): StreamingLoader(uri, **dict(KW, datasets=['lang=fr']), cache_dir=tmp_path/'c3')
+    with TokenRoot(uri, ['lang=en'], cache_dir=tmp_path/'c4') as tr: assert [i.file for i in tr.files['lang=en']] == ['dataset=commoncrawl/part_0.arrow', 'dataset=wiki/part_0.arrow']
