@@ -184,3 +184,18 @@ def test_packed_loader_close_gives_up_a_stalled_fetch(text, moto, proxy, bucket,
     proxy.release()
     until(lambda: list((tmp_path/'c'/'.tmp').iterdir()) == [], 30, 'the abandoned fetches removing their temp files')
     assert whole()
+
+
+def test_an_index_of_the_older_form_still_loads(moto, bucket, tmp_path):
+    "A cache folder written before the listing was checked (its index: root, suffix, files only) is used: its copies of files of the same size stay, another size is fetched again, and the index is rewritten with the times."
+    import json
+    moto.put(bucket, {'d/a.bin': b'a' * 10, 'd/b.bin': b'b' * 20})
+    uri, c = f's3://{bucket}/d', tmp_path/'c'
+    with FileCache(uri, c) as fc: fc.local('a.bin'); fc.local('b.bin')
+    (c/'index.json').write_text(json.dumps({'root': uri, 'suffix': None, 'files': [['a.bin', 10], ['b.bin', 20]]}))
+    moto.put(bucket, {'d/b.bin': b'B' * 21})
+    with FileCache(uri, c) as fc:
+        assert fc.files == {'a.bin': 10, 'b.bin': 21} and not fc.path('b.bin').exists()
+        assert fc.local('b.bin').read_bytes() == b'B' * 21 and fc.stats()['hits'] == 0
+        assert fc.local('a.bin').read_bytes() == b'a' * 10 and fc.stats()['hits'] == 1
+    assert sorted(json.loads((c/'index.json').read_text())) == ['files', 'mtimes', 'root', 'stamp', 'suffix']
