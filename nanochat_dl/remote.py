@@ -87,7 +87,7 @@ def list_files(root,                # a URI or a local path (a path on `fs` when
     return sorted(RemoteFile(rel, int(i.size)) for rel, i in _file_infos(fs, base, suffix))
 
 def _file_infos(fs, base, suffix=None) -> list:
-    "`(path under base, FileInfo)` of the files under `base` on `fs` (hidden names skipped; only names ending in `suffix`)."
+    "`(path under base, FileInfo)` of the files under `base` on `fs`: hidden names skipped, names ending in `suffix`."
     out = []
     for i in fs.get_file_info(pafs.FileSelector(base, recursive=True, allow_not_found=True)):
         if i.type != pafs.FileType.File: continue
@@ -224,7 +224,7 @@ def fetch_file(fs,                      # a pyarrow filesystem
                     if stop.wait(wait): raise Cancelled(src)
                 else: time.sleep(wait)
             out.flush(); os.fsync(out.fileno())
-            if stop is not None and stop.is_set(): raise Cancelled(src)   # closed meanwhile: nothing lands in its folder
+            if stop is not None and stop.is_set(): raise Cancelled(src)   # closed meanwhile: nothing lands there
             dest.parent.mkdir(parents=True, exist_ok=True)
             os.replace(tmp, dest)
             return tries
@@ -288,8 +288,8 @@ class FileCache:
                  sha256:dict|None=None,        # {path: hex digest} the copies must match (from a manifest)
                  suffix=None,                  # list only names ending in this (a string or a tuple)
                  refresh:bool=False,           # list the root again even if the cache folder holds a listing
-                 watch:str|None=None,          # a folder under the root whose files stand for the whole listing (e.g. 'meta')
-                 revalidate:bool=True,         # check a cached listing against the store first (`watch`, else a new listing)
+                 watch:str|None=None,          # a folder under the root whose files' ETags are checked too ('meta')
+                 revalidate:bool=True,         # check a cached listing against the store on open (offline: kept)
                  hold:int=1,                   # how many of the files `local()` handed out last stay pinned
                  attempts:int=8,               # tries per request in all, the first included
                  backoff:float=0.5,            # seconds before the second try; doubles per try
@@ -306,7 +306,8 @@ class FileCache:
         self.chunk_size = check_int('chunk_size', chunk_size, 1)
         self._lock, self._stop, self._fs = threading.RLock(), threading.Event(), None
         self._n = dict.fromkeys(_COUNTERS, 0)
-        self._pins, self._held, self._inflight, self._queued, self._workers, self._fetchers = {}, deque(), {}, set(), [], set()
+        self._pins, self._held, self._inflight, self._queued = {}, deque(), {}, set()
+        self._workers, self._fetchers = [], set()   # prefetching threads; threads of fetches under way
         self._plan, self._pos, self._cursor, self._q, self._cached, self._cycle = [], {}, 0, None, (0, 0), False
         self._scans = self._scanned = 0            # rescans started, and the latest whose totals are kept
         self.local_root = Path(open_uri(root)[1]) if is_local(root) else None
@@ -356,22 +357,24 @@ def _retrying(self:FileCache, fn, what, attempts=None):
 
 @patch
 def _listing(self:FileCache, refresh) -> dict:
-    "`{path: size}`: the cache folder's index while the store still agrees with it (`_stamp`), else the store's listing now, written to the index (the copies of files that changed since removed)."
+    "`{path: size}`: the index while the store agrees (`_stamp`), else listed now (changed files' copies removed)."
     idx, suffix = self.cache_dir/INDEX, list(self.suffix) if isinstance(self.suffix, tuple) else self.suffix
     d = json.loads(idx.read_text()) if idx.exists() else None
     if d is not None and d.get('root') != self.root:
-        raise ValueError(f"{self.cache_dir} caches {d.get('root')!r}, not {self.root!r}: expected one root per cache folder")
+        raise ValueError(f"{self.cache_dir} caches {d.get('root')!r}, not {self.root!r}: "
+                         "expected one root per cache folder")
     if d is not None and not refresh and d.get('suffix') == suffix:
         if not self.revalidate: return dict(d['files'])
         try: stamp, found = self._stamp(attempts=min(2, self.attempts))
-        except (OSError, Cancelled): return dict(d['files'])       # the store out of reach: the listing as cached (offline)
+        except (OSError, Cancelled): return dict(d['files'])       # the store out of reach: as cached (offline)
         if stamp == d.get('stamp'): return dict(d['files'])
     else: stamp, found = self._stamp()
     if not found: raise FileNotFoundError(f"{self.root} holds no files" + (f" ending in {self.suffix}" if self.suffix else '')
                                           + ": expected the data's root folder or prefix")
     if d is not None: self._drop_changed(d, found)
-    atomic_write(idx, json.dumps({'root': self.root, 'suffix': suffix, 'files': [[r, s] for r, (s, _) in sorted(found.items())],
-                                  'mtimes': {r: m for r, (_, m) in found.items()}, 'stamp': stamp}), 'w')
+    atomic_write(idx, json.dumps({'root': self.root, 'suffix': suffix, 'stamp': stamp,
+                                  'files': [[r, s] for r, (s, _) in sorted(found.items())],
+                                  'mtimes': {r: m for r, (_, m) in found.items()}}), 'w')
     return {r: s for r, (s, _) in sorted(found.items())}
 
 @patch
@@ -409,11 +412,13 @@ def _etag(fs, path):
 
 @patch
 def _stamp(self:FileCache, attempts=None) -> tuple:
-    "The store's files now, `{path: (size, mtime_ns)}`, and what a cached listing is checked against: those sizes and times, and the ETags of the `watch` folder's files (a file rewritten at the same size within a second shows there)."
+    "`(stamp, {path: (size, mtime_ns)})`: the store's files now, and the stamp a cached listing is checked by."
+    # the stamp: every file's size and time, and the ETags of the `watch` folder's (a rewrite within a second shows)
     def look():
         fs = self.fs
         found = {r: (int(i.size), i.mtime_ns) for r, i in _file_infos(fs, self._base, self.suffix)}
-        tags = {} if self.watch is None else {r: _etag(fs, f"{self._base}/{r}") for r in sorted(found) if r.startswith(self.watch + '/')}
+        w = [] if self.watch is None else [r for r in sorted(found) if r.startswith(self.watch + '/')]
+        tags = {r: _etag(fs, f"{self._base}/{r}") for r in w}
         return dict(files={r: list(v) for r, v in sorted(found.items())}, etags=tags), found
     return self._retrying(look, self.root, attempts)
 
@@ -426,8 +431,8 @@ def _drop_changed(self:FileCache, old, found):
         if new is not None and new[0] == size and mtimes.get(rel, new[1]) == new[1]: continue
         p = self.path(rel)
         if os.path.lexists(p) and not _try_remove(p):
-            raise ValueError(f"{self.uri(rel)} changed in the store, but a process still reads its old copy {p}: stop the "
-                             f"processes sharing {self.cache_dir}, then start again")
+            raise ValueError(f"{self.uri(rel)} changed in the store, but a process still reads its old copy {p}: "
+                             f"stop the processes sharing {self.cache_dir}, then start again")
 
 # %% ../nbs/14_remote.ipynb #f4da9530
 @patch
@@ -440,7 +445,9 @@ def stats(self:FileCache) -> dict:
 
 @patch
 def close(self:FileCache, timeout=1.0):
-    "Stop the fetches (a reader waiting for one gets `Cancelled`), waiting at most `timeout` seconds for them; release every pin. A fetch stalled in a request is left to its daemon thread: nothing it finishes lands in the cache, its temp file is removed (or swept at the next start)."
+    "Stop the fetches (a reader waiting gets `Cancelled`), waiting at most `timeout` s for them; release every pin."
+    # a fetch stalled in a request is left to its daemon thread: nothing it finishes lands in the cache, and its temp
+    # file is removed when the request ends (or swept at the next start)
     self._stop.set()
     end = time.monotonic() + timeout
     if self._q is not None:
@@ -501,7 +508,7 @@ def _ensure(self:FileCache, rel, demand=True) -> str:
 
 @patch
 def _fetch_apart(self:FileCache, rel, demand, fut):
-    "Run `_fetch` in a daemon thread of its own, its outcome set on `fut`: a request that stalls cannot hold up `close()`."
+    "Run `_fetch` in a daemon thread of its own, its outcome set on `fut`: a stalled request cannot hold up `close()`."
     def run():
         try: got, err = self._fetch(rel, demand), None
         except BaseException as e: got, err = None, e
