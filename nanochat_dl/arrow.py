@@ -27,7 +27,8 @@ from .core import (check_int, check_regular, file_in_the_way, folder_lock, get_b
                               get_tokenizer_dir, location)
 from .dataset import list_parquet_files
 from .shards import split_files, split_shards, _open_shard, _read_group, check_utf8_errors
-from .remote import FileCache, cache_metrics, default_cache_dir, is_local, list_files, open_uri, retry, upload_file
+from .remote import (Cancelled, FileCache, cache_metrics, default_cache_dir, is_local, list_files, open_uri, retry,
+                                upload_file)
 
 # %% ../nbs/12_arrow.ipynb #319519f0
 TOKENS = 'tokens'                          # the column fms-fsdp reads
@@ -599,12 +600,13 @@ class TokenRoot:
                  cache_dir=None,         # a URI root's local copies (default: one folder per root under the base dir)
                  cache_size=None,        # bytes those copies may take (None: no cap)
                  prefetch:int=2,         # files of this rank's plan (`want_share`) fetched ahead in the background
-                 fetch:dict|None=None):  # more `FileCache` settings for a URI root: attempts, backoff, max_backoff, timeout, threads
+                 fetch:dict|None=None,   # more `FileCache` settings for a URI root: attempts, backoff, max_backoff, timeout, threads
+                 refresh:bool=False):    # a URI root: list the store again, though the cached listing matches it
         self.column, self.cache = column, None
         self.max_open = default_max_open() if max_open is None else check_int('max_open', max_open, 1)
         self.verify = verify = _check_verify(verify)
         if is_local(root): self.root = location(root, 'root')
-        else: self._open_cache(root, cache_dir, cache_size, prefetch, fetch)
+        else: self._open_cache(root, cache_dir, cache_size, prefetch, fetch, refresh)
         try: self._setup(datasets, tokenizer, verify)
         except BaseException:
             if self.cache is not None: self.cache.close()
@@ -659,6 +661,7 @@ class TokenRoot:
         for key, tf in list(self._open.items()): self._shut(key, tf)
         self._open.clear()
         if self.cache is not None: self.cache.close()
+        self._cancelled = False                        # (after `cancel()`: a later `open` starts again)
     def __enter__(self): return self
     def __exit__(self, *exc): self.close()
     def __repr__(self):
@@ -724,17 +727,25 @@ def _stale(path, holds, said, meta) -> ValueError:
 
 # %% ../nbs/12_arrow.ipynb #f650bec1
 @patch
-def _open_cache(self:TokenRoot, root, cache_dir, cache_size, prefetch, fetch):
-    "A URI root: its listing, copies and checks through a `FileCache`."
+def _open_cache(self:TokenRoot, root, cache_dir, cache_size, prefetch, fetch, refresh=False):
+    "A URI root: its listing (checked against the store, `meta/` too), copies and checks through a `FileCache`."
     self.root, self._checked = str(root).rstrip('/'), set()
     self._cache_args = dict(cache_dir=cache_dir, cache_size=cache_size, prefetch=prefetch, **(fetch or {}))
-    self.cache = FileCache(self.root, **self._cache_args)
+    self.cache = FileCache(self.root, watch=META, refresh=refresh, **self._cache_args)
 
 @patch
 def _live_cache(self:TokenRoot) -> FileCache:
-    "The cache, made again (from its folder: no network) after `close()`."
-    if self.cache.closed: self.cache = FileCache(self.root, **self._cache_args, sha256=self.cache.sha256)
+    "The cache, made again (from its folder: the listing this root was opened with, no network) after `close()`."
+    if getattr(self, '_cancelled', False): raise Cancelled(f"{self.root}: this root's fetches were cancelled")
+    if self.cache.closed:
+        self.cache = FileCache(self.root, **self._cache_args, sha256=self.cache.sha256, revalidate=False)
     return self.cache
+
+@patch
+def cancel(self:TokenRoot):
+    "Give up every fetch under way or to come until `close()`: a reader waiting for one gets `Cancelled`."
+    self._cancelled = True
+    if self.cache is not None: self.cache.close(timeout=0)
 
 @patch
 def _remote_datasets(self:TokenRoot) -> list:

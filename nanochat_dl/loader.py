@@ -876,6 +876,7 @@ class PackedLoader(Stage):
                 if not thread.is_alive(): raise RuntimeError("the loader's background thread stopped without a batch or an error")
                 continue
             if isinstance(item, _Failure):
+                if self._closed: raise RuntimeError("this loader was closed while waiting for a batch")
                 self._error = item.exc
                 self.close()
                 raise item.exc
@@ -911,6 +912,7 @@ class PackedLoader(Stage):
         if self._closed: return
         self._closed = True
         _LIVE.discard(self); self._drop.detach()
+        if self.cache is not None: self.cache.close(timeout=0)   # a fetch waited for is given up (a stalled one too)
         # a `next()` in another thread finishes first (its stages must not be closed under it); one waiting on busy workers
         # is freed by killing them, and gets an error saying the loader was closed
         if not self._lock.acquire(timeout=_JOIN_GRACE):

@@ -11,17 +11,18 @@ __all__ = ['ENDPOINT_ENVS', 'REGION_ENVS', 'INDEX', 'CACHE_METRICS', 'is_local',
            'upload_file']
 
 # %% ../nbs/14_remote.ipynb #0e7a4862
-import atexit, hashlib, json, os, random, re, secrets, threading, time, weakref
+import atexit, hashlib, json, os, random, re, secrets, stat, threading, time, weakref
 from bisect import bisect_left
 from collections import deque
-from concurrent.futures import Future
+from concurrent.futures import Future, wait as wait_futures
 from contextlib import contextmanager
 from pathlib import Path
 from typing import NamedTuple
 from urllib.parse import urlsplit
 import pyarrow.fs as pafs
 from fastcore.basics import patch
-from .core import (atomic_write, check_int, file_in_the_way, get_base_dir, human_bytes, local_location, location,
+from .core import (atomic_write, check_int, file_in_the_way, file_kind, get_base_dir, human_bytes,
+                              local_location, location,
                               open_lock_file, uri_scheme)
 try: import fcntl                  # POSIX; the cache's locks need it
 except ImportError: fcntl = None
@@ -84,15 +85,17 @@ def list_files(root,                # a URI or a local path (a path on `fs` when
     "The files under `root` (recursively, hidden names skipped, sorted), as `RemoteFile(path, size)`; only names ending in `suffix` (a string or tuple) if given."
     if fs is None: fs, base = open_uri(root, env)
     else: base = str(root).rstrip('/')
-    infos = fs.get_file_info(pafs.FileSelector(base, recursive=True, allow_not_found=True))
+    return sorted(RemoteFile(rel, int(i.size)) for rel, i in _file_infos(fs, base, suffix))
+
+def _file_infos(fs, base, suffix=None) -> list:
+    "`(path under base, FileInfo)` of the files under `base` on `fs`: hidden names skipped, names ending in `suffix`."
     out = []
-    for i in infos:
+    for i in fs.get_file_info(pafs.FileSelector(base, recursive=True, allow_not_found=True)):
         if i.type != pafs.FileType.File: continue
         rel = i.path[len(base):].lstrip('/') if i.path.startswith(base) else i.path
         if any(part.startswith('.') for part in rel.split('/')): continue
-        if suffix is not None and not rel.endswith(suffix): continue
-        out.append(RemoteFile(rel, int(i.size)))
-    return sorted(out)
+        if suffix is None or rel.endswith(suffix): out.append((rel, i))
+    return out
 
 # %% ../nbs/14_remote.ipynb #77718ec3
 _PERMANENT = re.compile(r'ACCESS_DENIED|NO_SUCH_(BUCKET|KEY|UPLOAD)|INVALID_ACCESS_KEY_ID|SIGNATURE_DOES_NOT_MATCH|'
@@ -222,6 +225,7 @@ def fetch_file(fs,                      # a pyarrow filesystem
                     if stop.wait(wait): raise Cancelled(src)
                 else: time.sleep(wait)
             out.flush(); os.fsync(out.fileno())
+            if stop is not None and stop.is_set(): raise Cancelled(src)   # closed meanwhile: nothing lands there
             dest.parent.mkdir(parents=True, exist_ok=True)
             os.replace(tmp, dest)
             return tries
@@ -285,6 +289,8 @@ class FileCache:
                  sha256:dict|None=None,        # {path: hex digest} the copies must match (from a manifest)
                  suffix=None,                  # list only names ending in this (a string or a tuple)
                  refresh:bool=False,           # list the root again even if the cache folder holds a listing
+                 watch:str|None=None,          # a folder under the root whose files' ETags are checked too ('meta')
+                 revalidate:bool=True,         # check a cached listing against the store on open (offline: kept)
                  hold:int=1,                   # how many of the files `local()` handed out last stay pinned
                  attempts:int=8,               # tries per request in all, the first included
                  backoff:float=0.5,            # seconds before the second try; doubles per try
@@ -293,6 +299,7 @@ class FileCache:
                  chunk_size:int=8 << 20,       # bytes per read (one ranged GET on S3); a retry resumes at a chunk boundary
                  env:dict|None=None):          # environment to read endpoint/region from (default: os.environ)
         self.root, self.suffix, self.env, self.timeout = str(root).rstrip('/') or '/', suffix, env, timeout
+        self.watch, self.revalidate = None if watch is None else str(watch).strip('/'), revalidate
         self.prefetch, self.threads = check_int('prefetch', prefetch, 0), check_int('threads', threads, 1)
         self.hold, self.attempts = check_int('hold', hold, 0), check_int('attempts', attempts, 1)
         self.cache_size = None if cache_size is None else check_int('cache_size', cache_size, 1)
@@ -300,7 +307,8 @@ class FileCache:
         self.chunk_size = check_int('chunk_size', chunk_size, 1)
         self._lock, self._stop, self._fs = threading.RLock(), threading.Event(), None
         self._n = dict.fromkeys(_COUNTERS, 0)
-        self._pins, self._held, self._inflight, self._queued, self._workers = {}, deque(), {}, set(), []
+        self._pins, self._held, self._inflight, self._queued = {}, deque(), {}, set()
+        self._workers, self._fetchers = [], set()   # prefetching threads; threads of fetches under way
         self._plan, self._pos, self._cursor, self._q, self._cached, self._cycle = [], {}, 0, None, (0, 0), False
         self._scans = self._scanned = 0            # rescans started, and the latest whose totals are kept
         self.local_root = Path(open_uri(root)[1]) if is_local(root) else None
@@ -341,27 +349,34 @@ class FileCache:
 
 # %% ../nbs/14_remote.ipynb #7aa8d771
 @patch
-def _retrying(self:FileCache, fn, what):
+def _retrying(self:FileCache, fn, what, attempts=None):
     "`fn()`, retried like a fetch: transient errors with backoff up to `attempts` tries; else a `FetchError` naming `what`."
     def wait(s):
         if self._stop.wait(s): raise Cancelled(what)
-    return retry(fn, what, self.attempts, self.backoff, self.max_backoff, missing=False, on_retry=lambda e: self._on_retry(e), wait=wait)   # (_on_retry: below)
+    return retry(fn, what, attempts or self.attempts, self.backoff, self.max_backoff, missing=False,
+                 on_retry=lambda e: self._on_retry(e), wait=wait)   # (_on_retry: below)
 
 @patch
 def _listing(self:FileCache, refresh) -> dict:
-    "`{path: size}` from the cache folder's index, else from the root (then written to the index)."
+    "`{path: size}`: the index while the store agrees (`_stamp`), else listed now (changed files' copies removed)."
     idx, suffix = self.cache_dir/INDEX, list(self.suffix) if isinstance(self.suffix, tuple) else self.suffix
-    if idx.exists():
-        d = json.loads(idx.read_text())
-        if d.get('root') != self.root:
-            raise ValueError(f"{self.cache_dir} caches {d.get('root')!r}, not {self.root!r}: expected one root per cache folder")
-        if not refresh and d.get('suffix') == suffix: return dict(d['files'])
-    fs = self.fs
-    found = self._retrying(lambda: list_files(self._base, self.suffix, fs=fs), self.root)
+    d = json.loads(idx.read_text()) if idx.exists() else None
+    if d is not None and d.get('root') != self.root:
+        raise ValueError(f"{self.cache_dir} caches {d.get('root')!r}, not {self.root!r}: "
+                         "expected one root per cache folder")
+    if d is not None and not refresh and d.get('suffix') == suffix:
+        if not self.revalidate: return dict(d['files'])
+        try: stamp, found = self._stamp(attempts=min(2, self.attempts))
+        except (OSError, Cancelled): return dict(d['files'])       # the store out of reach: as cached (offline)
+        if stamp == d.get('stamp'): return dict(d['files'])
+    else: stamp, found = self._stamp()
     if not found: raise FileNotFoundError(f"{self.root} holds no files" + (f" ending in {self.suffix}" if self.suffix else '')
                                           + ": expected the data's root folder or prefix")
-    atomic_write(idx, json.dumps({'root': self.root, 'suffix': suffix, 'files': [list(f) for f in found]}), 'w')
-    return {f.path: f.size for f in found}
+    if d is not None: self._drop_changed(d, found)
+    atomic_write(idx, json.dumps({'root': self.root, 'suffix': suffix, 'stamp': stamp,
+                                  'files': [[r, s] for r, (s, _) in sorted(found.items())],
+                                  'mtimes': {r: m for r, (_, m) in found.items()}}), 'w')
+    return {r: s for r, (s, _) in sorted(found.items())}
 
 @patch
 def _known(self:FileCache, rel):
@@ -389,6 +404,37 @@ def _scan(self:FileCache) -> list:
         if ticket > self._scanned: self._scanned, self._cached = ticket, (len(out), sum(e.size for e in out))
     return out
 
+# %% ../nbs/14_remote.ipynb #d844f7d0
+def _etag(fs, path):
+    "The object's ETag (a HEAD request on S3), or None where the filesystem gives none."
+    with fs.open_input_file(path) as f: m = f.metadata() or {}
+    e = m.get('ETag', m.get(b'ETag')) if hasattr(m, 'get') else None
+    return e.decode() if isinstance(e, bytes) else e
+
+@patch
+def _stamp(self:FileCache, attempts=None) -> tuple:
+    "`(stamp, {path: (size, mtime_ns)})`: the store's files now, and the stamp a cached listing is checked by."
+    # the stamp: every file's size and time, and the ETags of the `watch` folder's (a rewrite within a second shows)
+    def look():
+        fs = self.fs
+        found = {r: (int(i.size), i.mtime_ns) for r, i in _file_infos(fs, self._base, self.suffix)}
+        w = [] if self.watch is None else [r for r in sorted(found) if r.startswith(self.watch + '/')]
+        tags = {r: _etag(fs, f"{self._base}/{r}") for r in w}
+        return dict(files={r: list(v) for r, v in sorted(found.items())}, etags=tags), found
+    return self._retrying(look, self.root, attempts)
+
+@patch
+def _drop_changed(self:FileCache, old, found):
+    "Remove the copies of files that the store changed since listing `old` (the index): another size or time, or gone."
+    mtimes = old.get('mtimes', {})
+    for rel, size in old.get('files', []):
+        new = found.get(rel)
+        if new is not None and new[0] == size and mtimes.get(rel, new[1]) == new[1]: continue
+        p = self.path(rel)
+        if os.path.lexists(p) and not _try_remove(p):
+            raise ValueError(f"{self.uri(rel)} changed in the store, but a process still reads its old copy {p}: "
+                             f"stop the processes sharing {self.cache_dir}, then start again")
+
 # %% ../nbs/14_remote.ipynb #f4da9530
 @patch
 def stats(self:FileCache) -> dict:
@@ -399,12 +445,16 @@ def stats(self:FileCache) -> dict:
                     inflight=len(self._inflight), queued=len(self._queued))
 
 @patch
-def close(self:FileCache, timeout=None):
-    "Stop the background fetches (a partial one leaves only its temp file, removed), release every pin."
+def close(self:FileCache, timeout=1.0):
+    "Stop the fetches (a reader waiting gets `Cancelled`), waiting at most `timeout` s for them; release every pin."
+    # a fetch stalled in a request is left to its daemon thread: nothing it finishes lands in the cache, and its temp
+    # file is removed when the request ends (or swept at the next start)
     self._stop.set()
+    end = time.monotonic() + timeout
     if self._q is not None:
         for _ in self._workers: self._q.put(None)
-        for t in self._workers: t.join(self.timeout + 5 if timeout is None else timeout)
+    with self._lock: threads = self._workers + list(self._fetchers)
+    for t in threads: t.join(max(0.0, end - time.monotonic()))
     with self._lock:
         for fd, _ in self._pins.values(): os.close(fd)
         self._pins.clear(); self._held.clear()
@@ -427,8 +477,12 @@ def _close_all():                   # before pyarrow's own exit hook shuts S3 do
 # %% ../nbs/14_remote.ipynb #e90254b2
 @patch
 def _complete(self:FileCache, rel) -> bool:
-    try: return os.stat(self.path(rel)).st_size == self.files[rel]
+    try: st = os.lstat(self.path(rel))
     except FileNotFoundError: return False
+    if not stat.S_ISREG(st.st_mode):                 # a FIFO, link or folder planted under a copy's name is never read
+        raise ValueError(f"{self.path(rel)} is {file_kind(st.st_mode)}: expected the cached copy of {self.uri(rel)} "
+                         "(a regular file this cache wrote); remove it, then run again")
+    return st.st_size == self.files[rel]
 
 @patch
 def _count(self:FileCache, key, n=1):
@@ -446,13 +500,23 @@ def _ensure(self:FileCache, rel, demand=True) -> str:
         with self._lock:
             fut = self._inflight.get(rel)
             mine = fut is None
-            if mine: fut = self._inflight[rel] = Future()
-        if not mine: how = 'wait'; fut.exception(); continue   # someone here is fetching it: wait, then look again
-        try: got = self._fetch(rel, demand); fut.set_result(got)
-        except BaseException as e: fut.set_exception(e); raise
-        finally:
-            with self._lock: self._inflight.pop(rel, None)
+            if mine: fut = self._inflight[rel] = Future(); self._fetch_apart(rel, demand, fut)
+        while not self._stop.is_set() and not fut.done(): wait_futures([fut], 0.05)   # `close()` frees the wait at once
+        if not fut.done(): raise Cancelled(f"{self.uri(rel)}: the cache was closed while it was fetched")
+        if not mine: how = 'wait'; continue                    # someone here fetched it: look again
+        got = fut.result()
         return how if got == 'there' and how == 'wait' else {'fetched': 'miss', 'there': 'hit', 'deferred': 'deferred'}[got]
+
+@patch
+def _fetch_apart(self:FileCache, rel, demand, fut):
+    "Run `_fetch` in a daemon thread of its own, its outcome set on `fut`: a stalled request cannot hold up `close()`."
+    def run():
+        try: got, err = self._fetch(rel, demand), None
+        except BaseException as e: got, err = None, e
+        with self._lock: self._inflight.pop(rel, None); self._fetchers.discard(t)
+        fut.set_result(got) if err is None else fut.set_exception(err)
+    t = threading.Thread(target=run, daemon=True, name='FileCache-fetch')
+    self._fetchers.add(t); t.start()
 
 @patch
 def _fetch(self:FileCache, rel, demand) -> str:
@@ -595,8 +659,10 @@ def pin(self:FileCache, rel) -> Path:
     for k in range(100):                       # a second pass only if another process evicted the copy meanwhile
         how = self._ensure(rel)
         self._count({'hit': 'hits', 'wait': 'waits', 'miss': 'misses'}[how] if k == 0 else 'refetched')
-        try: fd = os.open(path, os.O_RDONLY)
+        try: fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)   # a FIFO cannot hold us
         except FileNotFoundError: continue
+        except OSError: self._complete(rel); raise    # a link planted since: refused by name
+        if not stat.S_ISREG(os.fstat(fd).st_mode): os.close(fd); self._complete(rel); continue   # (raises, naming it)
         fcntl.flock(fd, fcntl.LOCK_SH)          # an evictor needs LOCK_EX: it skips the file while we hold this
         try: same = os.stat(path).st_ino == os.fstat(fd).st_ino and os.fstat(fd).st_size == self.files[rel]
         except FileNotFoundError: same = False

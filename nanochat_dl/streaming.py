@@ -1900,7 +1900,9 @@ def _get(self:StreamingLoader):
             if self._closed: raise RuntimeError("this loader was closed while waiting for a batch")   # (from a thread)
             if not self._thread.is_alive(): raise RuntimeError("the loader's background thread stopped without a batch or an error")
             continue
-        if isinstance(item, _Failure): raise item.exc
+        if isinstance(item, _Failure):
+            if self._closed: raise RuntimeError("this loader was closed while waiting for a batch")   # (fetch given up)
+            raise item.exc
         return item
 
 @patch
@@ -1932,7 +1934,9 @@ def _next(self:StreamingLoader) -> StreamBatch:
     except StopIteration:
         self._error = RuntimeError(f"rank {self.config['rank']}: no document with a token left in datasets {self.config['datasets']}")
         self.close(); raise self._error from None
-    except BaseException as e: self._error = e; self.close(); raise
+    except BaseException as e:
+        if self._closed: raise RuntimeError("this loader was closed while it made a batch") from None   # (by a thread)
+        self._error = e; self.close(); raise
     t1 = time.perf_counter()
     x, y = self.transfer.put(packed.rows)
     t2 = time.perf_counter()
@@ -1970,9 +1974,12 @@ _CLOSE_WAIT = 10.0   # seconds close() waits for a next() running in another thr
 @patch
 def close(self:StreamingLoader):
     "Stop the background thread and unmap the files, once a `next()` in another thread has returned. Idempotent."
+    # a fetch that `next()` (or the background thread) waits for is given up at once: a stalled request holds no one
     if self._closed: return
     self._closed = True   # a `next()` waiting for the background thread sees it and stops waiting
     self._drop.detach()
+    for _, stop in self._stoppers: stop.set()   # the background thread hands out nothing more
+    self.root.cancel()
     if not self._next_lock.acquire(timeout=_CLOSE_WAIT):   # one making a batch finishes it (its files stay mapped)
         warnings.warn(f"a next() in another thread ran on {_CLOSE_WAIT:.0f} s after close(): its files are left open")
         return
