@@ -153,10 +153,11 @@ class TokenFile:
     "One Arrow IPC token file, memory-mapped: `lens` (tokens per document, int64) and `doc(i)`, a zero-copy numpy view."
     def __init__(self, path,           # the `.arrow` file
                  column=TOKENS,        # the token column
-                 vocab:int|None=None): # ids must be below this (a tokenizer's vocabulary size); None: below 2**32
-        self.path, self.vocab = Path(path), vocab
+                 vocab:int|None=None,  # ids must be below this (a tokenizer's vocabulary size); None: below 2**32
+                 mtime:bool=True):     # `check()` compares the modification time too (not for a cache's copies, touched)
+        self.path, self.vocab, self._n_id = Path(path), vocab, 4 if mtime else 3
         self._map, reader = _open_ipc(self.path, column)
-        self._fd, self._lock = self._map.fileno(), threading.Lock()
+        self._fd, self._lock, self._at_close = self._map.fileno(), threading.RLock(), None
         self.identity = _identity(os.fstat(self._fd))   # (device, inode, size, mtime ns) as mapped: `check()` compares
         if self.identity[2] != self._map.size():        # changed between the map and the fstat
             was = (*self.identity[:2], self._map.size(), self.identity[3])
@@ -200,7 +201,10 @@ class TokenFile:
         return a
     def close(self):
         "Drop the map (views handed out keep it alive until they go)."
-        with self._lock: self._flat = None; self._map.close()
+        with self._lock:
+            if self._flat is not None:                   # how the file was when let go: `check()` still answers after
+                with contextlib.suppress(OSError): self._at_close = _identity(os.fstat(self._fd))
+            self._flat = None; self._map.close()
     @property
     def closed(self) -> bool: return self._flat is None
     def __enter__(self): return self
@@ -240,8 +244,9 @@ def _changed(path, was, now) -> ValueError:
 @patch
 def check(self:TokenFile):
     "Refuse the file (a `ValueError` naming it and what changed) if its size or mtime is not what it was when mapped."
-    now = _identity(os.fstat(self._fd))
-    if now != self.identity: raise _changed(self.path, self.identity, now)
+    with self._lock:                                     # (closed: as it was then; its descriptor may be another file's now)
+        now = self._at_close if self._flat is None else _identity(os.fstat(self._fd))
+    if now is not None and now[:self._n_id] != self.identity[:self._n_id]: raise _changed(self.path, self.identity, now)
 
 @patch
 def read(self:TokenFile, i,       # the document
@@ -612,7 +617,7 @@ class TokenRoot:
         if tf is not None: self._open.move_to_end(key); return tf
         while self.cache is not None and len(self._open) >= self.max_open: self._shut(*self._open.popitem(last=False))   # room first
         tf = TokenFile(self.path(dataset, file) if self.cache is None else self._local(dataset, file), self.column,
-                       (getattr(self, '_given', None) or {}).get('vocab_size'))
+                       (getattr(self, '_given', None) or {}).get('vocab_size'), mtime=self.cache is None)
         if (was := self._ids.get(key)) is not None and tf.identity != was:
             tf.close()
             raise ValueError(f"{tf.path} changed since this root was opened ({_what_changed(was, tf.identity)}): "
