@@ -155,9 +155,15 @@ class TokenFile:
     "One Arrow IPC token file, memory-mapped: `lens` (tokens per document, int64) and `doc(i)`, a zero-copy numpy view."
     def __init__(self, path,           # the `.arrow` file
                  column=TOKENS,        # the token column
-                 vocab:int|None=None): # ids must be below this (a tokenizer's vocabulary size); None: below 2**32
-        self.path, self.vocab = Path(path), vocab
+                 vocab:int|None=None,  # ids must be below this (a tokenizer's vocabulary size); None: below 2**32
+                 mtime:bool=True):     # `check()` compares the modification time too (not for a cache's copies, touched)
+        self.path, self.vocab, self._n_id = Path(path), vocab, 4 if mtime else 3
         self._map, reader = _open_ipc(self.path, column)
+        self._fd, self._lock, self._at_close = self._map.fileno(), threading.RLock(), None
+        self.identity = _identity(os.fstat(self._fd))   # (device, inode, size, mtime ns) as mapped: `check()` compares
+        if self.identity[2] != self._map.size():        # changed between the map and the fstat
+            was = (*self.identity[:2], self._map.size(), self.identity[3])
+            self._map.close(); raise _changed(self.path, was, self.identity)
         schema = reader.schema
         if column not in schema.names:
             raise ValueError(f"{self.path} has no column {column!r}: expected one, found columns {schema.names}")
@@ -197,7 +203,12 @@ class TokenFile:
         return a
     def close(self):
         "Drop the map (views handed out keep it alive until they go)."
-        self._flat = None; self._map.close()
+        with self._lock:
+            if self._flat is not None:                   # how the file was when let go: `check()` still answers after
+                with contextlib.suppress(OSError): self._at_close = _identity(os.fstat(self._fd))
+            self._flat = None; self._map.close()
+    @property
+    def closed(self) -> bool: return self._flat is None
     def __enter__(self): return self
     def __exit__(self, *exc): self.close()
     def __repr__(self): return f"TokenFile({self.path.name}, {len(self)} documents, {self.ntokens} tokens, {self.dtype})"
@@ -214,6 +225,49 @@ def _check(self:TokenFile, i, a):
             raise ValueError(f"{self.path}: document {i} holds id {hi}: expected ids below the tokenizer's "
                              f"vocabulary size {self.vocab}")
     self._unchecked[i] = False
+
+# %% ../nbs/12_arrow.ipynb #c5d1a7e1
+def _identity(st) -> tuple: return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+def _what_changed(was, now) -> str:
+    "How identity `now` differs from `was`: another file, its size, its modification time."
+    from datetime import datetime, timezone
+    at = lambda ns: datetime.fromtimestamp(ns / 1e9, timezone.utc).isoformat(timespec='microseconds')
+    out = ['another file (inode %d -> %d)' % (was[1], now[1])] if was[:2] != now[:2] else []
+    if was[2] != now[2]: out.append(f"size {was[2]} -> {now[2]} bytes")
+    if was[3] != now[3]: out.append(f"modified at {at(was[3])} -> {at(now[3])}")
+    return ', '.join(out)
+
+def _changed(path, was, now) -> ValueError:
+    return ValueError(f"{path} changed while it was read ({_what_changed(was, now)}): it was rewritten in place, "
+                      "which no reader of it survives; replace token files by rename (write the new file beside it, "
+                      "then move it over the old one, as `nanochat-dl tokenize` does), then start again")
+
+@patch
+def check(self:TokenFile):
+    "Refuse the file (a `ValueError` naming it and what changed) if its size or mtime is not what it was when mapped."
+    with self._lock:                                     # (closed: as it was then; its descriptor may be another file's now)
+        now = self._at_close if self._flat is None else _identity(os.fstat(self._fd))
+    if now is not None and now[:self._n_id] != self.identity[:self._n_id]: raise _changed(self.path, self.identity, now)
+
+@patch
+def read(self:TokenFile, i,       # the document
+         check:bool=True,         # check the file after reading (False: the caller calls `check()` before using them)
+         ) -> np.ndarray:
+    "Document `i`'s ids copied out of the file (`pread`, not the map): a file rewritten in place is an error, no SIGBUS."
+    if not 0 <= i < len(self.lens): raise IndexError(f"{self.path}: no document {i}, the file has {len(self.lens)}")
+    if not self.mapped: return self.doc(i)                       # (copied out of the file when it was opened)
+    k = self.dtype.itemsize
+    n, at = int(self.lens[i]) * k, int(self._starts[i]) * k
+    with self._lock:                                             # (a `close()` in another thread frees the descriptor)
+        if self._flat is None: raise ValueError(f"{self.path}: read after close()")
+        b = os.pread(self._fd, n, at)
+        if check or len(b) < n: self.check()
+    if len(b) < n: raise _changed(self.path, self.identity, (*self.identity[:2], at + len(b), self.identity[3]))
+    a = np.frombuffer(b, self.dtype)
+    if self._unchecked is not None and self._unchecked[i]: self._check(i, a)
+    return a
+
 
 # %% ../nbs/12_arrow.ipynb #fms1a002
 @patch
@@ -602,7 +656,7 @@ class TokenRoot:
                  prefetch:int=2,         # files of this rank's plan (`want_share`) fetched ahead in the background
                  fetch:dict|None=None,   # more `FileCache` settings for a URI root: attempts, backoff, max_backoff, timeout, threads
                  refresh:bool=False):    # a URI root: list the store again, though the cached listing matches it
-        self.column, self.cache = column, None
+        self.column, self.cache, self._users, self._lock, self._ids = column, None, 0, threading.RLock(), {}
         self.max_open = default_max_open() if max_open is None else check_int('max_open', max_open, 1)
         self.verify = verify = _check_verify(verify)
         if is_local(root): self.root = location(root, 'root')
@@ -638,12 +692,18 @@ class TokenRoot:
         return self.root/dataset/file if self.cache is None else self.cache.path(f"{dataset}/{file}")
     def open(self, dataset, file) -> TokenFile:
         "The open `TokenFile` for `file` of `dataset` (mapped on first use; its count checked against the counts file)."
+        with self._lock: return self._map(dataset, file)
+    def _map(self, dataset, file) -> TokenFile:
         key = (dataset, file)
         tf = self._open.get(key)
         if tf is not None: self._open.move_to_end(key); return tf
         while self.cache is not None and len(self._open) >= self.max_open: self._shut(*self._open.popitem(last=False))   # room first
         tf = TokenFile(self.path(dataset, file) if self.cache is None else self._local(dataset, file), self.column,
-                       (getattr(self, '_given', None) or {}).get('vocab_size'))
+                       (getattr(self, '_given', None) or {}).get('vocab_size'), mtime=self.cache is None)
+        if (was := self._ids.get(key)) is not None and tf.identity != was:
+            tf.close()
+            raise ValueError(f"{tf.path} changed since this root was opened ({_what_changed(was, tf.identity)}): "
+                             "data is replaced by rename between runs, not under one; start again")
         info = next((i for i in self.files.get(dataset, ()) if i.file == file), None)
         if info is not None and info.docs != len(tf): tf.close(); raise _stale(tf.path, len(tf), info.docs, self._at(META))
         if info is not None and info.tokens != tf.ntokens: _tokens_differ(tf.path, info.tokens, tf.ntokens)
@@ -658,10 +718,20 @@ class TokenRoot:
         return self.open(dataset, file).doc(i)
     def close(self):
         "Unmap the open files (and for a URI root, release their copies and stop fetching; a later `open` starts again)."
-        for key, tf in list(self._open.items()): self._shut(key, tf)
-        self._open.clear()
-        if self.cache is not None: self.cache.close()
-        self._cancelled = False                        # (after `cancel()`: a later `open` starts again)
+        with self._lock:
+            for key, tf in list(self._open.items()): self._shut(key, tf)
+            self._open.clear()
+            if self.cache is not None: self.cache.close()
+            self._cancelled = False                    # (after `cancel()`: a later `open` starts again)
+    def acquire(self) -> 'TokenRoot':
+        "Count a user (a loader) of this root; each calls `release()` when done."
+        with self._lock: self._users += 1
+        return self
+    def release(self):
+        "A user is done: the files are unmapped once no user is left (`close()` unmaps them at once)."
+        with self._lock:
+            self._users = max(0, self._users - 1)
+            if not self._users: self.close()
     def __enter__(self): return self
     def __exit__(self, *exc): self.close()
     def __repr__(self):
@@ -680,6 +750,7 @@ def _infos(self: TokenRoot, ds, counts, verify) -> list:
     self.skipped[ds] = []
     rel = dataset_files(self.root, ds, listed, self.skipped[ds]) if self.cache is None else self._remote_files(ds)
     if not rel: raise ValueError(f"dataset {ds!r} ({self._at(ds)}) holds no .arrow files")
+    if self.cache is None: self._ids.update({(ds, f): _identity(os.stat(self.root/ds/f)) for f in rel})   # before checks
     if entry is None: return [self._from_counts(ds, f, counts.get((ds, f))) for f in rel]
     if self.cache is None: verify_dataset(self.root, ds, verify, self.manifest)
     else: self._check_listing(ds, rel, entry, verify)
@@ -746,6 +817,11 @@ def cancel(self:TokenRoot):
     "Give up every fetch under way or to come until `close()`: a reader waiting for one gets `Cancelled`."
     self._cancelled = True
     if self.cache is not None: self.cache.close(timeout=0)
+
+@patch(as_prop=True)
+def users(self:TokenRoot) -> int:
+    "How many loaders hold this root now (`acquire()`s less `release()`s)."
+    return self._users
 
 @patch
 def _remote_datasets(self:TokenRoot) -> list:

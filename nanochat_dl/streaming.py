@@ -146,6 +146,7 @@ class ShardSource(Stage):
         "Rebuild what follows from `epoch` and `pos`: the shards drawn from (`_emin`, `_drawn`), the tree of their documents left, the orders."
         self._emin = min((e for e, n in zip(self.epoch, self.n) if n), default=min(self.epoch, default=1))
         self._drawn = [e <= self._emin + 1 or not n for e, n in zip(self.epoch, self.n)]   # a shard 2+ epochs on waits
+        self._even = all(e == self._emin for e, n in zip(self.epoch, self.n) if n)   # every shard in the same epoch
         left = [n - p if d else 0 for n, p, d in zip(self.n, self.pos, self._drawn)]
         self.remaining, self._tree = sum(left), CountTree(left)
         self._perms = [None] * len(self.shards)
@@ -173,7 +174,7 @@ def __next__(self:ShardSource) -> Doc:
         if L is None: L = self._file_lens(f)
         if L[i]:                                                          # an empty document is consumed, not yielded
             self._live += 1
-            return Doc((g, self.epoch[j], 0), open_(ds, self.files[f]).doc(i))
+            return Doc((g, self.epoch[j], 0), open_(ds, self.files[f]).read(i))
 
 # %% ../nbs/13_streaming.ipynb #35cc7f04
 @patch
@@ -192,10 +193,10 @@ def locate(self:ShardSource, g:int) -> tuple:
 
 @patch
 def doc(self:ShardSource, g:int) -> np.ndarray:
-    "The tokens of the dataset's document `g` (a view of the mapped file)."
+    "The tokens of the dataset's document `g`, copied out of its file (`TokenFile.read`)."
     if not 0 <= g < self.n_docs: raise ValueError(f"dataset {self.dataset!r} has no document {g} (it has {self.n_docs})")
     f, i = self.locate(g)
-    return self.root.open(self.dataset, self.files[f]).doc(i)
+    return self.root.open(self.dataset, self.files[f]).read(i)
 
 @patch
 def _file_lens(self:ShardSource, f) -> list:
@@ -219,14 +220,16 @@ def has_tokens(self:ShardSource) -> bool:
 
 @patch
 def progress(self:ShardSource) -> float:
-    "Passes drawn over these shards, with the current one's fraction: 1.25 is a quarter into the second."
-    return self._passes(self.draws)
+    "Epochs drawn: those before the oldest still open, and the fraction of it drawn (1.25: a quarter into the second)."
+    return self._passes(self.draws, self.epoch, self.pos)
 
 @patch
-def _passes(self:ShardSource, drawn:int) -> float:
-    "`drawn` documents (the shards' `(epoch - 1) * n + pos`, summed) as passes over these shards."
-    e = self._emin - 1
-    return e + (drawn - e * self.total) / self.total if self.total else 0.0
+def _passes(self:ShardSource, drawn:int, epoch, pos) -> float:
+    "`_emin - 1` and the fraction of epoch `_emin` drawn: a shard past it counts whole, one in it by `pos`."
+    if not self.total: return 0.0
+    e = self._emin
+    if self._even: return e - 1 + (drawn - (e - 1) * self.total) / self.total   # all in it: `drawn` says it, in O(1)
+    return e - 1 + sum(n if x > e else p for x, p, n in zip(epoch, pos, self.n)) / self.total
 
 @patch
 def fetch(self:ShardSource, addresses) -> list:
@@ -1060,7 +1063,10 @@ def at(self:BlockSource, cur) -> tuple:
     return epoch, pos, draws + d
 
 @patch
-def progress(self:BlockSource) -> float: return self._passes(self.draws + (self._nd[self._t - 1] if self._t else 0))
+def progress(self:BlockSource) -> float:
+    if self._even: return self._passes(self.draws + (self._nd[self._t - 1] if self._t else 0), None, None)   # O(1)
+    epoch, pos, draws = self.at(self.cursor())
+    return self._passes(draws, epoch, pos)
 
 @patch
 def open_file(self:BlockSource, f:int):
@@ -1510,7 +1516,7 @@ def pull(self:FastTokenStream) -> tuple:
     tok, w, active, feeds, srcs = mx.tokens, mx.w, mx.active, mx.ups, self.sources
     h, nt, bos, tail = self.framing.head, len(self._tail), self._bos, self._tail
     plain, both, ex = not (h or nt), h and nt, h + nt
-    pieces, lens, keys, n, total, pk = [], [], [], 0, sum(tok), any(self.parked)
+    pieces, lens, keys, n, total, pk, read = [], [], [], 0, sum(tok), any(self.parked), set()
     while n < _GROUP:
         if pk:                                           # parked pieces whose time has come go first (`_unpark`)
             for t, k in self._unpark(): pieces.append([t]); lens.append(len(t)); keys.append(k)
@@ -1531,8 +1537,9 @@ def pull(self:FastTokenStream) -> tuple:
             b = min(a - a % mc + mc, U)
             lo, hi = (a - h if a > h else 0), min(b - h, L)
             if hi > lo: tok[i] += hi - lo; total += hi - lo
-        src = srcs[i]
-        t_ = (src._tf[f] or src.open_file(f)).doc(fi)
+        tf = srcs[i]._tf[f]
+        if tf is None or tf.closed: tf = srcs[i].open_file(f)
+        t_ = tf.read(fi, False); read.add(tf)           # (checked below, before any of the ids is used)
         if a == 0 and b == U and (U <= C or not split):     # a whole unit in one piece (most of them)
             pieces.append([bos, t_, tail] if both else [t_] if plain else [bos, t_] if h else [t_, tail])
             lens.append(U); keys.append((i, g, e, 0, L))
@@ -1544,6 +1551,7 @@ def pull(self:FastTokenStream) -> tuple:
             if hi > lo: parts.append(t_[lo:hi])
             if t > h + L: parts.append(tail[max(s - h - L, 0):t - h - L])
             pieces.append(parts); lens.append(t - s); keys.append((i, g, e, s, L))
+    for tf in read: tf.check()                          # a file rewritten in place: refused, naming it
     return pieces, lens, keys
 
 @patch
@@ -1856,6 +1864,7 @@ class StreamingLoader:
         self._snap, self._state, self._started, self._yielded, self._error, self._last = self.stream.snapshot(), None, False, 0, None, None
         self._next_lock = threading.RLock()
         self._closed, self._stoppers = False, []
+        self.root.acquire()                               # a user of the root: its `close()` releases it
         self._drop = on_drop(self, _release_loader, self.root, self._stoppers)   # dropped unclosed: files released at once
 
     def _full_state(self, snap) -> dict:
@@ -1918,7 +1927,7 @@ def _start(self:StreamingLoader):
 def _release_loader(root, stoppers) -> bool:
     "What a `StreamingLoader` dropped without `close()` holds, released: its thread stopped, its files unmapped."
     for thread, stop in stoppers: _stop(thread, stop)
-    root.close(); return True
+    root.release(); return True
 
 @patch
 def __next__(self:StreamingLoader) -> StreamBatch:
@@ -1979,13 +1988,13 @@ def close(self:StreamingLoader):
     self._closed = True   # a `next()` waiting for the background thread sees it and stops waiting
     self._drop.detach()
     for _, stop in self._stoppers: stop.set()   # the background thread hands out nothing more
-    self.root.cancel()
+    if self.root.users <= 1: self.root.cancel()          # (a root another loader holds goes on fetching for it)
     if not self._next_lock.acquire(timeout=_CLOSE_WAIT):   # one making a batch finishes it (its files stay mapped)
         warnings.warn(f"a next() in another thread ran on {_CLOSE_WAIT:.0f} s after close(): its files are left open")
         return
     try:
         if self._thread is not None: self._finalizer()
-        self.root.close()
+        self.root.release()                                # (unmapped once no other loader uses the root)
     finally: self._next_lock.release()
 
 @patch

@@ -521,3 +521,15 @@ def test_nested_dataset_names_from_s3(moto, bucket, tmp_path):
     assert all(np.array_equal(a[0], b[0]) and a[1]['datasets'] == b[1]['datasets'] for a, b in zip(got, want))   # (no manifest: digests differ)
     with pytest.raises(ValueError, match=r"unknown dataset\(s\) \['lang=fr'\]"): StreamingLoader(uri, **dict(KW, datasets=['lang=fr']), cache_dir=tmp_path/'c3')
     with TokenRoot(uri, ['lang=en'], cache_dir=tmp_path/'c4') as tr: assert [i.file for i in tr.files['lang=en']] == ['dataset=commoncrawl/part_0.arrow', 'dataset=wiki/part_0.arrow']
+
+
+def test_closing_one_loader_leaves_another_on_the_same_remote_root_reading(local, s3root, tmp_path):
+    "Two loaders on one `TokenRoot` over a bucket: closing one cancels no fetch of the other (only the last user's close does)."
+    want = batches(StreamingLoader(local, **KW), 30)
+    tr = TokenRoot(s3root, cache_dir=tmp_path/'c', prefetch=0, fetch=FAST, max_open=1)   # files mapped again and again
+    a, b = StreamingLoader(tr, **KW), StreamingLoader(tr, **KW)
+    first = [next(b) for _ in range(2)]
+    a.close()
+    got = [(x.rows.copy(), json.loads(json.dumps(x.state))) for x in first] + batches(b, 28)
+    same(got, want)
+    tr.close()
