@@ -6,10 +6,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from s3util import moto, proxy, use_proxy   # noqa: F401 (fixtures)
-from test_s3_loaders import KW, objects, token_root
+from test_s3_loaders import KW, PKW, objects, text, token_root   # noqa: F401 (text: a fixture)
 
 from nanochat_dl.arrow import TokenFile, TokenRoot
 from nanochat_dl.remote import FileCache
@@ -128,6 +129,55 @@ def test_refresh_lists_again(moto, bucket, tmp_path):
     assert run(StreamingLoader(tr, **KW), 5)
 
 
+
+def stale_index(c, drop):
+    "The cache folder's listing loses the files whose path starts with `drop`, its stamp kept: the store looks unchanged."
+    import json
+    idx = c/'index.json'; d = json.loads(idx.read_text())
+    d['files'] = [f for f in d['files'] if not f[0].startswith(drop)]
+    idx.write_text(json.dumps(d))
+    return len(d['files'])
+
+
+def test_the_loaders_refresh_lists_again(moto, bucket, tmp_path):
+    "`StreamingLoader(..., refresh=True)` and `StreamingDataset(..., refresh=True)` (in each DataLoader worker too) list the store again though the cached listing's stamp matches it: a listing that lost a file is mended, where without `refresh` the loader believes it; `refresh` changes no batch, config or fingerprint."
+    from torchdata.stateful_dataloader import StatefulDataLoader
+    from nanochat_dl.streaming import StreamingDataset
+    old = token_root(tmp_path/'v1', seed=0)
+    uri, c = f's3://{bucket}/tokens', tmp_path/'c'
+    moto.put(bucket, objects(old, 'tokens'))
+    want = run(StreamingLoader(old, **KW))
+    TokenRoot(uri, cache_dir=c).close()
+    stale_index(c, 'code/y.arrow')
+    with pytest.raises(ValueError, match='y.arrow'): StreamingLoader(uri, **KW, cache_dir=c)   # the stale listing believed
+    ld = StreamingLoader(uri, **KW, cache_dir=c, refresh=True)
+    assert 'refresh' not in ld.config and ld.fingerprint == StreamingLoader(old, **KW).fingerprint
+    got = run(ld)
+    assert len(got) == len(want) and all(np.array_equal(a, b) for a, b in zip(got, want))
+    kw = dict(n_logical_shards=16, shuffle_window=20, seed=3, bos_token=1)
+    rows = lambda ds: [x.clone() for x, _ in StatefulDataLoader(ds, batch_size=4, num_workers=2, timeout=120)]
+    ds = StreamingDataset(uri, 32, **kw, cache_dir=c, refresh=True)
+    stale_index(c, 'web/')                                     # after the dataset was made: each worker lists again
+    got = rows(ds)
+    want = rows(StreamingDataset(old, 32, **kw))
+    assert len(got) == len(want) > 0 and all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_packed_loader_refresh_lists_again(text, moto, bucket, tmp_path):
+    "`PackedLoader(data_dir=URI, refresh=True)` lists the bucket again though the cached listing's stamp matches it."
+    from nanochat_dl.loader import PackedLoader
+    moto.put(bucket, objects(text[0], 'text'))
+    uri, c = f's3://{bucket}/text', tmp_path/'c'
+    n = len(list(text[0].glob('*.parquet')))
+    with PackedLoader(text[1], data_dir=uri, cache_dir=c, **PKW) as ld: assert len(ld.files) == n - 1
+    stale_index(c, sorted(p.name for p in text[0].glob('*.parquet'))[0])
+    with PackedLoader(text[1], data_dir=uri, cache_dir=c, **PKW) as ld: assert len(ld.files) == n - 2   # believed
+    with PackedLoader(text[1], data_dir=text[0], **PKW) as ld: want = [b[0].clone() for b in itertools.islice(ld, 3)]
+    with PackedLoader(text[1], data_dir=uri, cache_dir=c, refresh=True, **PKW) as ld:
+        assert len(ld.files) == n - 1 and 'refresh' not in ld.config
+        assert all(torch.equal(b[0], w) for b, w in zip(itertools.islice(ld, 3), want))
+
+
 # ---- only regular files are copies -----------------------------------------------------------------------
 
 PINNER = r'''
@@ -155,8 +205,6 @@ def test_a_fifo_or_link_in_the_cache_is_refused_by_name(moto, bucket, tmp_path, 
     assert r.returncode == 0, r.stderr[-2000:]
     assert f"refused: {p} is {kinds[kind]}: expected the cached copy of {uri}/empty.bin" in r.stdout, (r.stdout, r.stderr[-2000:])
 
-
-from test_s3_loaders import PKW, text   # noqa: E402,F401 (text: a fixture)
 
 
 @pytest.mark.parametrize('prefetch', [0, 2])
