@@ -800,7 +800,8 @@ def _stale(path, holds, said, meta) -> ValueError:
 @patch
 def _open_cache(self:TokenRoot, root, cache_dir, cache_size, prefetch, fetch, refresh=False):
     "A URI root: its listing (checked against the store, `meta/` too), copies and checks through a `FileCache`."
-    self.root, self._checked = str(root).rstrip('/'), set()
+    if not isinstance(refresh, (bool, np.bool_)): raise ValueError(f"refresh={refresh!r} is invalid: expected True or False")
+    self.root, self._checked, self._refresh = str(root).rstrip('/'), set(), bool(refresh)   # refresh: kept for `open_args`
     self._cache_args = dict(cache_dir=cache_dir, cache_size=cache_size, prefetch=prefetch, **(fetch or {}))
     self.cache = FileCache(self.root, watch=META, refresh=refresh, **self._cache_args)
 
@@ -910,12 +911,12 @@ def cache_stats(self:TokenRoot) -> dict:
 
 @patch
 def open_args(self:TokenRoot) -> dict:
-    "The settings that open this root again as it is (in another process, say): `TokenRoot(root.root, root.datasets, **root.open_args())`; for a URI root, its cache's folder (the default one too), cap, prefetch and fetch settings."
+    "The settings that open this root again as it is (in another process, say): `TokenRoot(root.root, root.datasets, **root.open_args())`; for a URI root, its cache's folder (the default one too), cap, prefetch, fetch settings and `refresh`."
     out = dict(column=self.column, verify=self.verify, **({} if getattr(self, '_given', None) is None else dict(tokenizer=self._given)))
     if self.cache is not None:
         a = self._cache_args
         out.update(cache_dir=self.cache.cache_dir, cache_size=a['cache_size'], prefetch=a['prefetch'],
-                   fetch={k: v for k, v in a.items() if k not in ('cache_dir', 'cache_size', 'prefetch')})
+                   fetch={k: v for k, v in a.items() if k not in ('cache_dir', 'cache_size', 'prefetch')}, refresh=self._refresh)
     return out
 
 

@@ -740,13 +740,15 @@ class PackedLoader(Stage):
                  worker_reads:bool=True,            # the tokenizer workers read their own rows (False: this process reads and sends text)
                  resume_state_dict=None,            # a batch's `state` (exact resume), nanochat's `{pq_idx, rg_idx, epoch}` (approximate), or the list of every rank's state (another world size)
                  cache_dir=None,                    # for a URI `data_dir`: the shards' local copies (default: one folder per URI under the base dir)
-                 cache_size=None):                  # bytes those copies may take (None: no cap)
+                 cache_size=None,                   # bytes those copies may take (None: no cap)
+                 refresh:bool=False):               # for a URI `data_dir`: list it again, though the cached listing matches it
         self._closed, self._threads, self._error, self._lock = True, [], None, threading.RLock()
         self.B, self.T = check_int('B', B), check_int('T', T)
         self.prefetch = check_int('prefetch', prefetch, 0)
         if strategy not in STRATEGIES: raise ValueError(f"unknown strategy {strategy!r}: expected one of {list(STRATEGIES)}")
         tokenizer_batch_size = check_int('tokenizer_batch_size', tokenizer_batch_size)
-        for name, v in (('shuffle', shuffle), ('copy', copy), ('views', views), ('worker_reads', worker_reads)):   # 'no' must not mean True
+        for name, v in (('shuffle', shuffle), ('copy', copy), ('views', views), ('worker_reads', worker_reads),
+                        ('refresh', refresh)):   # 'no' must not mean True
             if not isinstance(v, (bool, np.bool_)): raise ValueError(f"{name}={v!r} is invalid: expected True or False")
         if pad_id is not None:
             vocab = int(tokenizer.get_vocab_size())
@@ -756,7 +758,8 @@ class PackedLoader(Stage):
         if isinstance(files, (str, os.PathLike)):   # one path, not a list of them
             if Path(files).is_dir(): raise ValueError(f"files={str(files)!r} is a folder: pass data_dir={str(files)!r}, or a list of shard files")
             files = [files]
-        files, self.cache = split_shards(split, data_dir, cache_dir, cache_size) if files is None else (files, None)
+        fetch = dict(refresh=True) if refresh else None   # (in no config: it changes no batch)
+        files, self.cache = split_shards(split, data_dir, cache_dir, cache_size, fetch) if files is None else (files, None)
         self.files = [Path(p) if self.cache is not None else Path(p).absolute() for p in files]   # a later chdir must not lose them
         if self.cache is not None: weakref.finalize(self, self.cache.close)   # also when this constructor fails
         if not self.files: raise ValueError("PackedLoader needs at least one shard file, got none")

@@ -1646,7 +1646,8 @@ def stream_config(root, seq_len, *,   # the settings of `StreamingLoader`, docum
                   datasets=None, weights=None, rank=None, world_size=None, n_logical_shards=1024,
                   shuffle_window=10_000, seed=0, bos_token=None, eos_token=None, sep_token=None, pad_token=0,
                   pack='concat', max_chunk=None, pack_buffer=1000, tokenizer=None, max_open=None,
-                  cache_dir=None, cache_size=None, max_wait=MAX_WAIT, strip_tokens=(), min_length=1) -> tuple:
+                  cache_dir=None, cache_size=None, max_wait=MAX_WAIT, strip_tokens=(), min_length=1,
+                  refresh=False) -> tuple:
     "Check every setting (the names are `StreamingLoader`'s); returns `(TokenRoot, config, fingerprint)`."
     seq_len = check_int('seq_len', seq_len, 1)
     if pack not in PACKS: raise ValueError(f"pack={pack!r} is invalid: expected one of {list(PACKS)}")
@@ -1667,7 +1668,8 @@ def stream_config(root, seq_len, *,   # the settings of `StreamingLoader`, docum
     if cfg['pad_token'] is None and pack != 'concat': raise ValueError(f"pack={pack!r} pads rows: pad_token must be a token id, not None")
     if tokenizer is not None and not isinstance(tokenizer, str): raise ValueError(f"tokenizer={tokenizer!r} is invalid: expected None or a string (a name or digest)")
     names = None if datasets is None else [datasets] if isinstance(datasets, str) else list(datasets)
-    if not isinstance(root, TokenRoot): root = TokenRoot(root, names, max_open=max_open, cache_dir=cache_dir, cache_size=cache_size)   # default: from the open-file limit
+    if not isinstance(root, TokenRoot):   # max_open None: from the open-file limit; refresh: in no config (no batch changes)
+        root = TokenRoot(root, names, max_open=max_open, cache_dir=cache_dir, cache_size=cache_size, refresh=refresh)
     elif names is not None and [d for d in names if d not in root.datasets]:
         raise ValueError(f"unknown dataset(s) {[d for d in names if d not in root.datasets]} in {root.root}: expected some of {root.datasets}")
     cfg['datasets'] = list(root.datasets) if names is None else names
@@ -1843,7 +1845,8 @@ class StreamingLoader:
                  views:bool=False,          # hand out views of `slots` reused buffers (no allocation per batch)
                  max_open=None,             # token files kept mapped (default: `default_max_open()`)
                  cache_dir=None,            # a URI root's local copies (default: one folder per root under the base dir)
-                 cache_size=None):          # bytes those copies may take (None: no cap)
+                 cache_size=None,           # bytes those copies may take (None: no cap)
+                 refresh:bool=False):       # a URI root: list the store again, though the cached listing matches it
         self._thread, self._closed = None, True
         self.B, self.prefetch = check_int('batch_size', batch_size, 1), check_int('prefetch', prefetch, 0)
         self.root, self.config, self.fingerprint = stream_config(
@@ -1851,7 +1854,7 @@ class StreamingLoader:
             shuffle_window=shuffle_window, seed=seed, bos_token=bos_token, eos_token=eos_token, sep_token=sep_token,
             pad_token=pad_token, pack=pack, max_chunk=max_chunk, pack_buffer=pack_buffer, tokenizer=tokenizer, max_open=max_open,
             cache_dir=cache_dir, cache_size=cache_size, max_wait=max_wait, strip_tokens=strip_tokens,
-            min_length=min_length)
+            min_length=min_length, refresh=refresh)
         self.device, c = resolve_device(device), self.config
         self.stream = self.stream_class(self.root, c)
         self.stream.fetch_ahead()
