@@ -457,6 +457,29 @@ def test_tokenize_to_s3(text, moto, bucket, tmp_path):
     assert (m['datasets']['again']['source']['keep_empty'], m['datasets']['toy']['source']['keep_empty']) == (True, False)
 
 
+
+def test_tokenize_nested_dataset_names_to_s3(text, moto, bucket, tmp_path):
+    "`tokenize --out s3://... --dataset lang=en/dataset=x` puts the objects a local `--out` gets, under the nested name; the loader reads them by that name's weight; a name overlapping one of the bucket's datasets is refused before any work."
+    from nanochat_dl.arrow import tokenize
+    shards = text[0]
+    tok_dir, uri, kw = shards.parent/'tok', f's3://{bucket}/tok', dict(workers=1, progress=False, verbose=False)
+    moto.put(bucket, {})
+    for ds, split in (('lang=en/dataset=cc', 'train'), ('lang=en/dataset=wiki', 'val')):
+        tokenize(shards, tmp_path/'local', ds, tok_dir, split=split, **kw)
+        tokenize(shards, uri, ds, tok_dir, split=split, stage_dir=tmp_path/f'stage-{split}', **kw)
+    got, local = listing(moto, bucket, 'tok'), tmp_path/'local'
+    files = (p.relative_to(local).as_posix() for p in local.rglob('*') if p.is_file())
+    assert sorted(got) == sorted(k for k in files if not any(s.startswith('.') for s in k.split('/')))
+    assert all(v == (local/k).read_bytes() for k, v in got.items() if k != 'meta/manifest.json')
+    m = lambda b: {d: e['files'] for d, e in json.loads(b)['datasets'].items()}
+    assert m(got['meta/manifest.json']) == m((local/'meta'/'manifest.json').read_bytes())
+    assert sorted(m(got['meta/manifest.json'])) == ['lang=en/dataset=cc', 'lang=en/dataset=wiki']
+    w = {'lang=en/dataset=cc': 2, 'lang=en/dataset=wiki': 1}
+    same(batches(StreamingLoader(uri, **KW, weights=w, cache_dir=tmp_path/'c'), 10), batches(StreamingLoader(local, **KW, weights=w), 10))
+    with pytest.raises(ValueError, match=r"dataset 'lang=en' overlaps dataset 'lang=en/dataset=cc' of s3://"):
+        tokenize(shards, uri, 'lang=en', tok_dir, stage_dir=tmp_path/'stage-x', **kw)
+
+
 def read_json(p): return json.loads(Path(p).read_text())
 
 

@@ -480,3 +480,46 @@ def test_empty_documents_resume_ranks_and_old_records(corpus, tmp_path, capsys):
     res = tokenize(tmp_path / 'src', tmp_path / 'r', 'web', corpus / 'tok', verbose=False, **kw)
     assert (res.done, res.skipped) == (NAMES[:4], [])
     assert read_manifest(tmp_path / 'r') == read_manifest(tmp_path / 'ref')
+
+
+CC, WIKI = 'lang=en/dataset=commoncrawl', 'lang=en/dataset=wiki'
+
+
+def test_nested_dataset_names_as_the_loaders_read_them(corpus, tmp_path, capsys):
+    """`tokenize --dataset lang=en/dataset=commoncrawl` (fms-fsdp's names) writes ROOT/lang=en/dataset=commoncrawl/ with
+    counts rows and a manifest entry under that name; two such datasets in one root are listed so and streamed by
+    their names' weights, each document of each dataset once per epoch, whole; a name that overlaps a dataset of the
+    root (one a folder of the other), or with a hidden part, is refused naming both."""
+    from nanochat_dl.arrow import TokenFile, list_datasets, read_counts
+    from nanochat_dl.streaming import StreamingLoader
+    root, kw = tmp_path / 'root', dict(workers=1, progress=False, verbose=False)
+    tokenize(corpus / 'src', root, CC, corpus / 'tok', **kw)                               # the train shards
+    assert main(['tokenize', '--data-dir', str(corpus / 'src'), '--out', str(root), '--dataset', WIKI, '--split', 'val',
+                 '--tokenizer-dir', str(corpus / 'tok'), '-w', '1', '--no-progress']) == 0
+    assert sorted(os.listdir(root / 'lang=en' / 'dataset=commoncrawl')) == NAMES[:4]
+    assert list_datasets(root) == [CC, WIKI] and sorted(read_manifest(root)['datasets']) == [CC, WIKI]
+    rows = (root / 'meta' / 'combined_counts.csv').read_text().splitlines()
+    assert rows[1:] == sorted(rows[1:]) and [r.split(',')[0] for r in rows[1:]] == \
+        [f'/{CC}/{n}' for n in NAMES[:4]] + [f'/{WIKI}/{NAMES[4]}']
+    assert sorted(read_counts(root, [CC, WIKI])) == [(CC, n) for n in NAMES[:4]] + [(WIKI, NAMES[4])]
+    want = {}
+    for ds, names in ((CC, NAMES[:4]), (WIKI, NAMES[4:])):
+        for n in names:
+            with TokenFile(root / ds / n) as tf: want.update({(ds, n, i): len(tf.doc(i)) for i in range(len(tf))})
+    got, seen = {}, {}
+    with StreamingLoader(root, 128, 16, weights={CC: 1, WIKI: 1}, shuffle_window=50, prefetch=0) as ld:
+        assert ld.config['datasets'] == [CC, WIKI]
+        while len(seen) < 2 or min(seen.values()) < 3:
+            for row in next(ld).segments:
+                for s in row:
+                    k = s.key
+                    got[k] = got.get(k, 0) + s.length; seen[k.dataset] = max(seen.get(k.dataset, 0), k.epoch)
+    for e in (1, 2): assert {(k.dataset, k.file, k.doc): n for k, n in got.items() if k.epoch == e} == want, e
+    for bad, msg in ((f'{CC}/sub', f"dataset '{CC}/sub' overlaps dataset '{CC}' of {root}"),
+                     ('lang=en', f"dataset 'lang=en' overlaps dataset '{CC}' of {root}"),
+                     ('lang=en/.wiki', "dataset 'lang=en/.wiki' is invalid: expected a folder name")):
+        assert main(['tokenize', '--data-dir', str(corpus / 'src'), '--out', str(root), '--dataset', bad,
+                     '--tokenizer-dir', str(corpus / 'tok'), '-w', '1', '--no-progress']) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"nanochat-dl tokenize: error: {msg}") and err.count('\n') == 1, err
+    assert list_datasets(root) == [CC, WIKI] and sorted(read_manifest(root)['datasets']) == [CC, WIKI]
