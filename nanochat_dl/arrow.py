@@ -800,8 +800,9 @@ def _stale(path, holds, said, meta) -> ValueError:
 @patch
 def _open_cache(self:TokenRoot, root, cache_dir, cache_size, prefetch, fetch, refresh=False):
     "A URI root: its listing (checked against the store, `meta/` too), copies and checks through a `FileCache`."
-    if not isinstance(refresh, (bool, np.bool_)): raise ValueError(f"refresh={refresh!r} is invalid: expected True or False")
-    self.root, self._checked, self._refresh = str(root).rstrip('/'), set(), bool(refresh)   # refresh: kept for `open_args`
+    if not isinstance(refresh, (bool, np.bool_)):
+        raise ValueError(f"refresh={refresh!r} is invalid: expected True or False")
+    self.root, self._checked, self._refresh = str(root).rstrip('/'), set(), bool(refresh)   # refresh: for `open_args`
     self._cache_args = dict(cache_dir=cache_dir, cache_size=cache_size, prefetch=prefetch, **(fetch or {}))
     self.cache = FileCache(self.root, watch=META, refresh=refresh, **self._cache_args)
 
@@ -916,7 +917,8 @@ def open_args(self:TokenRoot) -> dict:
     if self.cache is not None:
         a = self._cache_args
         out.update(cache_dir=self.cache.cache_dir, cache_size=a['cache_size'], prefetch=a['prefetch'],
-                   fetch={k: v for k, v in a.items() if k not in ('cache_dir', 'cache_size', 'prefetch')}, refresh=self._refresh)
+                   fetch={k: v for k, v in a.items() if k not in ('cache_dir', 'cache_size', 'prefetch')},
+                   refresh=self._refresh)
     return out
 
 
@@ -1084,8 +1086,24 @@ def _check_text_column(shard, text_column):
     if text_column not in names: raise ValueError(f"text_column {text_column!r} is not a column of {shard} (its columns: {names})")
 
 def _check_dataset_name(name):
-    if not isinstance(name, str) or not name or name == META or name.startswith('.') or '/' in name or os.sep in name:
-        raise ValueError(f"dataset {name!r} is invalid: expected a folder name (not empty, no '/', not starting with '.', not {META!r})")
+    "A name `tokenize` writes: one the loaders accept (`check_dataset_name`) and none of whose parts is hidden."
+    try: ok = not any(p.startswith('.') for p in check_dataset_name(name).split('/'))
+    except ValueError: ok = False
+    if not ok: raise ValueError(f"dataset {name!r} is invalid: expected a folder name or path under the token root "
+                                f"('/'-separated, relative, no empty, '.' or '..' parts, none hidden, not under "
+                                f"{META}/), such as 'web' or 'lang=en/dataset=wiki'")
+
+def _root_datasets(listed, manifest) -> set:
+    "A root's datasets: its manifest's, and those `listed` (`list_datasets`) that hold none of them nor lie inside one."
+    named = set((manifest or {}).get('datasets', {}))
+    return named | {d for d in listed if not any(_nested(m, d) or _nested(d, m) for m in named)}
+
+def _check_no_overlap(dataset, have, where):
+    "Refuse `dataset` where one of the root's datasets `have` is a folder of it, or it a folder of one."
+    for d in sorted(have):
+        if d != dataset and (_nested(d, dataset) or _nested(dataset, d)):
+            raise ValueError(f"dataset {dataset!r} overlaps dataset {d!r} of {where}: one is a folder of the other, "
+                             "so a loader would read the files below both twice; choose another name")
 
 def _rank_world(rank, world_size) -> tuple:
     if rank is None and world_size is None:
@@ -1098,8 +1116,9 @@ def _rank_world(rank, world_size) -> tuple:
 
 # %% ../nbs/12_arrow.ipynb #be5b1de8
 def _prepare(data_dir, out, dataset, tokenizer_dir, workers, rank, world_size, split, text_column, overwrite, wait,
-             cache_dir=None, cache_size=None, utf8_errors='strict', keep_empty=False) -> SimpleNamespace:
+             cache_dir=None, cache_size=None, utf8_errors='strict', keep_empty=False, have=None) -> SimpleNamespace:
     "Check everything `tokenize` is asked before any work: a `ValueError` or `FileNotFoundError` says what is wrong."
+    # have: `(the datasets of the root, its name)` for a URI `out`, whose staging root `out` only mirrors it
     if out is None: raise ValueError("out (--out) is required: the token root that holds one folder per dataset")
     if dataset is None: raise ValueError("dataset (--dataset) is required: the name of the dataset's folder under the token root")
     _check_dataset_name(dataset)
@@ -1108,6 +1127,8 @@ def _prepare(data_dir, out, dataset, tokenizer_dir, workers, rank, world_size, s
     if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not wait > 0: raise ValueError(f"wait={wait!r} is invalid: expected seconds > 0")
     root = location(out, 'out').absolute()
     if (f := file_in_the_way(root/dataset)) is not None: raise ValueError(f"out {root}: {f} is a file; expected folders there (created if missing)")
+    if have is None and root.is_dir(): have = (_root_datasets(list_datasets(root), read_manifest(root)), root)
+    if have is not None: _check_no_overlap(dataset, *have)
     uri = data_dir if data_dir is not None else os.environ.get('NANOCHAT_DL_DATA_DIR')
     if uri is not None and not is_local(uri): shards, cache = _uri_shards(str(uri).rstrip('/'), split, cache_dir, cache_size, rank, world)
     else: shards, cache = _source_shards(data_dir, split), None
@@ -1301,7 +1322,7 @@ def _finalize(p, recs, say) -> Path:
 # %% ../nbs/12_arrow.ipynb #0d65a42f
 def tokenize(data_dir=None,        # parquet text shards (else $NANOCHAT_DL_DATA_DIR, else the cache)
              out=None,             # the token root: one folder per dataset, and meta/
-             dataset=None,         # the dataset's folder name under `out`
+             dataset=None,         # the dataset's folder under `out`: a name, or a path ('lang=en/dataset=wiki')
              tokenizer_dir=None,   # a saved tokenizer (else the cache's tokenizer/)
              workers:int=4,        # worker processes, each tokenizing one shard at a time
              rank=None,            # this process's rank (else torchrun's RANK, else 0)
@@ -1350,8 +1371,10 @@ def _prepare_uri(data_dir, out, dataset, tokenizer_dir, workers, rank, world_siz
     stage = Path(stage_dir).expanduser().absolute() if stage_dir is not None else _stage_dir(out)
     if dataset is not None: _check_dataset_name(dataset)
     _pull_meta(fs, base, stage, out)
+    files = [f.path for f in retry(lambda: list_files(base, '.arrow', fs=fs), out) if not f.path.startswith(META + '/')]
+    have = (_root_datasets(datasets_of(files), read_manifest(stage)), out)      # the bucket's datasets, not the stage's
     p = _prepare(data_dir, stage, dataset, tokenizer_dir, workers, rank, world_size, split, text_column, overwrite,
-                 wait, cache_dir, cache_size, utf8_errors, keep_empty)
+                 wait, cache_dir, cache_size, utf8_errors, keep_empty, have)
     p.uri, p.fs, p.base = out, fs, base
     made = {s.stem + '.arrow' for s in p.shards}
     p.stored = {f.path: f.size for f in retry(lambda: list_files(f"{base}/{dataset}", '.arrow', fs=fs), f"{out}/{dataset}")}
@@ -1387,7 +1410,7 @@ def _execute_uri(p, progress=True, say=print) -> TokenizeResult:
 @call_parse
 def tokenize_cli(data_dir:str=None,       # parquet text shards (else $NANOCHAT_DL_DATA_DIR, else ~/.cache/nanochat_dl/base_data)
                  out:str=None,            # the token root ROOT (required): ROOT/<dataset>/*.arrow and ROOT/meta/
-                 dataset:str=None,        # the dataset's folder name under ROOT (required)
+                 dataset:str=None,        # the dataset's folder under ROOT (required): web, or lang=en/dataset=x
                  tokenizer_dir:str=None,  # a saved tokenizer (else the cache's tokenizer/)
                  Workers:int=4,           # worker processes
                  rank:int=None,           # this process's rank (else torchrun's RANK, else 0); with --world-size

@@ -741,7 +741,7 @@ class PackedLoader(Stage):
                  resume_state_dict=None,            # a batch's `state` (exact resume), nanochat's `{pq_idx, rg_idx, epoch}` (approximate), or the list of every rank's state (another world size)
                  cache_dir=None,                    # for a URI `data_dir`: the shards' local copies (default: one folder per URI under the base dir)
                  cache_size=None,                   # bytes those copies may take (None: no cap)
-                 refresh:bool=False):               # for a URI `data_dir`: list it again, though the cached listing matches it
+                 refresh:bool=False):               # a URI `data_dir`: list it again, though its cached listing matches
         self._closed, self._threads, self._error, self._lock = True, [], None, threading.RLock()
         self.B, self.T = check_int('B', B), check_int('T', T)
         self.prefetch = check_int('prefetch', prefetch, 0)
@@ -759,7 +759,8 @@ class PackedLoader(Stage):
             if Path(files).is_dir(): raise ValueError(f"files={str(files)!r} is a folder: pass data_dir={str(files)!r}, or a list of shard files")
             files = [files]
         fetch = dict(refresh=True) if refresh else None   # (in no config: it changes no batch)
-        files, self.cache = split_shards(split, data_dir, cache_dir, cache_size, fetch) if files is None else (files, None)
+        if files is None: files, self.cache = split_shards(split, data_dir, cache_dir, cache_size, fetch)
+        else: self.cache = None
         self.files = [Path(p) if self.cache is not None else Path(p).absolute() for p in files]   # a later chdir must not lose them
         if self.cache is not None: weakref.finalize(self, self.cache.close)   # also when this constructor fails
         if not self.files: raise ValueError("PackedLoader needs at least one shard file, got none")

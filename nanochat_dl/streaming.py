@@ -1668,7 +1668,7 @@ def stream_config(root, seq_len, *,   # the settings of `StreamingLoader`, docum
     if cfg['pad_token'] is None and pack != 'concat': raise ValueError(f"pack={pack!r} pads rows: pad_token must be a token id, not None")
     if tokenizer is not None and not isinstance(tokenizer, str): raise ValueError(f"tokenizer={tokenizer!r} is invalid: expected None or a string (a name or digest)")
     names = None if datasets is None else [datasets] if isinstance(datasets, str) else list(datasets)
-    if not isinstance(root, TokenRoot):   # max_open None: from the open-file limit; refresh: in no config (no batch changes)
+    if not isinstance(root, TokenRoot):   # max_open None: from the open-file limit; refresh: not in the config
         root = TokenRoot(root, names, max_open=max_open, cache_dir=cache_dir, cache_size=cache_size, refresh=refresh)
     elif names is not None and [d for d in names if d not in root.datasets]:
         raise ValueError(f"unknown dataset(s) {[d for d in names if d not in root.datasets]} in {root.root}: expected some of {root.datasets}")
