@@ -1396,6 +1396,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                       'nanochat_dl/streaming.py'),
                                        'nanochat_dl.streaming.TrimmedFile.doc': ( 'streaming.html#trimmedfile.doc',
                                                                                   'nanochat_dl/streaming.py'),
+                                       'nanochat_dl.streaming.TrimmedFile.read': ( 'streaming.html#trimmedfile.read',
+                                                                                   'nanochat_dl/streaming.py'),
                                        'nanochat_dl.streaming.TrimmedRoot': ('streaming.html#trimmedroot', 'nanochat_dl/streaming.py'),
                                        'nanochat_dl.streaming.TrimmedRoot.__getattr__': ( 'streaming.html#trimmedroot.__getattr__',
                                                                                           'nanochat_dl/streaming.py'),

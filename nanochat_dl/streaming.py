@@ -432,6 +432,9 @@ class TrimmedFile:
     def doc(self, i) -> np.ndarray:
         o = int(self.off[i])
         return self.tf.doc(i)[o:o + int(self.lens[i])]
+    def read(self, i, check:bool=True) -> np.ndarray:   # as `TokenFile.read`: copied out of the file, then trimmed
+        o = int(self.off[i])
+        return self.tf.read(i, check)[o:o + int(self.lens[i])]
     def __getattr__(self, k): return getattr(self.tf, k)
 
 class TrimmedRoot:
