@@ -51,6 +51,7 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                    'nanochat_dl.arrow.TokenRoot.cancel': ('arrow.html#tokenroot.cancel', 'nanochat_dl/arrow.py'),
                                    'nanochat_dl.arrow.TokenRoot.close': ('arrow.html#tokenroot.close', 'nanochat_dl/arrow.py'),
                                    'nanochat_dl.arrow.TokenRoot.doc': ('arrow.html#tokenroot.doc', 'nanochat_dl/arrow.py'),
+                                   'nanochat_dl.arrow.TokenRoot.lock': ('arrow.html#tokenroot.lock', 'nanochat_dl/arrow.py'),
                                    'nanochat_dl.arrow.TokenRoot.open': ('arrow.html#tokenroot.open', 'nanochat_dl/arrow.py'),
                                    'nanochat_dl.arrow.TokenRoot.open_args': ('arrow.html#tokenroot.open_args', 'nanochat_dl/arrow.py'),
                                    'nanochat_dl.arrow.TokenRoot.path': ('arrow.html#tokenroot.path', 'nanochat_dl/arrow.py'),

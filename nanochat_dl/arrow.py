@@ -715,7 +715,7 @@ class TokenRoot:
         if self.cache is not None: self.cache.unpin('/'.join(key))
     def doc(self, dataset, file, i) -> np.ndarray:
         "Document `i` of `file` of `dataset`, as a numpy view."
-        return self.open(dataset, file).doc(i)
+        with self._lock: return self._map(dataset, file).doc(i)
     def close(self):
         "Unmap the open files (and for a URI root, release their copies and stop fetching; a later `open` starts again)."
         with self._lock:
@@ -822,6 +822,11 @@ def cancel(self:TokenRoot):
 def users(self:TokenRoot) -> int:
     "How many loaders hold this root now (`acquire()`s less `release()`s)."
     return self._users
+
+@patch(as_prop=True)
+def lock(self:TokenRoot) -> threading.RLock:
+    "Held, no file of this root is closed: `open` a file and read it under it (another loader's `open` may evict it)."
+    return self._lock
 
 @patch
 def _remote_datasets(self:TokenRoot) -> list:
