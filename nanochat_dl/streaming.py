@@ -1543,7 +1543,7 @@ def pull(self:FastTokenStream) -> tuple:
             lo, hi = (a - h if a > h else 0), min(b - h, L)
             if hi > lo: tok[i] += hi - lo; total += hi - lo
         tf = srcs[i]._tf[f]
-        if tf is None or tf.closed:                         # (the root's lock held: no other loader's open evicts it first)
+        if tf is None or tf.closed:                         # (under the root's lock: no other loader evicts it first)
             with srcs[i].root.lock: tf = srcs[i].open_file(f); t_ = tf.read(fi, False)
         else: t_ = tf.read(fi, False)
         read.add(tf)                                        # (checked below, before any of the ids is used)
