@@ -60,3 +60,19 @@ def test_a_dataset_whose_documents_are_all_dropped_holds_no_epoch_open(tmp_path)
         for _ in range(10): next(ld)
         got = open_epochs(ld.state_dict())
     assert got['web'] >= 4 and got['code'] == math.inf
+
+
+@pytest.mark.parametrize('keep', [0, 1 / 3, 0.999])
+def test_a_file_rewritten_in_place_before_it_is_mapped_is_refused_as_changed(tmp_path, keep):
+    """A file `cp` is rewriting (truncated, partly written) when a loader first maps it, or maps it again after the LRU
+    let it go: refused as changed since the root was opened, naming the file and its size. Before the fix it was blamed
+    on its bytes: `...a.arrow: not an Arrow IPC file (File is too small: 0)` / `(Not an Arrow file)`."""
+    path = tmp_path/'root'/'web'/'a.arrow'
+    write_token_file(path, [np.arange(50, dtype=np.uint32) + i for i in range(200)])
+    data, root = path.read_bytes(), TokenRoot(tmp_path/'root')
+    root.close()                                                     # (counted at open: let go, as the LRU does)
+    with open(path, 'r+b') as f: f.truncate(0); f.write(data[:int(len(data) * keep)])
+    with pytest.raises(ValueError, match=rf"a\.arrow changed since this root was opened \(size {len(data)} -> "
+                                         rf"{int(len(data) * keep)} bytes"):
+        root.open('web', 'a.arrow')
+    root.close()
