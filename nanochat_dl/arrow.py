@@ -698,12 +698,7 @@ class TokenRoot:
         tf = self._open.get(key)
         if tf is not None: self._open.move_to_end(key); return tf
         while self.cache is not None and len(self._open) >= self.max_open: self._shut(*self._open.popitem(last=False))   # room first
-        tf = TokenFile(self.path(dataset, file) if self.cache is None else self._local(dataset, file), self.column,
-                       (getattr(self, '_given', None) or {}).get('vocab_size'), mtime=self.cache is None)
-        if (was := self._ids.get(key)) is not None and tf.identity != was:
-            tf.close()
-            raise ValueError(f"{tf.path} changed since this root was opened ({_what_changed(was, tf.identity)}): "
-                             "data is replaced by rename between runs, not under one; start again")
+        tf = self._mapped(dataset, file)
         info = next((i for i in self.files.get(dataset, ()) if i.file == file), None)
         if info is not None and info.docs != len(tf): tf.close(); raise _stale(tf.path, len(tf), info.docs, self._at(META))
         if info is not None and info.tokens != tf.ntokens: _tokens_differ(tf.path, info.tokens, tf.ntokens)
@@ -715,7 +710,7 @@ class TokenRoot:
         if self.cache is not None: self.cache.unpin('/'.join(key))
     def doc(self, dataset, file, i) -> np.ndarray:
         "Document `i` of `file` of `dataset`, as a numpy view."
-        return self.open(dataset, file).doc(i)
+        with self._lock: return self._map(dataset, file).doc(i)
     def close(self):
         "Unmap the open files (and for a URI root, release their copies and stop fetching; a later `open` starts again)."
         with self._lock:
@@ -824,6 +819,29 @@ def cancel(self:TokenRoot):
 def users(self:TokenRoot) -> int:
     "How many loaders hold this root now (`acquire()`s less `release()`s)."
     return self._users
+
+@patch
+def _mapped(self:TokenRoot, dataset, file) -> TokenFile:
+    "`file` of `dataset` mapped; one that changed since the root was opened is refused so, not blamed on its bytes."
+    path = self.path(dataset, file) if self.cache is None else self._local(dataset, file)
+    was, vocab = self._ids.get((dataset, file)), (getattr(self, '_given', None) or {}).get('vocab_size')
+    try: tf = TokenFile(path, self.column, vocab, mtime=self.cache is None)
+    except ValueError:                                   # (a `cp` under way: truncated, partly written)
+        now = was
+        with contextlib.suppress(OSError): now = _identity(os.stat(path))
+        if was is not None and now != was: raise _changed_since(path, was, now) from None
+        raise
+    if was is not None and tf.identity != was: tf.close(); raise _changed_since(tf.path, was, tf.identity)
+    return tf
+
+def _changed_since(path, was, now) -> ValueError:
+    return ValueError(f"{path} changed since this root was opened ({_what_changed(was, now)}): "
+                      "data is replaced by rename between runs, not under one; start again")
+
+@patch(as_prop=True)
+def lock(self:TokenRoot) -> threading.RLock:
+    "Held, no file of this root is closed: `open` a file and read it under it (another loader's `open` may evict it)."
+    return self._lock
 
 @patch
 def _remote_datasets(self:TokenRoot) -> list:

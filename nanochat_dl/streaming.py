@@ -174,7 +174,8 @@ def __next__(self:ShardSource) -> Doc:
         if L is None: L = self._file_lens(f)
         if L[i]:                                                          # an empty document is consumed, not yielded
             self._live += 1
-            return Doc((g, self.epoch[j], 0), open_(ds, self.files[f]).read(i))
+            with self.root.lock: t = open_(ds, self.files[f]).read(i)   # (held: no other loader's open evicts it first)
+            return Doc((g, self.epoch[j], 0), t)
 
 # %% ../nbs/13_streaming.ipynb #35cc7f04
 @patch
@@ -196,7 +197,7 @@ def doc(self:ShardSource, g:int) -> np.ndarray:
     "The tokens of the dataset's document `g`, copied out of its file (`TokenFile.read`)."
     if not 0 <= g < self.n_docs: raise ValueError(f"dataset {self.dataset!r} has no document {g} (it has {self.n_docs})")
     f, i = self.locate(g)
-    return self.root.open(self.dataset, self.files[f]).read(i)
+    with self.root.lock: return self.root.open(self.dataset, self.files[f]).read(i)
 
 @patch
 def _file_lens(self:ShardSource, f) -> list:
@@ -432,8 +433,7 @@ class TrimmedFile:
     def doc(self, i) -> np.ndarray:
         o = int(self.off[i])
         return self.tf.doc(i)[o:o + int(self.lens[i])]
-    def read(self, i, check:bool=True) -> np.ndarray:
-        "What is left of document `i`, copied out of the file as `TokenFile.read` does."
+    def read(self, i, check:bool=True) -> np.ndarray:   # as `TokenFile.read`: copied out of the file, then trimmed
         o = int(self.off[i])
         return self.tf.read(i, check)[o:o + int(self.lens[i])]
     def __getattr__(self, k): return getattr(self.tf, k)
@@ -442,12 +442,13 @@ class TrimmedRoot:
     "A `TokenRoot` whose files open as `TrimmedFile`s (each file's cut made once); everything else is the root's."
     def __init__(self, root, trim:Trim): self._root, self.trim, self._cuts, self._views = root, trim, {}, {}
     def open(self, dataset, file) -> TrimmedFile:
-        tf, key = self._root.open(dataset, file), (dataset, file)
-        v = self._views.get(key)
-        if v is None or v.tf is not tf:                        # (a file the root closed and opened again: the same cut)
-            if key not in self._cuts: self._cuts[key] = self.trim.cut(tf)
-            v = self._views[key] = TrimmedFile(tf, self._cuts[key])
-        return v
+        with self._root.lock:                                  # (no other loader's open evicts the file before its cut)
+            tf, key = self._root.open(dataset, file), (dataset, file)
+            v = self._views.get(key)
+            if v is None or v.tf is not tf:                    # (a file the root closed and opened again: the same cut)
+                if key not in self._cuts: self._cuts[key] = self.trim.cut(tf)
+                v = self._views[key] = TrimmedFile(tf, self._cuts[key])
+            return v
     def doc(self, dataset, file, i) -> np.ndarray: return self.open(dataset, file).doc(i)
     def __getattr__(self, k): return getattr(self._root, k)
 
@@ -1542,8 +1543,10 @@ def pull(self:FastTokenStream) -> tuple:
             lo, hi = (a - h if a > h else 0), min(b - h, L)
             if hi > lo: tok[i] += hi - lo; total += hi - lo
         tf = srcs[i]._tf[f]
-        if tf is None or tf.closed: tf = srcs[i].open_file(f)
-        t_ = tf.read(fi, False); read.add(tf)           # (checked below, before any of the ids is used)
+        if tf is None or tf.closed:                         # (under the root's lock: no other loader evicts it first)
+            with srcs[i].root.lock: tf = srcs[i].open_file(f); t_ = tf.read(fi, False)
+        else: t_ = tf.read(fi, False)
+        read.add(tf)                                        # (checked below, before any of the ids is used)
         if a == 0 and b == U and (U <= C or not split):     # a whole unit in one piece (most of them)
             pieces.append([bos, t_, tail] if both else [t_] if plain else [bos, t_] if h else [t_, tail])
             lens.append(U); keys.append((i, g, e, 0, L))
