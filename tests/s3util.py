@@ -22,6 +22,15 @@ def wait_port(port, up=True, timeout=60.0):
     raise TimeoutError(f"port {port} still {'down' if up else 'up'} after {timeout}s")
 
 
+def until(cond, timeout=60.0, what='condition'):
+    "Wait until `cond()` is true, polling; an AssertionError naming `what` after `timeout` seconds."
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if cond(): return
+        time.sleep(0.02)
+    raise AssertionError(f"{what} not reached in {timeout}s")
+
+
 def s3_env(endpoint) -> dict:
     "Environment for a client of the S3 server at `endpoint` (fixed test keys; no config files, no metadata service)."
     return dict(KEYS, AWS_ENDPOINT_URL=endpoint)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from s3util import FaultProxy, MotoServer, moto, proxy, s3_env, use_proxy, wait_port   # noqa: F401 (moto, proxy: fixtures)
+from s3util import FaultProxy, MotoServer, moto, proxy, s3_env, until, use_proxy, wait_port   # noqa: F401 (moto, proxy: fixtures)
 
 from nanochat_dl.remote import _Flock, FetchError, FileCache, RemoteFile, is_transient, list_files, open_uri
 
@@ -26,14 +26,6 @@ def blobs(n=8, size=200_000, seed=0):
     r = random.Random(seed)
     return {f'data/{NAMES[i]}': r.randbytes(size + 1000 * i) for i in range(n)}
 
-
-def until(cond, timeout=60.0, what='condition'):
-    "Poll `cond()` until true; bounded."
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if cond(): return
-        time.sleep(0.02)
-    raise AssertionError(f"{what} not reached in {timeout}s")
 
 
 def finished(cache_dir):

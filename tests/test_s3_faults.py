@@ -9,7 +9,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from s3util import moto, proxy, use_proxy   # noqa: F401 (fixtures)
+from s3util import moto, proxy, until, use_proxy   # noqa: F401 (fixtures)
 from test_s3_loaders import KW, PKW, objects, text, token_root   # noqa: F401 (text: a fixture)
 
 from nanochat_dl.arrow import TokenFile, TokenRoot
@@ -21,15 +21,24 @@ pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")
 SLOW = dict(backoff=0.01, max_backoff=0.05)        # retries fast, but a request may stall for the default 30 s
 
 
-def until(cond, timeout=60.0, what='condition'):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if cond(): return
-        time.sleep(0.02)
-    raise AssertionError(f"{what} not reached in {timeout}s")
-
 
 def lingering(): return [t.name for t in threading.enumerate() if t.is_alive() and not t.daemon and t is not threading.main_thread()]
+
+
+def close_while_next_waits(ld, proxy, suffix):
+    "A `next()` in a thread, a GET of a `suffix` file stalled, then `close()`: within 2 s, the `next()` raising; what it raised."
+    err = []
+    def take():
+        try: next(ld)
+        except BaseException as e: err.append(e)
+    t = threading.Thread(target=take, daemon=True); t.start()
+    until(lambda: 'stall' in proxy.requests(suffix), what='a stalled GET')
+    time.sleep(0.3)
+    t0 = time.monotonic(); ld.close(); dt = time.monotonic() - t0
+    t.join(5)
+    assert dt < 2.0, f"close() took {dt:.1f} s"
+    assert not t.is_alive() and len(err) == 1 and isinstance(err[0], RuntimeError), err
+    return err[0]
 
 
 @pytest.fixture
@@ -43,17 +52,7 @@ def test_close_gives_up_a_stalled_fetch(moto, proxy, bucket, tmp_path, prefetch)
     moto.put(bucket, objects(local, 'tokens'))
     proxy.add('stall', path='.arrow', count=10_000, after=100)
     ld = StreamingLoader(TokenRoot(f's3://{bucket}/tokens', cache_dir=tmp_path/'c', fetch=SLOW), **dict(KW, prefetch=prefetch))
-    err = []
-    def take():
-        try: next(ld)
-        except BaseException as e: err.append(e)
-    t = threading.Thread(target=take, daemon=True); t.start()
-    until(lambda: 'stall' in proxy.requests('.arrow'), what='a stalled GET')
-    time.sleep(0.3)
-    t0 = time.monotonic(); ld.close(); dt = time.monotonic() - t0
-    t.join(5)
-    assert dt < 2.0, f"close() took {dt:.1f} s"
-    assert not t.is_alive() and len(err) == 1 and isinstance(err[0], RuntimeError), err
+    err = [close_while_next_waits(ld, proxy, '.arrow')]
     assert re.search(r'this loader was closed (while waiting for|while it made) a batch', str(err[0])), err[0]
     assert ld._thread is None or not ld._thread.is_alive()
     assert lingering() == []
@@ -215,17 +214,7 @@ def test_packed_loader_close_gives_up_a_stalled_fetch(text, moto, proxy, bucket,
     moto.put(bucket, objects(text[0], 'text'))
     ld = PackedLoader(text[1], data_dir=f's3://{bucket}/text', cache_dir=tmp_path/'c', **dict(PKW, prefetch=prefetch))
     proxy.add('stall', path='.parquet', count=10_000, after=100)
-    err = []
-    def take():
-        try: next(ld)
-        except BaseException as e: err.append(e)
-    t = threading.Thread(target=take, daemon=True); t.start()
-    until(lambda: 'stall' in proxy.requests('.parquet'), what='a stalled GET')
-    time.sleep(0.3)
-    t0 = time.monotonic(); ld.close(); dt = time.monotonic() - t0
-    t.join(5)
-    assert dt < 2.0, f"close() took {dt:.1f} s"
-    assert not t.is_alive() and len(err) == 1 and isinstance(err[0], RuntimeError), err
+    err = [close_while_next_waits(ld, proxy, '.parquet')]
     assert 'this loader was closed' in str(err[0]), err[0]
     whole = lambda: all(p.read_bytes() == (text[0]/p.name).read_bytes() for p in (tmp_path/'c'/'files').rglob('*') if p.is_file())
     assert lingering() == [] and whole()                                              # (a copy made before the stall is whole)

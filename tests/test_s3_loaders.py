@@ -13,7 +13,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from s3util import FaultProxy, MotoServer, moto, proxy, s3_env, use_proxy   # noqa: F401 (moto, proxy: fixtures)
+from s3util import FaultProxy, MotoServer, moto, proxy, s3_env, until, use_proxy   # noqa: F401 (moto, proxy: fixtures)
 
 from nanochat_dl.arrow import TokenRoot, file_record, update_counts, update_manifest, write_token_file
 from nanochat_dl.remote import FetchError
@@ -25,13 +25,6 @@ FAST = dict(backoff=0.01, max_backoff=0.05, timeout=5)
 SPEC = {'web': {'a.arrow': 120, 'b.arrow': 90, 'sub/c.arrow': 70}, 'code': {'x.arrow': 60, 'y.arrow': 40}}
 KW = dict(seq_len=32, batch_size=4, n_logical_shards=16, shuffle_window=20, seed=3, bos_token=1, prefetch=0)
 
-
-def until(cond, timeout=60.0, what='condition'):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if cond(): return
-        time.sleep(0.02)
-    raise AssertionError(f"{what} not reached in {timeout}s")
 
 
 def token_root(path, spec=SPEC, seed=0):
