@@ -7,11 +7,11 @@ under a cap, and shared safely by the ranks of one machine."""
 # %% auto #0
 __all__ = ['ENDPOINT_ENVS', 'REGION_ENVS', 'INDEX', 'CACHE_METRICS', 'is_local', 's3_filesystem', 'open_uri', 'RemoteFile',
            'list_files', 'is_transient', 'backoff_s', 'FetchError', 'retry', 'Cancelled', 'new_temp', 'fetch_file',
-           'default_cache_dir', 'FileCache', 'cache_metrics', 'cache_for', 'local_copy', 'pin_copies', 'unpin_copies',
-           'upload_file']
+           'default_cache_dir', 'FileCache', 'index_problem', 'cache_metrics', 'cache_for', 'local_copy', 'pin_copies',
+           'unpin_copies', 'upload_file']
 
 # %% ../nbs/14_remote.ipynb #0e7a4862
-import atexit, hashlib, json, os, random, re, secrets, stat, threading, time, weakref
+import atexit, hashlib, json, os, random, re, secrets, stat, threading, time, warnings, weakref
 from bisect import bisect_left
 from collections import deque
 from concurrent.futures import Future, wait as wait_futures
@@ -360,11 +360,11 @@ def _retrying(self:FileCache, fn, what, attempts=None):
 def _listing(self:FileCache, refresh) -> dict:
     "`{path: size}`: the index while the store agrees (`_stamp`), else listed now (changed files' copies removed)."
     idx, suffix = self.cache_dir/INDEX, list(self.suffix) if isinstance(self.suffix, tuple) else self.suffix
-    d = json.loads(idx.read_text()) if idx.exists() else None
+    d = self._read_index(idx)
     if d is not None and d.get('root') != self.root:
         raise ValueError(f"{self.cache_dir} caches {d.get('root')!r}, not {self.root!r}: "
                          "expected one root per cache folder")
-    if d is not None and not refresh and d.get('suffix') == suffix:
+    if d is not None and not refresh and not d.get('damaged') and d.get('suffix') == suffix:
         if not self.revalidate: return dict(d['files'])
         try: stamp, found = self._stamp(attempts=min(2, self.attempts))
         except (OSError, Cancelled): return dict(d['files'])       # the store out of reach: as cached (offline)
@@ -434,6 +434,39 @@ def _drop_changed(self:FileCache, old, found):
         if os.path.lexists(p) and not _try_remove(p):
             raise ValueError(f"{self.uri(rel)} changed in the store, but a process still reads its old copy {p}: "
                              f"stop the processes sharing {self.cache_dir}, then start again")
+
+# %% ../nbs/14_remote.ipynb #a1d9e3c0
+def index_problem(d,                # the parsed JSON of a cache folder's index
+                  ) -> str|None:
+    "What is wrong with a cache index `d` (wrong types, or files that are not its stamp's), or None."
+    if not isinstance(d, dict): return f"a JSON {type(d).__name__}, not an object"
+    if not isinstance(d.get('root'), str): return "no root"
+    fl = d.get('files')
+    if not isinstance(fl, list) or not all(isinstance(x, list) and len(x) == 2 and isinstance(x[0], str)
+                                           and type(x[1]) is int and x[1] >= 0 for x in fl):
+        return "its files are not [path, size] pairs"
+    mt = d.get('mtimes', {})
+    if not isinstance(mt, dict) or not all(v is None or type(v) is int for v in mt.values()):
+        return "its mtimes are not {path: time}"
+    st = d.get('stamp')
+    if st is None: return None                                   # an index of the older form: files only
+    sf = st.get('files') if isinstance(st, dict) else None
+    if not isinstance(sf, dict) or not all(isinstance(v, list) and v for v in sf.values()) \
+            or {r: v[0] for r, v in sf.items()} != dict(fl):
+        return "its files are not those of its stamp"
+    return None
+
+@patch
+def _read_index(self:FileCache, idx) -> dict|None:
+    "The cache folder's index (None: none); a damaged one is warned of and stands for every copy, so all are removed."
+    if not idx.exists(): return None
+    try: d = json.loads(idx.read_bytes())
+    except ValueError as e: why = f"not JSON: {e}"
+    else: why = index_problem(d)
+    if why is None: return d
+    warnings.warn(f"{idx} is damaged ({why}): listing {self.root} again, its copies fetched again")
+    return {'root': self.root, 'damaged': True, 'files': [[e.path, -1] for e in self._scan()]}
+
 
 # %% ../nbs/14_remote.ipynb #f4da9530
 @patch
