@@ -7,8 +7,8 @@ under a cap, and shared safely by the ranks of one machine."""
 # %% auto #0
 __all__ = ['ENDPOINT_ENVS', 'REGION_ENVS', 'INDEX', 'CACHE_METRICS', 'is_local', 's3_filesystem', 'open_uri', 'RemoteFile',
            'list_files', 'is_transient', 'backoff_s', 'FetchError', 'retry', 'Cancelled', 'new_temp', 'fetch_file',
-           'default_cache_dir', 'FileCache', 'index_problem', 'cache_metrics', 'cache_for', 'local_copy', 'pin_copies',
-           'unpin_copies', 'upload_file']
+           'default_cache_dir', 'FileCache', 'index_problem', 'cache_metrics', 'giving_up_on', 'cache_for',
+           'local_copy', 'pin_copies', 'unpin_copies', 'upload_file']
 
 # %% ../nbs/14_remote.ipynb #0e7a4862
 import atexit, hashlib, json, os, random, re, secrets, stat, threading, time, warnings, weakref
@@ -507,6 +507,24 @@ def cache_metrics(cache,            # a `FileCache`
 def _close_all():                   # before pyarrow's own exit hook shuts S3 down (atexit runs last-registered first)
     for c in list(_LIVE): c.close(timeout=5)
 
+# %% ../nbs/14_remote.ipynb #a1d9e3c2
+_WAITER = threading.local()    # the stop event of the reader this thread works for (`giving_up_on`)
+
+@contextmanager
+def giving_up_on(stop,             # a `threading.Event`: its reader is done (a loader closed)
+                 ):
+    "Inside: this thread's waits for a fetch (of any `FileCache`) raise `Cancelled` once `stop` is set; the fetch goes on for others."
+    prev, _WAITER.stop = getattr(_WAITER, 'stop', None), stop
+    try: yield
+    finally: _WAITER.stop = prev
+
+@patch
+def _given_up(self:FileCache) -> bool:
+    "Whether a wait of this thread for a fetch ends: the cache closed, or the reader it works for gone (`giving_up_on`)."
+    s = getattr(_WAITER, 'stop', None)
+    return self._stop.is_set() or (s is not None and s.is_set())
+
+
 # %% ../nbs/14_remote.ipynb #e90254b2
 @patch
 def _complete(self:FileCache, rel) -> bool:
@@ -534,8 +552,10 @@ def _ensure(self:FileCache, rel, demand=True) -> str:
             fut = self._inflight.get(rel)
             mine = fut is None
             if mine: fut = self._inflight[rel] = Future(); self._fetch_apart(rel, demand, fut)
-        while not self._stop.is_set() and not fut.done(): wait_futures([fut], 0.05)   # `close()` frees the wait at once
-        if not fut.done(): raise Cancelled(f"{self.uri(rel)}: the cache was closed while it was fetched")
+        while not self._given_up() and not fut.done(): wait_futures([fut], 0.05)   # `close()` frees the wait at once
+        if not fut.done():
+            raise Cancelled(f"{self.uri(rel)}: " + ('the cache was closed' if self._stop.is_set() else 'its reader gave up')
+                            + " while it was fetched")
         if not mine: how = 'wait'; continue                    # someone here fetched it: look again
         got = fut.result()
         return how if got == 'there' and how == 'wait' else {'fetched': 'miss', 'there': 'hit', 'deferred': 'deferred'}[got]

@@ -25,6 +25,7 @@ from .core import check_int, get_dist_info, on_drop
 from .stages import Stage, Doc, ShuffleBuffer, check_state, mix64, mix64s
 from pathlib import Path
 from .arrow import TokenRoot, file_sha256
+from .remote import giving_up_on
 from .packing import HELD, MAX_WAIT, Packer, FlatDocs, Segment, PackedBatch, position_ids, cu_seqlens, _PackerBase
 from .transfer import DeviceTransfer, TrainingTriple, resolve_device
 
@@ -1800,8 +1801,9 @@ def _put(q, item, stop) -> bool:
 def _produce_loop(stream, B, q, stop):
     "The background thread: batches until stopped; an exception goes to the consumer."
     try:
-        while not stop.is_set():
-            if not _put(q, _produce(stream, B), stop): return
+        with giving_up_on(stop):                  # a fetch waited for is given up when the loader closes
+            while not stop.is_set():
+                if not _put(q, _produce(stream, B), stop): return
     except BaseException as e: _put(q, _Failure(e), stop)
 
 def _stop(thread, stop):
@@ -1863,7 +1865,7 @@ class StreamingLoader:
         self.transfer = DeviceTransfer(self.B, c['seq_len'], self.device, slots, copy, views=views)
         self._snap, self._state, self._started, self._yielded, self._error, self._last = self.stream.snapshot(), None, False, 0, None, None
         self._next_lock = threading.RLock()
-        self._closed, self._stoppers = False, []
+        self._closed, self._stoppers, self._give_up = False, [], threading.Event()
         self.root.acquire()                               # a user of the root: its `close()` releases it
         self._drop = on_drop(self, _release_loader, self.root, self._stoppers)   # dropped unclosed: files released at once
 
@@ -1902,7 +1904,8 @@ def _produce(stream, B):
 
 @patch
 def _get(self:StreamingLoader):
-    if not self.prefetch: return _produce(self.stream, self.B)
+    if not self.prefetch:
+        with giving_up_on(self._give_up): return _produce(self.stream, self.B)   # `close()` ends a wait for a fetch
     while True:
         try: item = self._q.get(timeout=0.1)
         except queue.Empty:
@@ -1988,6 +1991,7 @@ def close(self:StreamingLoader):
     self._closed = True   # a `next()` waiting for the background thread sees it and stops waiting
     self._drop.detach()
     for _, stop in self._stoppers: stop.set()   # the background thread hands out nothing more
+    self._give_up.set()                         # a fetch `next()` waits for is given up (it goes on for another loader)
     if self.root.users <= 1: self.root.cancel()          # (a root another loader holds goes on fetching for it)
     if not self._next_lock.acquire(timeout=_CLOSE_WAIT):   # one making a batch finishes it (its files stay mapped)
         warnings.warn(f"a next() in another thread ran on {_CLOSE_WAIT:.0f} s after close(): its files are left open")

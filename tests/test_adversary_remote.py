@@ -61,3 +61,35 @@ def test_a_damaged_index_is_listed_again(moto, bucket, tmp_path, how):
     with warnings.catch_warnings():
         warnings.simplefilter('error')
         FileCache(uri, c).close()                                                     # the rewritten index: trusted again
+
+
+# ---- close() of one of two loaders sharing a root, behind a stalled request ---------------------------------
+
+@pytest.mark.parametrize('prefetch', [0, 2])
+def test_close_of_one_of_two_loaders_on_a_root_is_bounded_behind_a_stall(moto, proxy, bucket, tmp_path, prefetch):
+    "Two loaders share one `TokenRoot`; every token file's GET stalls; `close()` of the first, whose `next()` waits in another thread, returns within about a second (not the 10 s it waits for a `next()`), that `next()` says the loader was closed, and the second loader, once the store answers again, reads on; its close unmaps the root."
+    local = token_root(tmp_path/'root')
+    moto.put(bucket, objects(local, 'tokens'))
+    want = [b.rows.copy() for b in itertools.islice(StreamingLoader(local, **KW), 5)]
+    tr = TokenRoot(f's3://{bucket}/tokens', cache_dir=tmp_path/'c', fetch=SLOW)
+    proxy.add('stall', path='.arrow', count=10_000, after=100)
+    a, b = StreamingLoader(tr, **dict(KW, prefetch=prefetch)), StreamingLoader(tr, **KW)
+    err = []
+    def take():
+        try: next(a)
+        except BaseException as e: err.append(e)
+    t = threading.Thread(target=take, daemon=True); t.start()
+    until(lambda: 'stall' in proxy.requests('.arrow'), what='a stalled GET')
+    time.sleep(0.3)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter('always')
+        t0 = time.monotonic(); a.close(); dt = time.monotonic() - t0
+    t.join(5)
+    assert dt < 2.0, f"close() took {dt:.1f} s ({[str(x.message) for x in w]})"
+    assert not t.is_alive() and len(err) == 1 and 'this loader was closed' in str(err[0]), err
+    assert tr.users == 1
+    proxy.faults.clear(); proxy.release()
+    got = [x.rows.copy() for x in itertools.islice(b, 5)]
+    assert all(np.array_equal(x, y) for x, y in zip(got, want)) and len(got) == 5
+    b.close()
+    assert tr.users == 0 and not tr._open and tr.cache.closed
