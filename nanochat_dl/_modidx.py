@@ -1305,6 +1305,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                               'nanochat_dl/streaming.py'),
                                        'nanochat_dl.streaming.StreamingLoader._get': ( 'streaming.html#streamingloader._get',
                                                                                        'nanochat_dl/streaming.py'),
+                                       'nanochat_dl.streaming.StreamingLoader._let_go': ( 'streaming.html#streamingloader._let_go',
+                                                                                          'nanochat_dl/streaming.py'),
                                        'nanochat_dl.streaming.StreamingLoader._metrics': ( 'streaming.html#streamingloader._metrics',
                                                                                            'nanochat_dl/streaming.py'),
                                        'nanochat_dl.streaming.StreamingLoader._next': ( 'streaming.html#streamingloader._next',

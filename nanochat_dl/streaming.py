@@ -1866,6 +1866,7 @@ class StreamingLoader:
         self._snap, self._state, self._started, self._yielded, self._error, self._last = self.stream.snapshot(), None, False, 0, None, None
         self._next_lock = threading.RLock()
         self._closed, self._stoppers, self._give_up = False, [], threading.Event()
+        self._in_next, self._gone = None, False     # the thread inside `next()`; whether `_let_go` ran
         self.root.acquire()                               # a user of the root: its `close()` releases it
         self._drop = on_drop(self, _release_loader, self.root, self._stoppers)   # dropped unclosed: files released at once
 
@@ -1934,7 +1935,12 @@ def _release_loader(root, stoppers) -> bool:
 
 @patch
 def __next__(self:StreamingLoader) -> StreamBatch:
-    with self._next_lock: return self._next()   # one batch at a time, whichever thread asks
+    with self._next_lock:                       # one batch at a time, whichever thread asks
+        self._in_next = threading.get_ident()
+        try: return self._next()
+        finally:
+            self._in_next = None
+            if self._closed: self._let_go()     # closed inside (a signal handler, an error): released as it returns
 
 @patch
 def _next(self:StreamingLoader) -> StreamBatch:
@@ -1949,6 +1955,7 @@ def _next(self:StreamingLoader) -> StreamBatch:
     except BaseException as e:
         if self._closed: raise RuntimeError("this loader was closed while it made a batch") from None   # (by a thread)
         self._error = e; self.close(); raise
+    if self._closed: raise RuntimeError("this loader was closed while it made a batch")   # (by a signal handler)
     t1 = time.perf_counter()
     x, y = self.transfer.put(packed.rows)
     t2 = time.perf_counter()
@@ -1993,13 +2000,21 @@ def close(self:StreamingLoader):
     for _, stop in self._stoppers: stop.set()   # the background thread hands out nothing more
     self._give_up.set()                         # a fetch `next()` waits for is given up (it goes on for another loader)
     if self.root.users <= 1: self.root.cancel()          # (a root another loader holds goes on fetching for it)
+    if self._in_next == threading.get_ident(): return    # inside `next()` (a signal handler): it lets go as it returns
     if not self._next_lock.acquire(timeout=_CLOSE_WAIT):   # one making a batch finishes it (its files stay mapped)
-        warnings.warn(f"a next() in another thread ran on {_CLOSE_WAIT:.0f} s after close(): its files are left open")
+        warnings.warn(f"a next() in another thread ran on {_CLOSE_WAIT:.0f} s after close(): its files are released "
+                      "when it returns")
         return
-    try:
-        if self._thread is not None: self._finalizer()
-        self.root.release()                                # (unmapped once no other loader uses the root)
+    try: self._let_go()
     finally: self._next_lock.release()
+
+@patch
+def _let_go(self:StreamingLoader):
+    "Under `_next_lock`, once: stop the background thread and release the root (unmapped once no other loader uses it)."
+    if self._gone: return
+    self._gone = True
+    if self._thread is not None: self._finalizer()
+    self.root.release()
 
 @patch
 def __enter__(self:StreamingLoader): return self

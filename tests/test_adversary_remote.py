@@ -1,7 +1,7 @@
 """Adversarial attacks on object storage (issue 19 §4), against moto on 127.0.0.1 behind the fault proxy: a cache
 index damaged by hand, `close()` of one of two loaders sharing a root behind a stalled request, loaders opened
 and closed in a loop (threads and descriptors counted). Every wait is bounded."""
-import itertools, json, os, re, sys, threading, time, warnings
+import itertools, json, os, re, subprocess, sys, threading, time, warnings
 from pathlib import Path
 
 import numpy as np
@@ -93,3 +93,60 @@ def test_close_of_one_of_two_loaders_on_a_root_is_bounded_behind_a_stall(moto, p
     assert all(np.array_equal(x, y) for x, y in zip(got, want)) and len(got) == 5
     b.close()
     assert tr.users == 0 and not tr._open and tr.cache.closed
+
+
+# ---- close() from a signal handler, and from many threads at once --------------------------------------------
+
+SIGNAL_CLOSE = r'''
+import signal, sys, time
+sys.path.insert(0, sys.argv[1])
+from pathlib import Path
+from test_s3_loaders import KW, token_root
+from nanochat_dl.streaming import StreamingLoader
+local = token_root(Path(sys.argv[2]), {'web': {f'{i}.arrow': 300 for i in range(10)}})
+late = mapped = users = 0; errors = set()
+for trial in range(20):
+    ld = StreamingLoader(local, **dict(KW, prefetch=0, batch_size=256, seq_len=2048))
+    at = []
+    def handler(*a): at.append(time.perf_counter()); ld.close()
+    signal.signal(signal.SIGALRM, handler)
+    signal.setitimer(signal.ITIMER_REAL, 0.002 + 0.003 * (trial % 7))
+    try:
+        while True:
+            t0 = time.perf_counter(); next(ld)
+            if at and at[0] > t0: late += 1                      # a batch made while the handler closed the loader
+    except RuntimeError as e: errors.add(str(e))
+    signal.setitimer(signal.ITIMER_REAL, 0)
+    mapped += bool(ld.root._open); users += ld.root.users
+print('RESULT', late, mapped, users, sorted(errors))
+'''
+
+
+def test_close_from_a_signal_handler_during_next(tmp_path):
+    "`close()` in a signal handler that interrupts `next()` (prefetch 0, the main thread): that `next()` hands out no batch but says the loader was closed, and once it has returned no file stays mapped and the root has no user (before, the batch came out and the production mapped the files again after close)."
+    r = subprocess.run([sys.executable, '-c', SIGNAL_CLOSE, str(Path(__file__).parent), str(tmp_path/'root')],
+                       capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONPATH=str(Path(__file__).parents[1])))
+    line = next((l for l in r.stdout.splitlines() if l.startswith('RESULT')), None)
+    assert r.returncode == 0 and line, r.stderr[-3000:]
+    late, mapped, users, errors = eval(line.split(' ', 1)[1].replace(' ', ',', 3))
+    assert (late, mapped, users) == (0, 0, 0), line
+    assert set(errors) <= {'this loader was closed while it made a batch', 'this loader is closed'}, errors
+
+
+def test_close_from_many_threads_at_once_releases_the_root_once(tmp_path):
+    "Eight threads close one of three loaders sharing a root at the same moment, 100 times over: the root loses exactly one user each time (a double release would unmap the others' files)."
+    local = token_root(tmp_path/'root', {'web': {'a.arrow': 50}})
+    old = sys.getswitchinterval(); sys.setswitchinterval(1e-6)
+    try:
+        with TokenRoot(local) as tr:
+            keep = [StreamingLoader(tr, **KW) for _ in range(2)]
+            for _ in range(100):
+                ld = StreamingLoader(tr, **KW); go = threading.Barrier(8)
+                def shut(): go.wait(5); ld.close()
+                ts = [threading.Thread(target=shut) for _ in range(8)]
+                for t in ts: t.start()
+                for t in ts: t.join(30)
+                assert tr.users == 2, tr.users
+            for k in keep: k.close()
+            assert tr.users == 0
+    finally: sys.setswitchinterval(old)
