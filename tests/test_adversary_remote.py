@@ -150,3 +150,27 @@ def test_close_from_many_threads_at_once_releases_the_root_once(tmp_path):
             for k in keep: k.close()
             assert tr.users == 0
     finally: sys.setswitchinterval(old)
+
+
+# ---- the README test skips nothing silently ---------------------------------------------------------------------
+
+FENCE = re.compile(r'^```([^\n`]*)\n(.*?)^```[ \t]*$', re.M | re.S)
+
+
+def unrun(text) -> list:
+    "What `test_readme` would pass over in README `text` without a word: a fenced block tagged other than sh/python (untagged: printed output), a check or given keyed by a line no runnable block holds (or that two hold)."
+    from test_readme import CHECKS, GIVEN, readme_blocks
+    out = [f"a ```{tag} block: {code.strip().splitlines()[0][:60] if code.strip() else ''}" for tag, code in FENCE.findall(text)
+           if tag.strip() not in ('sh', 'python', '')]
+    codes = [code for _, code in readme_blocks(text)]
+    out += [f"{key!r} is in {n} blocks" for key in list(CHECKS) + list(GIVEN) if (n := sum(key in c for c in codes)) != 1]
+    return out
+
+
+def test_the_readme_test_passes_over_nothing():
+    "Every fenced block of README.md is run by `test_readme` (or is output), and every check it makes finds its block; a block tagged ```bash, or a checked line reworded, is caught here (it would be skipped there)."
+    text = (Path(__file__).parents[1]/'README.md').read_text()
+    assert unrun(text) == []
+    assert unrun(text.replace('```sh\nnanochat-dl tokenize', '```bash\nnanochat-dl tokenize', 1)) == [
+        'a ```bash block: nanochat-dl tokenize --data-dir ~/.cache/nanochat_dl/base_da']
+    assert unrun(text.replace('batch = next(loader)', 'b = next(loader)', 1)) == ["'batch = next(loader)' is in 0 blocks"]
