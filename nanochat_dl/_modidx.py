@@ -879,6 +879,7 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                     'nanochat_dl.remote._digest': ('remote.html#_digest', 'nanochat_dl/remote.py'),
                                     'nanochat_dl.remote._etag': ('remote.html#_etag', 'nanochat_dl/remote.py'),
                                     'nanochat_dl.remote._file_infos': ('remote.html#_file_infos', 'nanochat_dl/remote.py'),
+                                    'nanochat_dl.remote._tag_of': ('remote.html#_tag_of', 'nanochat_dl/remote.py'),
                                     'nanochat_dl.remote._try_remove': ('remote.html#_try_remove', 'nanochat_dl/remote.py'),
                                     'nanochat_dl.remote.backoff_s': ('remote.html#backoff_s', 'nanochat_dl/remote.py'),
                                     'nanochat_dl.remote.cache_for': ('remote.html#cache_for', 'nanochat_dl/remote.py'),

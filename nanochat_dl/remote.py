@@ -162,19 +162,31 @@ def new_temp(tmp_dir,               # the folder (on the same filesystem as the 
         except FileNotFoundError: pass
         os.close(fd)                   # a cleaner took it for a dead writer's between our open and our lock
 
-def _copy_from(fs, src, out, h, size, chunk_size, stop, on_bytes):
-    "Append `src` to `out` from `out.tell()` on; check the store's size against `size` first."
+def _tag_of(f) -> str|None:
+    "An open input file's ETag (from the request that opened it), or None where the store gives none."
+    m = f.metadata() or {}
+    e = m.get('ETag', m.get(b'ETag')) if hasattr(m, 'get') else None
+    return e.decode() if isinstance(e, bytes) else e
+
+def _copy_from(fs, src, out, h, size, chunk_size, stop, on_bytes, tag):
+    "Append `src` to `out` from `out.tell()` on; check the store's size against `size` first, and its ETag (`tag[0]`, set by the first open) at a resumed open and after the last byte: bytes of two versions are never pieced together."
+    changed = _Mismatch("the object changed in the store while it was fetched (another ETag)")
     with fs.open_input_file(src) as f:
         n = f.size()
         if size is not None and n != size: raise _Mismatch(f"the store has {n:,} bytes, expected {size:,} (from the listing)")
+        if out.tell() and _tag_of(f) != tag[0]: raise changed
+        tag[0] = _tag_of(f)
         f.seek(out.tell())
         while True:
             if stop is not None and stop.is_set(): raise Cancelled(src)
             b = f.read(chunk_size)
-            if not b: return
+            if not b: break
             out.write(b)
             if h is not None: h.update(b)
             if on_bytes: on_bytes(len(b))
+    if tag[0] is not None:
+        with fs.open_input_file(src) as f:                  # (one HEAD request on S3)
+            if _tag_of(f) != tag[0]: raise changed
 
 def fetch_file(fs,                      # a pyarrow filesystem
                src,                     # the file's path on `fs`
@@ -198,12 +210,12 @@ def fetch_file(fs,                      # a pyarrow filesystem
     fd, tmp = tmp or new_temp(tmp_dir if tmp_dir is not None else dest.parent, dest.name, size)
     try:
         with os.fdopen(fd, 'w+b') as out:
-            tries, bad = 0, 0
+            tries, bad, tag = 0, 0, [None]
             h = hashlib.sha256() if sha256 else None
             while True:
                 tries += 1
                 try:
-                    _copy_from(fs, src, out, h, size, chunk_size, stop, on_bytes)
+                    _copy_from(fs, src, out, h, size, chunk_size, stop, on_bytes, tag)
                     got = out.tell()
                     if size is not None and got != size: raise _Mismatch(f"received {got:,} bytes, expected {size:,}")
                     if h is not None and h.hexdigest() != sha256.lower(): raise _Mismatch(f"sha256 {h.hexdigest()}, expected {sha256.lower()}")

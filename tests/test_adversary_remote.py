@@ -174,3 +174,36 @@ def test_the_readme_test_passes_over_nothing():
     assert unrun(text.replace('```sh\nnanochat-dl tokenize', '```bash\nnanochat-dl tokenize', 1)) == [
         'a ```bash block: nanochat-dl tokenize --data-dir ~/.cache/nanochat_dl/base_da']
     assert unrun(text.replace('batch = next(loader)', 'b = next(loader)', 1)) == ["'batch = next(loader)' is in 0 blocks"]
+
+
+# ---- revalidation on open, under a stalled or changing store ------------------------------------------------------
+
+def test_a_stalled_listing_on_open_falls_back_to_the_cached_one_in_bounded_time(moto, proxy, bucket, tmp_path):
+    "With everything cached, the LIST that revalidates the listing on open stalls: the open gives up within its tries of `timeout` s each and streams the cached data exactly (as offline), fetching nothing."
+    local = token_root(tmp_path/'root')
+    moto.put(bucket, objects(local, 'tokens'))
+    uri, c = f's3://{bucket}/tokens', tmp_path/'c'
+    want = [b.rows.copy() for b in itertools.islice(StreamingLoader(local, **KW), 60)]
+    with StreamingLoader(uri, **KW, cache_dir=c) as ld: [b for b in itertools.islice(ld, 60)]
+    proxy.add('stall', path='list-type', count=100, after=0)
+    t0 = time.monotonic()
+    tr = TokenRoot(uri, cache_dir=c, fetch=dict(FAST, timeout=2))
+    dt = time.monotonic() - t0
+    assert 'stall' in proxy.requests('list-type') and dt < 15, dt
+    with StreamingLoader(tr, **KW) as ld: got = [b.rows.copy() for b in itertools.islice(ld, 60)]
+    assert all(np.array_equal(a, b) for a, b in zip(got, want)) and tr.cache.stats()['fetched_bytes'] == 0
+    proxy.release()
+
+
+def test_an_object_replaced_mid_download_is_never_pieced_together(moto, proxy, bucket, tmp_path):
+    "No manifest (no sha256): an object is replaced, at the same size, while its download stalls between two ranged GETs; the retry must not append the new object's tail to the old one's head (a copy of neither version, which no check would catch later)."
+    old, new = bytes(range(256)) * 12, bytes(255 - (i % 256) for i in range(3072))
+    moto.put(bucket, {'d/a.bin': old, 'd/z.bin': b'z'})
+    with FileCache(f's3://{bucket}/d', tmp_path/'c', chunk_size=1024, prefetch=0, **FAST) as fc:
+        proxy.add('stall', path='a.bin', count=1, after=0, skip=1)                 # the second ranged GET stalls
+        got = []
+        t = threading.Thread(target=lambda: got.append(fc.local('a.bin').read_bytes()), daemon=True); t.start()
+        until(lambda: 'stall' in proxy.requests('a.bin'), 30, 'a stalled GET')
+        moto.put(bucket, {'d/a.bin': new})                                         # re-uploaded meanwhile
+        proxy.release(); t.join(60)
+        assert not t.is_alive() and got and got[0] in (old, new), (got[0][:4], got[0][1020:1028]) if got else got
