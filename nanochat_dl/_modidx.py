@@ -618,6 +618,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                     'nanochat_dl.loader.PackedLoader.__repr__': ( 'loader.html#packedloader.__repr__',
                                                                                   'nanochat_dl/loader.py'),
                                     'nanochat_dl.loader.PackedLoader._get': ('loader.html#packedloader._get', 'nanochat_dl/loader.py'),
+                                    'nanochat_dl.loader.PackedLoader._let_go': ( 'loader.html#packedloader._let_go',
+                                                                                 'nanochat_dl/loader.py'),
                                     'nanochat_dl.loader.PackedLoader._next': ('loader.html#packedloader._next', 'nanochat_dl/loader.py'),
                                     'nanochat_dl.loader.PackedLoader._resume': ( 'loader.html#packedloader._resume',
                                                                                  'nanochat_dl/loader.py'),

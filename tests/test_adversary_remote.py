@@ -207,3 +207,39 @@ def test_an_object_replaced_mid_download_is_never_pieced_together(moto, proxy, b
         moto.put(bucket, {'d/a.bin': new})                                         # re-uploaded meanwhile
         proxy.release(); t.join(60)
         assert not t.is_alive() and got and got[0] in (old, new), (got[0][:4], got[0][1020:1028]) if got else got
+
+
+PACKED_SIGNAL_CLOSE = r'''
+import signal, sys, tempfile, time
+from pathlib import Path
+from nanochat_dl.dataset import make_sample_shards
+from nanochat_dl.tokenizer import train_tokenizer
+from nanochat_dl.loader import PackedLoader
+d = Path(sys.argv[1]); make_sample_shards(d/'sample')
+tok = train_tokenizer(d/'sample', vocab_size=512, out_dir=d/'tok', progress=False)
+late = 0; errors = set()
+for trial in range(6):
+    ld = PackedLoader(tok, 64, 1024, data_dir=d/'sample', device='cpu', prefetch=0, tokenizer_threads=2, tokenize_in=sys.argv[2])
+    at = []
+    def handler(*a): at.append(time.perf_counter()); ld.close()
+    signal.signal(signal.SIGALRM, handler)
+    signal.setitimer(signal.ITIMER_REAL, 0.01 + 0.01 * trial)
+    try:
+        while True:
+            t0 = time.perf_counter(); next(ld)
+            if at and at[0] > t0: late += 1
+    except RuntimeError as e: errors.add(str(e))
+    signal.setitimer(signal.ITIMER_REAL, 0)
+print('RESULT', late, sorted(errors))
+'''
+
+
+@pytest.mark.parametrize('tokenize_in', ['threads', 'processes'])
+def test_packed_loader_close_from_a_signal_handler_during_next(tmp_path, tokenize_in):
+    "`PackedLoader.close()` in a signal handler interrupting `next()` (prefetch 0): the process neither hangs (before, with tokenizer threads, the handler's close waited for ever on the executor lock that the interrupted `submit` held) nor hands out that batch; the `next()` says the loader was closed."
+    r = subprocess.run([sys.executable, '-c', PACKED_SIGNAL_CLOSE, str(tmp_path), tokenize_in], capture_output=True, text=True,
+                       timeout=240, env=dict(os.environ, PYTHONPATH=str(Path(__file__).parents[1])))
+    line = next((l for l in r.stdout.splitlines() if l.startswith('RESULT')), None)
+    assert r.returncode == 0 and line, r.stderr[-3000:]
+    late, errors = line.split(' ', 2)[1:]
+    assert late == '0' and set(eval(errors)) <= {'this loader was closed while it made a batch', 'this loader is closed'}, line
