@@ -742,7 +742,7 @@ class PackedLoader(Stage):
                  cache_dir=None,                    # for a URI `data_dir`: the shards' local copies (default: one folder per URI under the base dir)
                  cache_size=None):                  # bytes those copies may take (None: no cap)
         self._closed, self._threads, self._error, self._lock = True, [], None, threading.RLock()
-        self._in_next = None                        # the thread inside `next()`
+        self._in_next, self._later = None, False    # the thread inside `next()`; a close() it must finish
         self.B, self.T = check_int('B', B), check_int('T', T)
         self.prefetch = check_int('prefetch', prefetch, 0)
         if strategy not in STRATEGIES: raise ValueError(f"unknown strategy {strategy!r}: expected one of {list(STRATEGIES)}")
@@ -889,7 +889,7 @@ class PackedLoader(Stage):
             try: return self._next()
             finally:
                 self._in_next = None
-                if self._closed: self._let_go()   # closed inside (a signal handler, an error): let go as it returns
+                if self._later: self._let_go()    # closed inside (a signal handler, an error): let go as it returns
 
     def _next(self) -> LoaderBatch:
         if self._error is not None:
@@ -920,7 +920,7 @@ class PackedLoader(Stage):
         self._closed = True
         _LIVE.discard(self); self._drop.detach()
         if self.cache is not None: self.cache.close(timeout=0)   # a fetch waited for is given up (a stalled one too)
-        if self._in_next == threading.get_ident(): return    # inside `next()` (a signal handler): it lets go as it returns
+        if self._in_next == threading.get_ident(): self._later = True; return   # inside `next()`: it lets go as it returns
         # a `next()` in another thread finishes first (its stages must not be closed under it); one waiting on busy workers
         # is freed by killing them, and gets an error saying the loader was closed
         if not self._lock.acquire(timeout=_JOIN_GRACE):
