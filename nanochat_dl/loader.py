@@ -743,6 +743,7 @@ class PackedLoader(Stage):
                  cache_size=None,                   # bytes those copies may take (None: no cap)
                  refresh:bool=False):               # a URI `data_dir`: list it again, though its cached listing matches
         self._closed, self._threads, self._error, self._lock = True, [], None, threading.RLock()
+        self._in_next, self._later = None, False    # the thread inside `next()`; a close() it must finish
         self.B, self.T = check_int('B', B), check_int('T', T)
         self.prefetch = check_int('prefetch', prefetch, 0)
         if strategy not in STRATEGIES: raise ValueError(f"unknown strategy {strategy!r}: expected one of {list(STRATEGIES)}")
@@ -887,7 +888,12 @@ class PackedLoader(Stage):
             return item
 
     def __next__(self) -> LoaderBatch:
-        with self._lock: return self._next()   # one caller at a time: a batch, its staging slot and its state stay together
+        with self._lock:   # one caller at a time: a batch, its staging slot and its state stay together
+            self._in_next = threading.get_ident()
+            try: return self._next()
+            finally:
+                self._in_next = None
+                if self._later: self._let_go()    # closed inside (a signal handler, an error): let go as it returns
 
     def _next(self) -> LoaderBatch:
         if self._error is not None:
@@ -899,6 +905,7 @@ class PackedLoader(Stage):
         except BaseException as e:
             if self._error is None and not self._closed: self._error = e   # (closed from another thread: not an error of the data)
             self.close(); raise
+        if self._closed: raise RuntimeError("this loader was closed while it made a batch")   # (by a signal handler)
         t1 = time.perf_counter()
         x, y = self.transfer.put(item.packed)
         t2 = time.perf_counter()
@@ -917,6 +924,7 @@ class PackedLoader(Stage):
         self._closed = True
         _LIVE.discard(self); self._drop.detach()
         if self.cache is not None: self.cache.close(timeout=0)   # a fetch waited for is given up (a stalled one too)
+        if self._in_next == threading.get_ident(): self._later = True; return   # inside `next()`: it lets go as it returns
         # a `next()` in another thread finishes first (its stages must not be closed under it); one waiting on busy workers
         # is freed by killing them, and gets an error saying the loader was closed
         if not self._lock.acquire(timeout=_JOIN_GRACE):
@@ -924,10 +932,13 @@ class PackedLoader(Stage):
             if not self._lock.acquire(timeout=_JOIN_TIMEOUT):
                 warnings.warn(f"a next() in another thread did not return within {_JOIN_TIMEOUT:.0f} s of close(): the loader's stages close when it is collected")
                 return
-        try:
-            self._finalizer()
-            if self.cache is not None: self.cache.close()
+        try: self._let_go()
         finally: self._lock.release()
+
+    def _let_go(self):
+        "Under `_lock`: close the stages and the cache (each close is idempotent)."
+        self._finalizer()
+        if self.cache is not None: self.cache.close()
 
     def __enter__(self): return self
     def __exit__(self, *exc): self.close()

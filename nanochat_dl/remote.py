@@ -7,11 +7,11 @@ under a cap, and shared safely by the ranks of one machine."""
 # %% auto #0
 __all__ = ['ENDPOINT_ENVS', 'REGION_ENVS', 'INDEX', 'CACHE_METRICS', 'is_local', 's3_filesystem', 'open_uri', 'RemoteFile',
            'list_files', 'is_transient', 'backoff_s', 'FetchError', 'retry', 'Cancelled', 'new_temp', 'fetch_file',
-           'default_cache_dir', 'FileCache', 'cache_metrics', 'cache_for', 'local_copy', 'pin_copies', 'unpin_copies',
-           'upload_file']
+           'default_cache_dir', 'FileCache', 'index_problem', 'cache_metrics', 'giving_up_on', 'cache_for',
+           'local_copy', 'pin_copies', 'unpin_copies', 'upload_file']
 
 # %% ../nbs/14_remote.ipynb #0e7a4862
-import atexit, hashlib, json, os, random, re, secrets, stat, threading, time, weakref
+import atexit, hashlib, json, os, random, re, secrets, stat, threading, time, warnings, weakref
 from bisect import bisect_left
 from collections import deque
 from concurrent.futures import Future, wait as wait_futures
@@ -162,19 +162,31 @@ def new_temp(tmp_dir,               # the folder (on the same filesystem as the 
         except FileNotFoundError: pass
         os.close(fd)                   # a cleaner took it for a dead writer's between our open and our lock
 
-def _copy_from(fs, src, out, h, size, chunk_size, stop, on_bytes):
-    "Append `src` to `out` from `out.tell()` on; check the store's size against `size` first."
+def _tag_of(f) -> str|None:
+    "An open input file's ETag (from the request that opened it), or None where the store gives none."
+    m = f.metadata() or {}
+    e = m.get('ETag', m.get(b'ETag')) if hasattr(m, 'get') else None
+    return e.decode() if isinstance(e, bytes) else e
+
+def _copy_from(fs, src, out, h, size, chunk_size, stop, on_bytes, tag):
+    "Append `src` to `out` from `out.tell()` on; check the store's size against `size` first, and its ETag (`tag[0]`, set by the first open) at a resumed open and after the last byte: bytes of two versions are never pieced together."
+    changed = _Mismatch("the object changed in the store while it was fetched (another ETag)")
     with fs.open_input_file(src) as f:
         n = f.size()
         if size is not None and n != size: raise _Mismatch(f"the store has {n:,} bytes, expected {size:,} (from the listing)")
+        if out.tell() and _tag_of(f) != tag[0]: raise changed
+        tag[0] = _tag_of(f)
         f.seek(out.tell())
         while True:
             if stop is not None and stop.is_set(): raise Cancelled(src)
             b = f.read(chunk_size)
-            if not b: return
+            if not b: break
             out.write(b)
             if h is not None: h.update(b)
             if on_bytes: on_bytes(len(b))
+    if tag[0] is not None:
+        with fs.open_input_file(src) as f:                  # (one HEAD request on S3)
+            if _tag_of(f) != tag[0]: raise changed
 
 def fetch_file(fs,                      # a pyarrow filesystem
                src,                     # the file's path on `fs`
@@ -198,12 +210,12 @@ def fetch_file(fs,                      # a pyarrow filesystem
     fd, tmp = tmp or new_temp(tmp_dir if tmp_dir is not None else dest.parent, dest.name, size)
     try:
         with os.fdopen(fd, 'w+b') as out:
-            tries, bad = 0, 0
+            tries, bad, tag = 0, 0, [None]
             h = hashlib.sha256() if sha256 else None
             while True:
                 tries += 1
                 try:
-                    _copy_from(fs, src, out, h, size, chunk_size, stop, on_bytes)
+                    _copy_from(fs, src, out, h, size, chunk_size, stop, on_bytes, tag)
                     got = out.tell()
                     if size is not None and got != size: raise _Mismatch(f"received {got:,} bytes, expected {size:,}")
                     if h is not None and h.hexdigest() != sha256.lower(): raise _Mismatch(f"sha256 {h.hexdigest()}, expected {sha256.lower()}")
@@ -360,11 +372,11 @@ def _retrying(self:FileCache, fn, what, attempts=None):
 def _listing(self:FileCache, refresh) -> dict:
     "`{path: size}`: the index while the store agrees (`_stamp`), else listed now (changed files' copies removed)."
     idx, suffix = self.cache_dir/INDEX, list(self.suffix) if isinstance(self.suffix, tuple) else self.suffix
-    d = json.loads(idx.read_text()) if idx.exists() else None
+    d = self._read_index(idx)
     if d is not None and d.get('root') != self.root:
         raise ValueError(f"{self.cache_dir} caches {d.get('root')!r}, not {self.root!r}: "
                          "expected one root per cache folder")
-    if d is not None and not refresh and d.get('suffix') == suffix:
+    if d is not None and not refresh and not d.get('damaged') and d.get('suffix') == suffix:
         if not self.revalidate: return dict(d['files'])
         try: stamp, found = self._stamp(attempts=min(2, self.attempts))
         except (OSError, Cancelled): return dict(d['files'])       # the store out of reach: as cached (offline)
@@ -435,6 +447,39 @@ def _drop_changed(self:FileCache, old, found):
             raise ValueError(f"{self.uri(rel)} changed in the store, but a process still reads its old copy {p}: "
                              f"stop the processes sharing {self.cache_dir}, then start again")
 
+# %% ../nbs/14_remote.ipynb #a1d9e3c0
+def index_problem(d,                # the parsed JSON of a cache folder's index
+                  ) -> str|None:
+    "What is wrong with a cache index `d` (wrong types, or files that are not its stamp's), or None."
+    if not isinstance(d, dict): return f"a JSON {type(d).__name__}, not an object"
+    if not isinstance(d.get('root'), str): return "no root"
+    fl = d.get('files')
+    if not isinstance(fl, list) or not all(isinstance(x, list) and len(x) == 2 and isinstance(x[0], str)
+                                           and type(x[1]) is int and x[1] >= 0 for x in fl):
+        return "its files are not [path, size] pairs"
+    mt = d.get('mtimes', {})
+    if not isinstance(mt, dict) or not all(v is None or type(v) is int for v in mt.values()):
+        return "its mtimes are not {path: time}"
+    st = d.get('stamp')
+    if st is None: return None                                   # an index of the older form: files only
+    sf = st.get('files') if isinstance(st, dict) else None
+    if not isinstance(sf, dict) or not all(isinstance(v, list) and v for v in sf.values()) \
+            or {r: v[0] for r, v in sf.items()} != dict(fl):
+        return "its files are not those of its stamp"
+    return None
+
+@patch
+def _read_index(self:FileCache, idx) -> dict|None:
+    "The cache folder's index (None: none); a damaged one is warned of and stands for every copy, so all are removed."
+    if not idx.exists(): return None
+    try: d = json.loads(idx.read_bytes())
+    except ValueError as e: why = f"not JSON: {e}"
+    else: why = index_problem(d)
+    if why is None: return d
+    warnings.warn(f"{idx} is damaged ({why}): listing {self.root} again, its copies fetched again")
+    return {'root': self.root, 'damaged': True, 'files': [[e.path, -1] for e in self._scan()]}
+
+
 # %% ../nbs/14_remote.ipynb #f4da9530
 @patch
 def stats(self:FileCache) -> dict:
@@ -474,6 +519,24 @@ def cache_metrics(cache,            # a `FileCache`
 def _close_all():                   # before pyarrow's own exit hook shuts S3 down (atexit runs last-registered first)
     for c in list(_LIVE): c.close(timeout=5)
 
+# %% ../nbs/14_remote.ipynb #a1d9e3c2
+_WAITER = threading.local()    # the stop event of the reader this thread works for (`giving_up_on`)
+
+@contextmanager
+def giving_up_on(stop,             # a `threading.Event`: its reader is done (a loader closed)
+                 ):
+    "Inside: this thread's waits for a fetch (of any `FileCache`) raise `Cancelled` once `stop` is set; the fetch goes on for others."
+    prev, _WAITER.stop = getattr(_WAITER, 'stop', None), stop
+    try: yield
+    finally: _WAITER.stop = prev
+
+@patch
+def _given_up(self:FileCache) -> bool:
+    "Whether a wait of this thread for a fetch ends: the cache closed, or the reader it works for gone (`giving_up_on`)."
+    s = getattr(_WAITER, 'stop', None)
+    return self._stop.is_set() or (s is not None and s.is_set())
+
+
 # %% ../nbs/14_remote.ipynb #e90254b2
 @patch
 def _complete(self:FileCache, rel) -> bool:
@@ -501,8 +564,10 @@ def _ensure(self:FileCache, rel, demand=True) -> str:
             fut = self._inflight.get(rel)
             mine = fut is None
             if mine: fut = self._inflight[rel] = Future(); self._fetch_apart(rel, demand, fut)
-        while not self._stop.is_set() and not fut.done(): wait_futures([fut], 0.05)   # `close()` frees the wait at once
-        if not fut.done(): raise Cancelled(f"{self.uri(rel)}: the cache was closed while it was fetched")
+        while not self._given_up() and not fut.done(): wait_futures([fut], 0.05)   # `close()` frees the wait at once
+        if not fut.done():
+            raise Cancelled(f"{self.uri(rel)}: " + ('the cache was closed' if self._stop.is_set() else 'its reader gave up')
+                            + " while it was fetched")
         if not mine: how = 'wait'; continue                    # someone here fetched it: look again
         got = fut.result()
         return how if got == 'there' and how == 'wait' else {'fetched': 'miss', 'there': 'hit', 'deferred': 'deferred'}[got]

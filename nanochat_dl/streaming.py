@@ -25,6 +25,7 @@ from .core import check_int, get_dist_info, on_drop
 from .stages import Stage, Doc, ShuffleBuffer, check_state, mix64, mix64s
 from pathlib import Path
 from .arrow import TokenRoot, file_sha256
+from .remote import giving_up_on
 from .packing import HELD, MAX_WAIT, Packer, FlatDocs, Segment, PackedBatch, position_ids, cu_seqlens, _PackerBase
 from .transfer import DeviceTransfer, TrainingTriple, resolve_device
 
@@ -1809,8 +1810,9 @@ def _put(q, item, stop) -> bool:
 def _produce_loop(stream, B, q, stop):
     "The background thread: batches until stopped; an exception goes to the consumer."
     try:
-        while not stop.is_set():
-            if not _put(q, _produce(stream, B), stop): return
+        with giving_up_on(stop):                  # a fetch waited for is given up when the loader closes
+            while not stop.is_set():
+                if not _put(q, _produce(stream, B), stop): return
     except BaseException as e: _put(q, _Failure(e), stop)
 
 def _stop(thread, stop):
@@ -1873,7 +1875,8 @@ class StreamingLoader:
         self.transfer = DeviceTransfer(self.B, c['seq_len'], self.device, slots, copy, views=views)
         self._snap, self._state, self._started, self._yielded, self._error, self._last = self.stream.snapshot(), None, False, 0, None, None
         self._next_lock = threading.RLock()
-        self._closed, self._stoppers = False, []
+        self._closed, self._stoppers, self._give_up = False, [], threading.Event()
+        self._in_next, self._gone = None, False     # the thread inside `next()`; whether `_let_go` ran
         self.root.acquire()                               # a user of the root: its `close()` releases it
         self._drop = on_drop(self, _release_loader, self.root, self._stoppers)   # dropped unclosed: files released at once
 
@@ -1912,7 +1915,8 @@ def _produce(stream, B):
 
 @patch
 def _get(self:StreamingLoader):
-    if not self.prefetch: return _produce(self.stream, self.B)
+    if not self.prefetch:
+        with giving_up_on(self._give_up): return _produce(self.stream, self.B)   # `close()` ends a wait for a fetch
     while True:
         try: item = self._q.get(timeout=0.1)
         except queue.Empty:
@@ -1941,7 +1945,12 @@ def _release_loader(root, stoppers) -> bool:
 
 @patch
 def __next__(self:StreamingLoader) -> StreamBatch:
-    with self._next_lock: return self._next()   # one batch at a time, whichever thread asks
+    with self._next_lock:                       # one batch at a time, whichever thread asks
+        self._in_next = threading.get_ident()
+        try: return self._next()
+        finally:
+            self._in_next = None
+            if self._closed: self._let_go()     # closed inside (a signal handler, an error): released as it returns
 
 @patch
 def _next(self:StreamingLoader) -> StreamBatch:
@@ -1956,6 +1965,7 @@ def _next(self:StreamingLoader) -> StreamBatch:
     except BaseException as e:
         if self._closed: raise RuntimeError("this loader was closed while it made a batch") from None   # (by a thread)
         self._error = e; self.close(); raise
+    if self._closed: raise RuntimeError("this loader was closed while it made a batch")   # (by a signal handler)
     t1 = time.perf_counter()
     x, y = self.transfer.put(packed.rows)
     t2 = time.perf_counter()
@@ -1998,14 +2008,23 @@ def close(self:StreamingLoader):
     self._closed = True   # a `next()` waiting for the background thread sees it and stops waiting
     self._drop.detach()
     for _, stop in self._stoppers: stop.set()   # the background thread hands out nothing more
+    self._give_up.set()                         # a fetch `next()` waits for is given up (it goes on for another loader)
     if self.root.users <= 1: self.root.cancel()          # (a root another loader holds goes on fetching for it)
+    if self._in_next == threading.get_ident(): return    # inside `next()` (a signal handler): it lets go as it returns
     if not self._next_lock.acquire(timeout=_CLOSE_WAIT):   # one making a batch finishes it (its files stay mapped)
-        warnings.warn(f"a next() in another thread ran on {_CLOSE_WAIT:.0f} s after close(): its files are left open")
+        warnings.warn(f"a next() in another thread ran on {_CLOSE_WAIT:.0f} s after close(): its files are released "
+                      "when it returns")
         return
-    try:
-        if self._thread is not None: self._finalizer()
-        self.root.release()                                # (unmapped once no other loader uses the root)
+    try: self._let_go()
     finally: self._next_lock.release()
+
+@patch
+def _let_go(self:StreamingLoader):
+    "Under `_next_lock`, once: stop the background thread and release the root (unmapped once no other loader uses it)."
+    if self._gone: return
+    self._gone = True
+    if self._thread is not None: self._finalizer()
+    self.root.release()
 
 @patch
 def __enter__(self:StreamingLoader): return self
