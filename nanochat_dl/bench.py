@@ -475,12 +475,13 @@ def format_bench_table(r # `run_bench`'s result
         ms = f"{_ms(x, 'main_cpu_s'):>8.2f}" if x.get('batches') else f"{'-':>8}"
         o = f"{x['outside_pct']:>8.1f}%" if x['outside_pct'] is not None else f"{'-':>9}"
         tk = f"{x['tokenized_per_s'] / 1e6:>11.3f}"
-        if k in short: tk, o = f"{'short':>11}", f"{'short':>9}"
+        if k in short: dl, tk, o = f"{'short':>11}", f"{'short':>11}", f"{'short':>9}"
         out.append(f"{n:<24}{dl}{tk}{w}{ms}{o}{human_bytes(x['peak_rss']):>10}")
     if short: out.append("short: too few timed batches to measure its tokenizing (what it took in was tokenized before the timing, "
-                         "during warm-up, so its delivered tokens/s read high too): time more batches (--batches)")
-    out.append(f"b/a = {r['b_over_a']:.2f} (target >= 1.5), identical batches: {r['identical']}")
-    out.append(f"c/a = {r['c_over_a']:.2f} (target >= 2.5, delivered tokens/s)")
+                         "during warm-up: its rates would read high): time more batches (--batches)")
+    ratio = lambda k, v: 'too short to measure' if k in short else f"{v:.2f}"
+    out.append(f"b/a = {ratio('dropin', r['b_over_a'])} (target >= 1.5), identical batches: {r['identical']}")
+    out.append(f"c/a = {ratio('best', r['c_over_a'])} (target >= 2.5, delivered tokens/s)")
     pc, cc = r['of_tokenize_pct'], r['of_tokenize_cpu_pct']
     out.append(f"tokenized tokens/s as a share of tokenizing alone with the same workers, (d) (median of the rounds' ratios): "
                f"(b) {pc_(pc, 'dropin')} (goal >= 90%), (c) {pc_(pc, 'best')}, (e) {pc_(pc, 'read')}; (b') of (d') {pc_(pc, 'dropin1')}")
