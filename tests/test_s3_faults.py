@@ -129,17 +129,11 @@ def test_refresh_lists_again(moto, bucket, tmp_path):
 
 
 
-def stale_index(c, drop):
-    "The cache folder's listing loses the files whose path starts with `drop`, its stamp kept: the store looks unchanged."
-    import json
-    idx = c/'index.json'; d = json.loads(idx.read_text())
-    d['files'] = [f for f in d['files'] if not f[0].startswith(drop)]
-    idx.write_text(json.dumps(d))
-    return len(d['files'])
+def index_inode(c): return (c/'index.json').stat().st_ino   # a new one each time the listing is written again
 
 
 def test_the_loaders_refresh_lists_again(moto, bucket, tmp_path):
-    "`StreamingLoader(..., refresh=True)` and `StreamingDataset(..., refresh=True)` (in each DataLoader worker too) list the store again though the cached listing's stamp matches it: a listing that lost a file is mended, where without `refresh` the loader believes it; `refresh` changes no batch, config or fingerprint."
+    "`StreamingLoader(..., refresh=True)` and `StreamingDataset(..., refresh=True)` (in each DataLoader worker too) list the store again and write the listing again though its stamp matches the store (without `refresh`, the listing is kept); `refresh` changes no batch, config or fingerprint."
     from torchdata.stateful_dataloader import StatefulDataLoader
     from nanochat_dl.streaming import StreamingDataset
     old = token_root(tmp_path/'v1', seed=0)
@@ -147,17 +141,20 @@ def test_the_loaders_refresh_lists_again(moto, bucket, tmp_path):
     moto.put(bucket, objects(old, 'tokens'))
     want = run(StreamingLoader(old, **KW))
     TokenRoot(uri, cache_dir=c).close()
-    stale_index(c, 'code/y.arrow')
-    with pytest.raises(ValueError, match='y.arrow'): StreamingLoader(uri, **KW, cache_dir=c)   # the stale listing believed
+    i0 = index_inode(c)
+    StreamingLoader(uri, **KW, cache_dir=c).close()
+    assert index_inode(c) == i0                                               # the stamp matches: the listing kept
     ld = StreamingLoader(uri, **KW, cache_dir=c, refresh=True)
+    assert index_inode(c) != i0                                               # listed again
     assert 'refresh' not in ld.config and ld.fingerprint == StreamingLoader(old, **KW).fingerprint
     got = run(ld)
     assert len(got) == len(want) and all(np.array_equal(a, b) for a, b in zip(got, want))
     kw = dict(n_logical_shards=16, shuffle_window=20, seed=3, bos_token=1)
     rows = lambda ds: [x.clone() for x, _ in itertools.islice(StatefulDataLoader(ds, batch_size=4, num_workers=2, timeout=120), 12)]
     ds = StreamingDataset(uri, 32, **kw, cache_dir=c, refresh=True)
-    stale_index(c, 'web/')                                     # after the dataset was made: each worker lists again
+    i1 = index_inode(c)
     got = rows(ds)
+    assert index_inode(c) != i1                                               # each worker lists again
     want = rows(StreamingDataset(old, 32, **kw))
     assert len(got) == len(want) == 12 and all(torch.equal(a, b) for a, b in zip(got, want))
 
@@ -169,11 +166,12 @@ def test_packed_loader_refresh_lists_again(text, moto, bucket, tmp_path):
     uri, c = f's3://{bucket}/text', tmp_path/'c'
     n = len(list(text[0].glob('*.parquet')))
     with PackedLoader(text[1], data_dir=uri, cache_dir=c, **PKW) as ld: assert len(ld.files) == n - 1
-    stale_index(c, sorted(p.name for p in text[0].glob('*.parquet'))[0])
-    with PackedLoader(text[1], data_dir=uri, cache_dir=c, **PKW) as ld: assert len(ld.files) == n - 2   # believed
+    i0 = index_inode(c)
+    with PackedLoader(text[1], data_dir=uri, cache_dir=c, **PKW) as ld: assert len(ld.files) == n - 1
+    assert index_inode(c) == i0                                               # kept
     with PackedLoader(text[1], data_dir=text[0], **PKW) as ld: want = [b[0].clone() for b in itertools.islice(ld, 3)]
     with PackedLoader(text[1], data_dir=uri, cache_dir=c, refresh=True, **PKW) as ld:
-        assert len(ld.files) == n - 1 and 'refresh' not in ld.config
+        assert index_inode(c) != i0 and len(ld.files) == n - 1 and 'refresh' not in ld.config
         assert all(torch.equal(b[0], w) for b, w in zip(itertools.islice(ld, 3), want))
 
 
