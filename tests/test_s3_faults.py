@@ -129,7 +129,9 @@ def test_refresh_lists_again(moto, bucket, tmp_path):
 
 
 
-def index_inode(c): return (c/'index.json').stat().st_ino   # a new one each time the listing is written again
+def index_inode(c):   # changes each time the listing is written again (an inode alone may be reused)
+    st = (c/'index.json').stat()
+    return st.st_ino, st.st_mtime_ns
 
 
 def test_the_loaders_refresh_lists_again(moto, bucket, tmp_path):
