@@ -11,9 +11,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 from s3util import moto, proxy, use_proxy   # noqa: F401 (fixtures)
 from test_s3_loaders import KW, objects, token_root
 
-from nanochat_dl.arrow import TokenRoot
-from nanochat_dl.remote import FileCache
-from nanochat_dl.streaming import StreamingLoader
+from nanochat_dl.tokens.arrow import TokenRoot
+from nanochat_dl.io.remote import FileCache
+from nanochat_dl.tokens.streaming import StreamingLoader
 
 pytest.importorskip('moto')
 pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")
@@ -102,7 +102,7 @@ import signal, sys, time
 sys.path.insert(0, sys.argv[1])
 from pathlib import Path
 from test_s3_loaders import KW, token_root
-from nanochat_dl.streaming import StreamingLoader
+from nanochat_dl.tokens.streaming import StreamingLoader
 local = token_root(Path(sys.argv[2]), {'web': {f'{i}.arrow': 300 for i in range(10)}})
 late = mapped = users = 0; errors = set()
 for trial in range(20):
@@ -212,9 +212,9 @@ def test_an_object_replaced_mid_download_is_never_pieced_together(moto, proxy, b
 PACKED_SIGNAL_CLOSE = r'''
 import signal, sys, tempfile, time
 from pathlib import Path
-from nanochat_dl.dataset import make_sample_shards
-from nanochat_dl.tokenizer import train_tokenizer
-from nanochat_dl.loader import PackedLoader
+from nanochat_dl.text.dataset import make_sample_shards
+from nanochat_dl.text.tokenizer import train_tokenizer
+from nanochat_dl.text.loader import PackedLoader
 d = Path(sys.argv[1]); make_sample_shards(d/'sample')
 tok = train_tokenizer(d/'sample', vocab_size=512, out_dir=d/'tok', progress=False)
 late = 0; errors = set()

@@ -4,7 +4,7 @@ back complete. Peers that are not installed are skipped; ours always runs."""
 import numpy as np
 import pytest
 
-from nanochat_dl.bench_peers import PEERS, REFERENCE, available, bench_peer, bench_peers, peer_data, peer_table
+from nanochat_dl.bench.peers import PEERS, REFERENCE, available, bench_peer, bench_peers, peer_data, peer_table
 
 
 @pytest.fixture(scope='module')

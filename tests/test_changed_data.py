@@ -6,8 +6,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from nanochat_dl.arrow import TokenRoot, file_record, update_manifest, verify_dataset, write_counts, write_token_file
-from nanochat_dl.streaming import StreamingLoader
+from nanochat_dl.tokens.arrow import TokenRoot, file_record, update_manifest, verify_dataset, write_counts, write_token_file
+from nanochat_dl.tokens.streaming import StreamingLoader
 
 
 def big_root(path, n=3000, manifest=True):
@@ -63,7 +63,7 @@ def test_without_a_manifest_a_state_saved_before_a_change_is_refused(tmp_path, m
 def test_an_unchanged_file_is_hashed_once(tmp_path, monkeypatch):
     monkeypatch.setenv('NANOCHAT_DL_BASE_DIR', str(tmp_path/'cache'))
     root = big_root(tmp_path/'root')
-    import nanochat_dl.arrow as arrow
+    import nanochat_dl.tokens.arrow as arrow
     calls = []
     real = arrow.sha256_of_file
     monkeypatch.setattr(arrow, 'sha256_of_file', lambda p: calls.append(p) or real(p))

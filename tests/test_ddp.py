@@ -7,15 +7,15 @@ from pathlib import Path
 
 import pytest
 
-from nanochat_dl.dataset import make_sample_shards
-from nanochat_dl.tokenizer import train_tokenizer
+from nanochat_dl.text.dataset import make_sample_shards
+from nanochat_dl.text.tokenizer import train_tokenizer
 
 WORKER = """
 import json, os, sys, itertools, torch
 import torch.distributed as dist
-from nanochat_dl.loader import PackedLoader
+from nanochat_dl.text.loader import PackedLoader
 from nanochat_dl.dataloader import tokenizing_distributed_data_loader_with_state_bos_bestfit
-from nanochat_dl.tokenizer import Tokenizer
+from nanochat_dl.text.tokenizer import Tokenizer
 
 dist.init_process_group('gloo')
 rank, world = dist.get_rank(), dist.get_world_size()

@@ -1,4 +1,4 @@
-"""Download path of nanochat_dl.dataset against a real HTTP server on 127.0.0.1 with injected faults:
+"""Download path of nanochat_dl.text.dataset against a real HTTP server on 127.0.0.1 with injected faults:
 retries, resume with Range and If-Range, files re-uploaded between requests, servers that ignore Range
 or If-Range, HTML pages served as 200, short, changed and trickling bodies, 404s, skipping valid files,
 the parallel `download` summary, Ctrl-C on a real process, the folder lock between real processes
@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from nanochat_dl.core import LOCK_FILE
 
 from nanochat_dl.testing import ShardServer
-from nanochat_dl.dataset import (BASE_URL_ENV, SOURCE_FILE, DownloadResult, download, download_cli, download_single_file,
+from nanochat_dl.text.dataset import (BASE_URL_ENV, SOURCE_FILE, DownloadResult, download, download_cli, download_single_file,
                                  make_sample_shards, sample_cli, shard_summary)
 
 FAST = dict(backoff=0.001, timeout=5)        # keep retries quick
@@ -457,7 +457,7 @@ def test_ctrl_c_stops_a_download_promptly(served, tmp_path, fault):
 
 RACER = """
 import os, sys, time
-import nanochat_dl.dataset as ds
+import nanochat_dl.text.dataset as ds
 folder, n, delay, go = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), sys.argv[4]
 write = ds._write_shard
 def slow_write(*a, **k): time.sleep(delay); return write(*a, **k)   # widen the window a race needs
@@ -469,7 +469,7 @@ sys.exit(ds.sample_cli(data_dir=folder, n_shards=n))
 
 def test_racing_sample_runs_leave_one_split(tmp_path):
     "Two `sample` runs with different --n-shards at once: one wins, the other refuses; the folder holds one split."
-    from nanochat_dl.dataset import list_parquet_files, sample_shard_documents
+    from nanochat_dl.text.dataset import list_parquet_files, sample_shard_documents
     folder, go = tmp_path/'data', tmp_path/'go'
     procs = {n: subprocess.Popen([sys.executable, '-c', RACER, str(folder), str(n), str(delay), str(go)],
                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -569,7 +569,7 @@ def test_a_busy_folder_is_refused_after_a_bounded_wait(served, tmp_path, capsys,
 
 
 def test_a_download_that_fetched_nothing_leaves_the_folder_unmarked(server, tmp_path):
-    from nanochat_dl.dataset import data_dir_source
+    from nanochat_dl.text.dataset import data_dir_source
     assert download_cli(Num_files=6, data_dir=str(tmp_path), base_url=server.url + '/nothing-here', progress=False) == 1
     assert data_dir_source(tmp_path) is None and listing(tmp_path) == []
     assert sample_cli(data_dir=str(tmp_path), n_shards=2) == 0              # still free for any dataset
@@ -615,7 +615,7 @@ def test_a_206_must_continue_the_version_and_size_of_the_first_answer():
     import io, re
     from types import SimpleNamespace
     from requests.structures import CaseInsensitiveDict
-    from nanochat_dl.dataset import _Body, _Retry
+    from nanochat_dl.text.dataset import _Body, _Retry
     def resp(status, **headers): return SimpleNamespace(status_code=status, headers=CaseInsensitiveDict(headers), history=[])
     first = {'Content-Length': '100', 'Accept-Ranges': 'bytes', 'ETag': '"v1"', 'Last-Modified': 'Mon, 01 Jan 2024 00:00:00 GMT'}
     def holding_40(**over):

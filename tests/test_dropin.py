@@ -11,7 +11,7 @@ import torch
 
 from nanochat_dl.dataloader import (tokenizing_distributed_data_loader_with_state_bos_bestfit as dropin,
                                     tokenizing_distributed_data_loader_bos_bestfit as dropin_pairs)
-from nanochat_dl.loader import PackedLoader, reference_loader
+from nanochat_dl.text.loader import PackedLoader, reference_loader
 from nanochat_dl.testing import write_toy_shards
 from toytext import toy_text_env, words
 
@@ -216,8 +216,8 @@ import json, os, sys, warnings
 import torch.distributed as dist
 sys.path.insert(0, sys.argv[3])
 from test_dropin import nanochat_loop, KW
-from nanochat_dl.loader import PackedLoader
-from nanochat_dl.tokenizer import Tokenizer
+from nanochat_dl.text.loader import PackedLoader
+from nanochat_dl.text.tokenizer import Tokenizer
 
 dist.init_process_group('gloo')
 rank, world = dist.get_rank(), dist.get_world_size()
@@ -289,8 +289,8 @@ def test_a_hand_edited_at_batch_is_named(env, clean_env, tmp_path):
     """A state whose 'at_batch' was edited by hand (wrong type, fields missing or changed, another loader's state, a
     state of other data or another tokenizer) is refused with an error that names resume_state_dict['at_batch'] and
     what was expected; a list there is not taken for every rank's states."""
-    from nanochat_dl.streaming import StreamingLoader
-    from nanochat_dl.arrow import write_token_file
+    from nanochat_dl.tokens.streaming import StreamingLoader
+    from nanochat_dl.tokens.arrow import write_token_file
     with dropin(env['tok'], 2, 32, 'train', data_dir=env['toy'], **KW) as dl:
         s = json.loads(json.dumps([next(dl) for _ in range(4)][-1][2]))
     at = s['at_batch']
@@ -304,7 +304,7 @@ def test_a_hand_edited_at_batch_is_named(env, clean_env, tmp_path):
              'no stages': (edit(lambda a: a.pop('stages')), r"lacks \['stages'\]"),
              'no pq_idx': (edit(lambda a: a.pop('pq_idx')), "not 'pq_idx'"),
              'another B': (edit(lambda a: a['config'].update(B=3)), 'B=3'),
-             "StreamingLoader's state": (stream_state, 'nanochat_dl.streaming')}
+             "StreamingLoader's state": (stream_state, 'nanochat_dl.tokens.streaming')}
     for what, (v, expected) in cases.items():
         with pytest.raises((TypeError, ValueError), match=r"^resume_state_dict\['at_batch'\]") as e:
             dropin(env['tok'], 2, 32, 'train', data_dir=env['toy'], resume_state_dict=dict(s, at_batch=v), **KW)
@@ -314,7 +314,7 @@ def test_a_hand_edited_at_batch_is_named(env, clean_env, tmp_path):
     for what, kw in (('other data', dict(data_dir=other[0].parent)),):
         with pytest.raises(ValueError, match=r"^resume_state_dict\['at_batch'\]\['fingerprint'\]: saved over different data"):
             dropin(env['tok'], 2, 32, 'train', resume_state_dict=s, **{**dict(data_dir=env['toy']), **kw}, **KW)
-    from nanochat_dl.tokenizer import Tokenizer
+    from nanochat_dl.text.tokenizer import Tokenizer
     tok2 = Tokenizer.train_from_iterator([words(f, g, r) + ' y' for f in range(5) for g in range(4) for r in range(6)], 280)
     with pytest.raises(ValueError, match=r"^resume_state_dict\['at_batch'\]\['fingerprint'\]: saved with a different tokenizer"):
         dropin(tok2, 2, 32, 'train', data_dir=env['toy'], resume_state_dict=s, **KW)

@@ -1,4 +1,4 @@
-"""Elastic resume of the pre-tokenized loader (nbs/15_elastic.ipynb): a run saved at one world size (ranks, DataLoader
+"""Elastic resume of the pre-tokenized loader (nbs/tokens/13_elastic.ipynb): a run saved at one world size (ranks, DataLoader
 workers) and resumed at another still delivers every token of every document of an epoch exactly once. In-process
 simulations of chains of rescales (8 -> 3 -> 5, 1 -> 1,024 -> 7, workers changing, every pack mode, shuffle and mixing
 on), a hypothesis property over random chains, a real `torchrun` job at 2 -> 3 -> 2 ranks, and the checkpoint helper."""
@@ -12,9 +12,9 @@ import pytest
 import torch
 from hypothesis import HealthCheck, example, given, settings, strategies as st
 
-from nanochat_dl.arrow import TokenRoot
-from nanochat_dl.elastic import World, load_loader_states, loader_state_path, save_loader_states, unit_states
-from nanochat_dl.streaming import PACKS, DocKey, StreamingDataset, StreamingLoader, stream_config
+from nanochat_dl.tokens.arrow import TokenRoot
+from nanochat_dl.tokens.elastic import World, load_loader_states, loader_state_path, save_loader_states, unit_states
+from nanochat_dl.tokens.streaming import PACKS, DocKey, StreamingDataset, StreamingLoader, stream_config
 from test_streaming import SPEC, assert_tiles, open_epochs, toy_root
 
 pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")

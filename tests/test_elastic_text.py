@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from nanochat_dl.loader import PackedLoader
-from nanochat_dl.packing import STRATEGIES
+from nanochat_dl.text.loader import PackedLoader
+from nanochat_dl.pipe.packing import STRATEGIES
 from toytext import toy_text_env
 from stateedit import DELETE, edited, paths   # a state's paths, and a copy with one field edited, as the single-state sweep uses them
 
@@ -102,8 +102,8 @@ WORKER = """
 import json, sys
 from pathlib import Path
 import torch.distributed as dist
-from nanochat_dl.loader import PackedLoader
-from nanochat_dl.tokenizer import Tokenizer
+from nanochat_dl.text.loader import PackedLoader
+from nanochat_dl.text.tokenizer import Tokenizer
 
 dist.init_process_group('gloo')
 rank, world = dist.get_rank(), dist.get_world_size()
@@ -201,7 +201,7 @@ def test_a_rescaled_state_lacking_a_column_is_refused(env):
     """A state saved while columns catch up lists every column of its rank; one lacking a column (its checksum made anew, as
     a hand edit would) is refused naming the field, at another world size and at the same, rather than failing inside the
     rescale (KeyError) or losing that column's documents."""
-    from nanochat_dl.loader import _checksum
+    from nanochat_dl.text.loader import _checksum
     _, states = run_ranks(env, 3, 1, run_ranks(env, 2, 3)[1])
     assert states[0]['stages']['source']['elastic']['columns']
     del states[0]['stages']['source']['elastic']['columns'][0]

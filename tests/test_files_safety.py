@@ -50,7 +50,7 @@ def test_lock_file_is_never_truncated_and_names_the_holder(tmp_path):
 
 def test_cache_lock_files_never_follow_a_planted_link(tmp_path):
     "The object-storage cache's lock files (`.lock`, `.locks/*.lock`) are lock files only: a link there creates nothing elsewhere."
-    from nanochat_dl.remote import _Flock
+    from nanochat_dl.io.remote import _Flock
     (tmp_path/'elsewhere').mkdir()
     (tmp_path/'x.lock').symlink_to(tmp_path/'elsewhere'/'made.txt')
     with pytest.raises(ValueError, match='x.lock is a symbolic link'):
@@ -61,7 +61,7 @@ def test_cache_lock_files_never_follow_a_planted_link(tmp_path):
 def test_cache_cleaning_does_not_wait_on_a_fifo(tmp_path):
     "A FIFO among a cache's temp files is removed like a dead writer's temp, not opened for reading (which waits for ever)."
     os.mkfifo(tmp_path/'a.bin.5.0123.part')
-    probe = "import sys; from nanochat_dl.remote import _try_remove; print(_try_remove(sys.argv[1]))"
+    probe = "import sys; from nanochat_dl.io.remote import _try_remove; print(_try_remove(sys.argv[1]))"
     out = subprocess.run([sys.executable, '-c', probe, str(tmp_path/'a.bin.5.0123.part')], capture_output=True, text=True, timeout=20)
     assert out.stdout == 'True\n' and os.listdir(tmp_path) == []
 
@@ -70,7 +70,7 @@ def test_cache_cleaning_does_not_wait_on_a_fifo(tmp_path):
 
 import numpy as np
 
-from nanochat_dl.arrow import write_counts, write_token_file
+from nanochat_dl.tokens.arrow import write_counts, write_token_file
 
 
 def small_root(path, n_files=3, docs=3, counts=True, ds='web'):
@@ -99,12 +99,12 @@ def refused_by_name(call, arg, fifo, timeout, hung):
 def test_a_fifo_named_arrow_is_refused_by_name_not_opened(tmp_path, counts):
     root = small_root(tmp_path/'root', counts=counts)
     os.mkfifo(root/'web'/'zz.arrow')
-    refused_by_name("from nanochat_dl.streaming import StreamingLoader; StreamingLoader(sys.argv[1], 8, 2, prefetch=0)", root,
+    refused_by_name("from nanochat_dl.tokens.streaming import StreamingLoader; StreamingLoader(sys.argv[1], 8, 2, prefetch=0)", root,
                     root/'web'/'zz.arrow', 60, 'StreamingLoader hung on a FIFO named zz.arrow')
 
 
 def test_a_symlink_to_a_token_file_is_data_a_symlink_to_a_device_is_not(tmp_path):
-    from nanochat_dl.arrow import TokenRoot
+    from nanochat_dl.tokens.arrow import TokenRoot
     root = small_root(tmp_path/'root', counts=False)
     write_token_file(tmp_path/'elsewhere.arrow', [[7, 8, 9]])
     (root/'web'/'linked.arrow').symlink_to(tmp_path/'elsewhere.arrow')
@@ -117,7 +117,7 @@ def test_a_full_epoch_of_300_files_under_a_256_descriptor_limit(tmp_path):
     root = small_root(tmp_path/'root', n_files=300, docs=2)
     probe = """import resource, sys
 resource.setrlimit(resource.RLIMIT_NOFILE, (256, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
-from nanochat_dl.streaming import StreamingLoader, open_epochs
+from nanochat_dl.tokens.streaming import StreamingLoader, open_epochs
 with StreamingLoader(sys.argv[1], 8, 4, prefetch=0, shuffle_window=0) as ld:
     n = 0
     while open_epochs(ld.state_dict())['web'] <= 1: next(ld); n += 1
@@ -132,7 +132,7 @@ def test_an_os_error_is_not_blamed_on_the_data(tmp_path):
     "EMFILE while mapping a token file is an OSError naming the file and the limit, never 'not an Arrow IPC file'."
     root = small_root(tmp_path/'root', n_files=1)
     probe = """import resource, sys, os
-from nanochat_dl.arrow import TokenFile
+from nanochat_dl.tokens.arrow import TokenFile
 n = len(os.listdir('/proc/self/fd'))
 resource.setrlimit(resource.RLIMIT_NOFILE, (n + 8, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
 held = []
@@ -146,7 +146,7 @@ except Exception as e: print(type(e).__name__, e)
 
 
 def test_a_counts_file_that_is_not_utf8_is_named_with_its_line(tmp_path):
-    from nanochat_dl.arrow import TokenRoot
+    from nanochat_dl.tokens.arrow import TokenRoot
     root = small_root(tmp_path/'root')
     p = root/'meta'/'combined_counts.csv'
     lines = p.read_bytes().split(b'\n')
@@ -156,7 +156,7 @@ def test_a_counts_file_that_is_not_utf8_is_named_with_its_line(tmp_path):
 
 
 def test_a_dataset_of_weight_zero_holds_no_epoch_open(tmp_path):
-    from nanochat_dl.streaming import StreamingLoader, open_epochs
+    from nanochat_dl.tokens.streaming import StreamingLoader, open_epochs
     root = small_root(tmp_path/'root', ds='web')
     small_root(root, ds='code')
     with StreamingLoader(root, 8, 2, weights={'web': 1, 'code': 0}, prefetch=0) as ld:
@@ -184,7 +184,7 @@ print(base, after, sum('close()' in str(x.message) for x in w))
 
 def test_dropped_streaming_loaders_release_their_files_at_once(tmp_path):
     root = small_root(tmp_path/'root', n_files=6)
-    make = f"""from nanochat_dl.streaming import StreamingLoader
+    make = f"""from nanochat_dl.tokens.streaming import StreamingLoader
 def make():
     ld = StreamingLoader({str(root)!r}, 8, 2)
     for _ in range(10): next(ld)
@@ -196,7 +196,7 @@ def make():
 
 def test_dropped_streaming_datasets_release_their_files_at_once(tmp_path):
     root = small_root(tmp_path/'root', n_files=6)
-    make = f"""from nanochat_dl.streaming import StreamingDataset
+    make = f"""from nanochat_dl.tokens.streaming import StreamingDataset
 def make():
     ds = StreamingDataset({str(root)!r}, 8)
     it = iter(ds)
@@ -210,11 +210,11 @@ def make():
 
 def test_dropped_packed_loaders_release_their_files_at_once(tmp_path):
     from nanochat_dl.testing import write_toy_shards
-    from nanochat_dl.tokenizer import train_tokenizer
+    from nanochat_dl.text.tokenizer import train_tokenizer
     write_toy_shards(tmp_path/'data', [[20, 20], [20, 20], [20]])
     train_tokenizer(tmp_path/'data', vocab_size=270, out_dir=tmp_path/'tok', progress=False)
-    make = f"""from nanochat_dl.loader import PackedLoader
-from nanochat_dl.tokenizer import get_tokenizer
+    make = f"""from nanochat_dl.text.loader import PackedLoader
+from nanochat_dl.text.tokenizer import get_tokenizer
 tok = get_tokenizer({str(tmp_path/'tok')!r})
 def make():
     ld = PackedLoader(tok, 2, 32, 'train', {str(tmp_path/'data')!r}, tokenizer_threads=1, tokenize_in='threads', device='cpu')
@@ -230,12 +230,12 @@ def test_a_fifo_named_parquet_in_a_shard_folder_is_refused_by_name(tmp_path):
     from nanochat_dl.testing import write_toy_shards
     write_toy_shards(tmp_path/'data', [[20, 20], [20, 20], [20]])
     os.mkfifo(tmp_path/'data'/'shard_00001x.parquet')
-    refused_by_name("from nanochat_dl.shards import split_shards; split_shards('train', sys.argv[1])", tmp_path/'data',
+    refused_by_name("from nanochat_dl.text.shards import split_shards; split_shards('train', sys.argv[1])", tmp_path/'data',
                     tmp_path/'data'/'shard_00001x.parquet', 60, 'a FIFO named *.parquet hung the shard listing')
 
 
 def test_a_fifo_as_the_manifest_is_refused_by_name(tmp_path):
     root = small_root(tmp_path/'root')
     os.mkfifo(root/'meta'/'manifest.json')
-    refused_by_name("from nanochat_dl.arrow import TokenRoot; TokenRoot(sys.argv[1])", root, root/'meta'/'manifest.json', 20,
+    refused_by_name("from nanochat_dl.tokens.arrow import TokenRoot; TokenRoot(sys.argv[1])", root, root/'meta'/'manifest.json', 20,
                     'TokenRoot hung on a FIFO named manifest.json')

@@ -1,4 +1,4 @@
-"""Tests for the loader (nanochat_dl.encode, .loader, .dataloader) that read better as pytest: a property test of exact resume over random
+"""Tests for the loader (nanochat_dl.text.encode, .loader, .dataloader) that read better as pytest: a property test of exact resume over random
 settings, the drop-in against the reference at several shapes, worker failures (a lost, hung or interrupted
 worker, a constructor that fails after starting workers, a close with unread answers), and interpreter exit."""
 import itertools, json, os, re, subprocess, sys, textwrap, time
@@ -8,10 +8,10 @@ import pytest
 import torch
 from hypothesis import HealthCheck, event, given, settings, strategies as st
 
-from nanochat_dl.loader import PackedLoader, reference_loader
+from nanochat_dl.text.loader import PackedLoader, reference_loader
 from nanochat_dl.dataloader import tokenizing_distributed_data_loader_with_state_bos_bestfit
-from nanochat_dl.packing import STRATEGIES
-from nanochat_dl.shards import RowGroupReader, split_files
+from nanochat_dl.pipe.packing import STRATEGIES
+from nanochat_dl.text.shards import RowGroupReader, split_files
 from stateedit import DELETE, edited, paths   # a state's fields, and a copy with one edited
 from toytext import toy_text_env, words
 
@@ -92,8 +92,8 @@ def test_bad_text_column_names_the_file(env):
 
 SCRIPT = """
 import os, sys, json
-from nanochat_dl.loader import PackedLoader
-from nanochat_dl.tokenizer import Tokenizer
+from nanochat_dl.text.loader import PackedLoader
+from nanochat_dl.text.tokenizer import Tokenizer
 tok = Tokenizer.load(sys.argv[2])
 ld = PackedLoader(tok, 8, 512, data_dir=sys.argv[1], device='cpu', tokenizer_threads=2, tokenize_in=sys.argv[3], prefetch=3)
 next(ld)
@@ -126,7 +126,7 @@ def test_interpreter_exit_with_a_live_loader(env, tmp_path, mode):
 def test_process_encoder_never_deadlocks_on_full_pipes(env):
     """Several slices whose texts and answers are each far larger than a pipe's buffer, all submitted before any
     result is read: the parent must keep reading answers while it writes, or both sides would wait forever."""
-    from nanochat_dl.encode import DocEncoder, ProcessEncoder
+    from nanochat_dl.text.encode import DocEncoder, ProcessEncoder
     big = [' '.join(f"word{i}x{j}" for j in range(20_000)) for i in range(48)]   # ~200 KB of text, ~60k+ ids each
     enc, ref = ProcessEncoder(env['tok'], 2), DocEncoder(env['tok'], 1)
     try:
@@ -140,7 +140,7 @@ def test_process_encoder_never_deadlocks_on_full_pipes(env):
 
 def test_run_bench_table_at_a_toy_size(env):
     "The whole benchmark, one round at a toy size: every contender runs in its own process, the table has every line."
-    from nanochat_dl.bench import run_bench, format_bench_table
+    from nanochat_dl.bench.loaders import run_bench, format_bench_table
     r = run_bench(env['data'], env['tok_dir'], B=4, T=256, warmup=1, batches=40, threads=2, buffer_size=2, repeats=1, progress=None)   # slices of 128 long documents enter inside the window
     assert r['identical'] is True and r['b_over_a'] > 0 and r['c_over_a'] > 0
     res = r['results']
@@ -169,7 +169,7 @@ def _my_workers() -> list[int]:
             stat, cmd = (d / 'stat').read_text(), (d / 'cmdline').read_bytes()
         except OSError: continue
         state, ppid = stat.rsplit(')', 1)[1].split()[:2]
-        if int(ppid) == os.getpid() and state != 'Z' and b'nanochat_dl._tokworker' in cmd: out.append(int(d.name))
+        if int(ppid) == os.getpid() and state != 'Z' and b'nanochat_dl.text._tokworker' in cmd: out.append(int(d.name))
     return out
 
 
@@ -188,7 +188,7 @@ linux_only = pytest.mark.skipif(not Path('/proc/self/stat').exists(), reason='re
 def test_encoder_close_is_prompt_with_answers_nobody_read(env):
     """Answers larger than a pipe, never read: each worker is blocked writing. Closing hangs up on both pipes, so the
     workers exit at once (they used to be waited for 10 s each, then killed)."""
-    from nanochat_dl.encode import ProcessEncoder
+    from nanochat_dl.text.encode import ProcessEncoder
     enc = ProcessEncoder(env['tok'], 2)
     procs = list(enc._procs)
     enc.submit([' '.join(f"w{i}x{j}" for j in range(30_000)) for i in range(16)])   # ~8 MB of ids for 2 MiB of pipes
@@ -202,7 +202,7 @@ def test_encoder_close_is_prompt_with_answers_nobody_read(env):
 def test_encoder_refuses_to_go_on_after_losing_a_worker(env):
     """A worker gone in the middle of a call leaves the other workers' answers in their pipes: the encoder must not
     hand them to the next call as if they were its own."""
-    from nanochat_dl.encode import ProcessEncoder
+    from nanochat_dl.text.encode import ProcessEncoder
     enc = ProcessEncoder(env['tok'], 2)
     try:
         enc._procs[0].kill(); enc._procs[0].wait()
@@ -255,7 +255,7 @@ def test_close_frees_a_consumer_stuck_on_a_hung_worker(env, monkeypatch):
 def test_worker_survives_ctrl_c(env):
     "Ctrl-C reaches every process of the terminal's group: the workers ignore it, the training script decides."
     import signal
-    from nanochat_dl.encode import ProcessEncoder
+    from nanochat_dl.text.encode import ProcessEncoder
     enc = ProcessEncoder(env['tok'], 1)
     try:
         want = enc(['hello world'])[0].tolist()
@@ -280,7 +280,7 @@ def _poison(folder, marker):
 def test_workers_ignore_modules_in_the_current_directory(env, tmp_path, monkeypatch):
     """A training run started in a folder that holds a `tiktoken.py` or `numpy.py`: the workers must not run them
     (`python -c` puts the current directory first on `sys.path`), they import what this process imported."""
-    from nanochat_dl.encode import DocEncoder, ProcessEncoder
+    from nanochat_dl.text.encode import DocEncoder, ProcessEncoder
     marker = tmp_path / 'imported.txt'
     run_dir = tmp_path / 'run'; run_dir.mkdir()
     _poison(run_dir, marker)
@@ -302,8 +302,8 @@ def test_workers_ignore_modules_in_the_current_directory(env, tmp_path, monkeypa
 SOURCE_RUN = """
 import json, sys
 import nanochat_dl
-from nanochat_dl.encode import ProcessEncoder
-from nanochat_dl.tokenizer import Tokenizer
+from nanochat_dl.text.encode import ProcessEncoder
+from nanochat_dl.text.tokenizer import Tokenizer
 assert nanochat_dl.__file__.startswith(sys.argv[1]), nanochat_dl.__file__
 enc = ProcessEncoder(Tokenizer.load(sys.argv[2]), 1)
 ids = enc(['hello world', 'a second document'])
@@ -317,7 +317,7 @@ def test_workers_of_a_source_checkout_on_pythonpath(env, tmp_path):
     """The loader's process imports nanochat_dl from a source checkout named by PYTHONPATH (here a copy of the package)
     and runs in a folder with a poisoned `tiktoken.py`: the workers run the checkout's code and the installed tiktoken."""
     import shutil, nanochat_dl
-    from nanochat_dl.encode import DocEncoder
+    from nanochat_dl.text.encode import DocEncoder
     src = tmp_path / 'checkout'
     shutil.copytree(Path(nanochat_dl.__file__).parent, src / 'nanochat_dl', ignore=shutil.ignore_patterns('__pycache__'))
     scripts, run_dir, marker = tmp_path / 'scripts', tmp_path / 'run', tmp_path / 'imported.txt'
@@ -334,8 +334,8 @@ def test_workers_of_a_source_checkout_on_pythonpath(env, tmp_path):
 def test_a_worker_with_other_modules_is_refused():
     "A worker whose tiktoken is not this process's (a path mix-up this test fakes) is refused, naming both files."
     from types import SimpleNamespace
-    from nanochat_dl.encode import _check_ready
-    from nanochat_dl._tokworker import _module_files
+    from nanochat_dl.text.encode import _check_ready
+    from nanochat_dl.text._tokworker import _module_files
     w = SimpleNamespace(i=1, proc=SimpleNamespace(pid=4321))
     _check_ready(w, ('ready', _module_files()))
     other = dict(_module_files(), tiktoken='/elsewhere/tiktoken/__init__.py')
@@ -353,7 +353,7 @@ def test_a_hung_worker_is_reported_by_next(env, monkeypatch):
     `worker_timeout` the loader raises, naming the worker, its pid, what it was sent and for how long; closing then
     kills it rather than waiting for it (a close that waited would wait for an hour here)."""
     import signal
-    from nanochat_dl.encode import ProcessEncoder
+    from nanochat_dl.text.encode import ProcessEncoder
     monkeypatch.setattr(ProcessEncoder.close, '__defaults__', (3600.0,))
     ld = PackedLoader(env['tok'], 4, 256, files=split_files('train', env['data']), device='cpu', tokenizer_threads=2,
                       tokenize_in='processes', buffer_size=20, worker_timeout=(3.0, 0.0))
@@ -379,7 +379,7 @@ def test_a_hung_worker_is_reported_while_sending(env):
     """The worker stops while the encoder writes it more than a pipe holds: the write can never finish. The encoder
     raises after the allowed time instead of waiting forever, refuses further calls, and closes without waiting."""
     import signal
-    from nanochat_dl.encode import ProcessEncoder
+    from nanochat_dl.text.encode import ProcessEncoder
     enc = ProcessEncoder(env['tok'], 1, timeout=(2.0, 0.0))
     pid = enc._procs[0].pid
     try:
@@ -752,8 +752,8 @@ def test_invalid_utf8_is_named_wherever_it_is_read(env, tmp_path, tokenize_in, w
 
 def test_time_allowed_for_rows_counts_their_bytes_from_the_footer(env):
     "A message of rows to read is given `timeout[0] + timeout[1] * bytes` seconds, the bytes of text the footer gives for those rows."
-    from nanochat_dl.encode import ProcessEncoder
-    from nanochat_dl.loader import RowGroupSource
+    from nanochat_dl.text.encode import ProcessEncoder
+    from nanochat_dl.text.loader import RowGroupSource
     src = RowGroupSource(RowGroupReader(split_files('train', env['data']), batch_size=16))
     slices = [next(src) for _ in range(6)]
     reqs = [src.request(s.file, s.rg, range(s.lo, s.hi)) for s in slices]
@@ -840,8 +840,8 @@ def test_worker_count_follows_the_cpu_affinity(env):
     code = textwrap.dedent(f"""
         import os
         os.sched_setaffinity(0, {{sorted(os.sched_getaffinity(0))[0]}})
-        from nanochat_dl.encode import make_encoder
-        from nanochat_dl.tokenizer import Tokenizer
+        from nanochat_dl.text.encode import make_encoder
+        from nanochat_dl.text.tokenizer import Tokenizer
         e = make_encoder(Tokenizer.load({str(env['tok_dir'])!r}), 4, 'processes')
         print(e.workers); e.close()""")
     out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, timeout=120)

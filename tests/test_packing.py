@@ -1,4 +1,4 @@
-"""Property tests for nanochat_dl.packing: the fast packer equals nanochat's reference loop on any stream,
+"""Property tests for nanochat_dl.pipe.packing: the fast packer equals nanochat's reference loop on any stream,
 every strategy keeps the packing invariants, the buffer state round-trips, attention metadata rebuilds
 every piece, and bad input is refused with a message that names it."""
 import contextlib, io, json
@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from nanochat_dl.packing import (STRATEGIES, Packer, ReferencePacker, ListPull, Segment, FlatDocs, cu_seqlens, position_ids,
+from nanochat_dl.pipe.packing import (STRATEGIES, Packer, ReferencePacker, ListPull, Segment, FlatDocs, cu_seqlens, position_ids,
                                  pad_mask)
-from nanochat_dl.bench import bench_pack_cli
+from nanochat_dl.bench.loaders import bench_pack_cli
 
 BOS = 0
 SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])

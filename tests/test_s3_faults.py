@@ -12,9 +12,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 from s3util import moto, proxy, until, use_proxy   # noqa: F401 (fixtures)
 from test_s3_loaders import KW, PKW, objects, text, token_root   # noqa: F401 (text: a fixture)
 
-from nanochat_dl.arrow import TokenFile, TokenRoot
-from nanochat_dl.remote import FileCache
-from nanochat_dl.streaming import StreamingLoader
+from nanochat_dl.tokens.arrow import TokenFile, TokenRoot
+from nanochat_dl.io.remote import FileCache
+from nanochat_dl.tokens.streaming import StreamingLoader
 
 pytest.importorskip('moto')
 pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")
@@ -137,7 +137,7 @@ def index_inode(c):   # changes each time the listing is written again (an inode
 def test_the_loaders_refresh_lists_again(moto, bucket, tmp_path):
     "`StreamingLoader(..., refresh=True)` and `StreamingDataset(..., refresh=True)` (in each DataLoader worker too) list the store again and write the listing again though its stamp matches the store (without `refresh`, the listing is kept); `refresh` changes no batch, config or fingerprint."
     from torchdata.stateful_dataloader import StatefulDataLoader
-    from nanochat_dl.streaming import StreamingDataset
+    from nanochat_dl.tokens.streaming import StreamingDataset
     old = token_root(tmp_path/'v1', seed=0)
     uri, c = f's3://{bucket}/tokens', tmp_path/'c'
     moto.put(bucket, objects(old, 'tokens'))
@@ -163,7 +163,7 @@ def test_the_loaders_refresh_lists_again(moto, bucket, tmp_path):
 
 def test_packed_loader_refresh_lists_again(text, moto, bucket, tmp_path):
     "`PackedLoader(data_dir=URI, refresh=True)` lists the bucket again though the cached listing's stamp matches it."
-    from nanochat_dl.loader import PackedLoader
+    from nanochat_dl.text.loader import PackedLoader
     moto.put(bucket, objects(text[0], 'text'))
     uri, c = f's3://{bucket}/text', tmp_path/'c'
     n = len(list(text[0].glob('*.parquet')))
@@ -181,7 +181,7 @@ def test_packed_loader_refresh_lists_again(text, moto, bucket, tmp_path):
 
 PINNER = r'''
 import sys
-from nanochat_dl.remote import FileCache
+from nanochat_dl.io.remote import FileCache
 c = FileCache(sys.argv[1], sys.argv[2], attempts=1, backoff=0.01, timeout=5)
 try: c.pin(sys.argv[3])
 except ValueError as e: print('refused:', e)
@@ -209,7 +209,7 @@ def test_a_fifo_or_link_in_the_cache_is_refused_by_name(moto, bucket, tmp_path, 
 @pytest.mark.parametrize('prefetch', [0, 2])
 def test_packed_loader_close_gives_up_a_stalled_fetch(text, moto, proxy, bucket, tmp_path, prefetch, monkeypatch):
     "The same for `PackedLoader` over a bucket of parquet shards: once it has read the shards' footers, every GET stalls (and nothing is fetched ahead); `close()` returns within about a second and the waiting `next()` says the loader was closed."
-    from nanochat_dl.loader import PackedLoader
+    from nanochat_dl.text.loader import PackedLoader
     monkeypatch.setattr(FileCache, '_kick', lambda self: None)                        # only the fetch a reader waits for
     moto.put(bucket, objects(text[0], 'text'))
     ld = PackedLoader(text[1], data_dir=f's3://{bucket}/text', cache_dir=tmp_path/'c', **dict(PKW, prefetch=prefetch))

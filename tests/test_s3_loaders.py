@@ -15,9 +15,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from s3util import FaultProxy, MotoServer, moto, proxy, s3_env, until, use_proxy   # noqa: F401 (moto, proxy: fixtures)
 
-from nanochat_dl.arrow import TokenRoot, file_record, update_counts, update_manifest, write_token_file
-from nanochat_dl.remote import FetchError
-from nanochat_dl.streaming import StreamingLoader
+from nanochat_dl.tokens.arrow import TokenRoot, file_record, update_counts, update_manifest, write_token_file
+from nanochat_dl.io.remote import FetchError
+from nanochat_dl.tokens.streaming import StreamingLoader
 
 pytest.importorskip('moto')
 pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")
@@ -81,7 +81,7 @@ def batches(ld, n):
     finally: ld.close()
 
 
-from nanochat_dl.streaming import open_epochs   # per dataset, the lowest epoch that may still have tokens on a rank
+from nanochat_dl.tokens.streaming import open_epochs   # per dataset, the lowest epoch that may still have tokens on a rank
 
 
 def same(a, b):
@@ -168,7 +168,7 @@ def test_cap_smaller_than_the_data(local, s3root, tmp_path):
 def test_streaming_dataset_from_s3(local, s3root, tmp_path, monkeypatch):
     "`StreamingDataset` over a bucket: DataLoader workers give the rows they give over local files, and resume from a list of states at another number of workers, every copy in the `cache_dir` given; the process that makes the dataset starts no download, each unit fetches its own files ahead."
     from torchdata.stateful_dataloader import StatefulDataLoader
-    from nanochat_dl.streaming import StreamingDataset, owned_shards
+    from nanochat_dl.tokens.streaming import StreamingDataset, owned_shards
     monkeypatch.setenv('NANOCHAT_DL_BASE_DIR', str(tmp_path/'base'))          # where a cache without cache_dir would go
     kw = dict(n_logical_shards=16, shuffle_window=20, seed=3, bos_token=1)
     rows = lambda it, n: [x.clone() for x, _ in itertools.islice(it, n)]
@@ -204,8 +204,8 @@ def test_streaming_dataset_from_s3(local, s3root, tmp_path, monkeypatch):
 def test_a_forked_worker_builds_its_own_stream(local, s3root, tmp_path, monkeypatch):
     "The process that made a `StreamingDataset` used it (`state_dict()`: its stream fetches ahead, and a prefetch is under way) before a forked DataLoader worker of the same unit starts: the worker opens the root again rather than wait on a download of the parent's, which no thread of its own will finish."
     from torchdata.stateful_dataloader import StatefulDataLoader
-    import nanochat_dl.remote as R
-    from nanochat_dl.streaming import StreamingDataset
+    import nanochat_dl.io.remote as R
+    from nanochat_dl.tokens.streaming import StreamingDataset
     kw = dict(n_logical_shards=16, shuffle_window=20, seed=3, bos_token=1)
     rows = lambda dl, n: [x.clone() for x, _ in itertools.islice(dl, n)]
     want = rows(StatefulDataLoader(StreamingDataset(local, 32, **kw), batch_size=4), 4)
@@ -226,7 +226,7 @@ def test_a_forked_worker_builds_its_own_stream(local, s3root, tmp_path, monkeypa
 
 def test_a_token_root_given_is_opened_again_with_its_settings(local, s3root, tmp_path):
     "A `StreamingDataset` made from a `TokenRoot` opens it again where it iterates with the same settings: cache folder and cap, files fetched ahead, the fetch's retries and timeouts, the check of the files, the column."
-    from nanochat_dl.streaming import StreamingDataset
+    from nanochat_dl.tokens.streaming import StreamingDataset
     fetch = dict(attempts=2, backoff=0.01, max_backoff=0.05, timeout=5, threads=1)
     for root in (TokenRoot(s3root, cache_dir=tmp_path/'c', cache_size=10**6, prefetch=0, verify='off', fetch=fetch), TokenRoot(local, verify='full')):
         ds = StreamingDataset(root, 32, n_logical_shards=16, bos_token=1)
@@ -334,9 +334,9 @@ def words(f, g, r): return ' '.join([f"w{f}{g}{r}x"] * (1 + (7 * f + 3 * g + 5 *
 @pytest.fixture(scope='module')
 def text(tmp_path_factory):
     "Six toy shards (five train, one val) and a small tokenizer trained on the sample shards."
-    from nanochat_dl.dataset import make_sample_shards
+    from nanochat_dl.text.dataset import make_sample_shards
     from nanochat_dl.testing import write_toy_shards
-    from nanochat_dl.tokenizer import train_tokenizer
+    from nanochat_dl.text.tokenizer import train_tokenizer
     d = tmp_path_factory.mktemp('s3text')
     make_sample_shards(d/'sample')
     tok = train_tokenizer(d/'sample', vocab_size=512, out_dir=d/'tok', progress=False)
@@ -365,7 +365,7 @@ def s3text(moto, bucket, text):
 
 @pytest.mark.parametrize('tokenize_in', ['processes', 'threads'])
 def test_packed_loader_from_s3_equals_local(text, s3text, tmp_path, tokenize_in):
-    from nanochat_dl.loader import PackedLoader
+    from nanochat_dl.text.loader import PackedLoader
     shards, tok = text
     want = packed(PackedLoader(tok, data_dir=shards, tokenize_in=tokenize_in, **PKW), 40)
     ld = PackedLoader(tok, data_dir=s3text, cache_dir=tmp_path/'c', tokenize_in=tokenize_in, **PKW)
@@ -382,7 +382,7 @@ def test_packed_loader_from_s3_equals_local(text, s3text, tmp_path, tokenize_in)
 
 
 def test_packed_loader_resume_from_s3(text, s3text, tmp_path):
-    from nanochat_dl.loader import PackedLoader
+    from nanochat_dl.text.loader import PackedLoader
     shards, tok = text
     full = packed(PackedLoader(tok, data_dir=s3text, cache_dir=tmp_path/'c', **PKW), 40)
     again = packed(PackedLoader(tok, data_dir=s3text, cache_dir=tmp_path/'c2', resume_state_dict=full[14][2], **PKW), 25)
@@ -392,7 +392,7 @@ def test_packed_loader_resume_from_s3(text, s3text, tmp_path):
 
 
 def test_packed_loader_cap_smaller_than_the_data(text, s3text, tmp_path):
-    from nanochat_dl.loader import PackedLoader
+    from nanochat_dl.text.loader import PackedLoader
     shards, tok = text
     sizes = sorted((p.stat().st_size for p in shards.glob('*.parquet')), reverse=True)
     cap = sizes[0] + sizes[1] + 10
@@ -425,7 +425,7 @@ def listing(moto, bucket, prefix):
 
 def test_tokenize_to_s3(text, moto, bucket, tmp_path):
     "`tokenize --out s3://...` puts in the bucket the files a local `--out` gets, byte for byte; the loader reads them back."
-    from nanochat_dl.arrow import tokenize
+    from nanochat_dl.tokens.arrow import tokenize
     from nanochat_dl.cli import main
     shards, tok = text
     tok_dir = shards.parent/'tok'
@@ -453,7 +453,7 @@ def test_tokenize_to_s3(text, moto, bucket, tmp_path):
 
 def test_tokenize_nested_dataset_names_to_s3(text, moto, bucket, tmp_path):
     "`tokenize --out s3://... --dataset lang=en/dataset=x` puts the objects a local `--out` gets, under the nested name; the loader reads them by that name's weight; a name overlapping one of the bucket's datasets is refused before any work."
-    from nanochat_dl.arrow import tokenize
+    from nanochat_dl.tokens.arrow import tokenize
     shards = text[0]
     tok_dir, uri, kw = shards.parent/'tok', f's3://{bucket}/tok', dict(workers=1, progress=False, verbose=False)
     moto.put(bucket, {})
@@ -478,8 +478,8 @@ def read_json(p): return json.loads(Path(p).read_text())
 
 def test_tokenize_to_s3_never_shows_half_a_file(text, moto, bucket, proxy, tmp_path):
     "Uploads cut by resets and 503s are retried; one the store refuses (403) fails the run: no manifest, no partial object, nothing hidden left over."
-    from nanochat_dl.arrow import tokenize
-    from nanochat_dl.remote import FetchError
+    from nanochat_dl.tokens.arrow import tokenize
+    from nanochat_dl.io.remote import FetchError
     shards, tok = text
     moto.put(bucket, {})
     proxy.add('status', path='.part', method='PUT', count=2, status=503)
@@ -513,7 +513,7 @@ def test_dropin_reads_a_bucket(text, s3text, tmp_path, monkeypatch):
 
 def test_tokenize_from_s3_shards(text, s3text, moto, tmp_path):
     "`tokenize --data-dir s3://...` reads the shards through the cache: the token files are those of the local shards, the manifest names the URI."
-    from nanochat_dl.arrow import read_manifest, tokenize
+    from nanochat_dl.tokens.arrow import read_manifest, tokenize
     from nanochat_dl.cli import main
     shards, tok = text
     tokenize(shards, tmp_path/'local', 'toy', shards.parent/'tok', workers=1, split='all', progress=False, verbose=False)

@@ -1,4 +1,4 @@
-"""Property tests for nanochat_dl.shards: nanochat's order, exact cover per epoch, exact resume, shuffle, errors."""
+"""Property tests for nanochat_dl.text.shards: nanochat's order, exact cover per epoch, exact resume, shuffle, errors."""
 import itertools, json, re, tempfile
 from collections import Counter
 from pathlib import Path
@@ -8,7 +8,7 @@ import pyarrow.parquet as pq
 import pytest
 from hypothesis import given, settings, strategies as st, HealthCheck
 
-from nanochat_dl.shards import (DocBatch, RowGroupReader, nanochat_state, read_documents, resume_loss, row_group_plan,
+from nanochat_dl.text.shards import (DocBatch, RowGroupReader, nanochat_state, read_documents, resume_loss, row_group_plan,
                                  shard_layout, split_files)
 from nanochat_dl.testing import toy_text, write_toy_shards
 

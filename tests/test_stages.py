@@ -1,5 +1,5 @@
 "The stage protocol's helpers used from the installed module (not from a notebook that imported extra names)."
-from nanochat_dl.stages import ListSource, Pipeline, ShuffleBuffer, draw_index, resume_check
+from nanochat_dl.pipe.stages import ListSource, Pipeline, ShuffleBuffer, draw_index, resume_check
 
 
 def test_resume_check_runs_from_the_module():

@@ -1,4 +1,4 @@
-"""Issue 18 item 1, attacked (nbs/13_streaming.ipynb): a rank whose logical shards are epochs apart after a rescale or a
+"""Issue 18 item 1, attacked (nbs/tokens/12_streaming.ipynb): a rank whose logical shards are epochs apart after a rescale or a
 hand-edited state. Each test failed before its fix."""
 import copy
 import json
@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from nanochat_dl.arrow import write_counts, write_token_file
-from nanochat_dl.streaming import StreamingLoader, open_epochs, sealed
+from nanochat_dl.tokens.arrow import write_counts, write_token_file
+from nanochat_dl.tokens.streaming import StreamingLoader, open_epochs, sealed
 
 pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")
 
@@ -77,8 +77,8 @@ def test_a_huge_parked_list_is_refused_at_once(tmp_path, kw):
         within(15, lambda: mk(1, 2).load_state_dict([st]))
 
 
-from nanochat_dl.arrow import TokenRoot
-from nanochat_dl.streaming import owned_shards, shard_starts
+from nanochat_dl.tokens.arrow import TokenRoot
+from nanochat_dl.tokens.streaming import owned_shards, shard_starts
 from test_stream_epochs_end import Ledger, assert_tiles_to
 
 
@@ -137,7 +137,7 @@ def test_epochs_too_far_to_count_are_refused(tmp_path, E):
 
 def test_max_wait_takes_the_values_packed_loader_takes(tmp_path):
     "`StreamingLoader(max_wait=...)` takes what `PackedLoader` takes ('auto': the default; None; an int >= 0) and refuses the rest by name. Before: 'auto' was refused."
-    from nanochat_dl.packing import MAX_WAIT
+    from nanochat_dl.pipe.packing import MAX_WAIT
     r = write(tmp_path/'root', {'web': [5, 0, 7, 3, 9, 1, 0, 4] * 3})
     mk = lambda mw: StreamingLoader(r, 8, 2, rank=0, world_size=1, n_logical_shards=4, prefetch=0, pack='bestfit', max_wait=mw)
     for mw, want in (('auto', MAX_WAIT), (None, None), (0, 0), (np.int64(3), 3), (10**18, 10**18)):

@@ -1,4 +1,4 @@
-"""Tests for nanochat_dl.tokenizer: training, encoding invariants, pickle-free save/load, shards, CLI, offline errors."""
+"""Tests for nanochat_dl.text.tokenizer: training, encoding invariants, pickle-free save/load, shards, CLI, offline errors."""
 import base64, importlib, json, os, re, subprocess, sys, unicodedata
 from pathlib import Path
 
@@ -10,7 +10,7 @@ import tiktoken, tiktoken.registry
 from hypothesis import given, settings, strategies as st
 
 from nanochat_dl.core import atomic_write
-from nanochat_dl.tokenizer import (BOS_TOKEN, META_FILE, RANKS_FILE, SPECIAL_TOKENS, Tokenizer, dump_tiktoken_bpe,
+from nanochat_dl.text.tokenizer import (BOS_TOKEN, META_FILE, RANKS_FILE, SPECIAL_TOKENS, Tokenizer, dump_tiktoken_bpe,
                                    get_tokenizer, iter_texts, parse_tiktoken_bpe, train_tokenizer, train_tokenizer_cli)
 
 TOPICS = list(pydoc_data.topics.topics.values())

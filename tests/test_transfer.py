@@ -1,11 +1,11 @@
-"""Tests for nanochat_dl.transfer: shifted values, contiguity, validation, owned batches, the lifetime of views, CPU path,
+"""Tests for nanochat_dl.pipe.transfer: shifted values, contiguity, validation, owned batches, the lifetime of views, CPU path,
 CUDA guard."""
 import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from nanochat_dl.transfer import DeviceTransfer, SingleBufferTransfer, resolve_device
+from nanochat_dl.pipe.transfer import DeviceTransfer, SingleBufferTransfer, resolve_device
 
 CUDA = torch.cuda.is_available()
 DEVICES = ['cpu'] + (['cuda'] if CUDA else [])

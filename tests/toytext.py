@@ -1,8 +1,8 @@
 """Toy text data for the loader tests: row groups of repeated words, a tokenizer trained in the test, each document's length."""
-from nanochat_dl.dataset import make_sample_shards
-from nanochat_dl.shards import read_documents
+from nanochat_dl.text.dataset import make_sample_shards
+from nanochat_dl.text.shards import read_documents
 from nanochat_dl.testing import write_toy_shards
-from nanochat_dl.tokenizer import train_tokenizer
+from nanochat_dl.text.tokenizer import train_tokenizer
 
 
 def words(f, g, r): return ' '.join([f"w{f}{g}{r}x"] * (1 + (7 * f + 3 * g + 5 * r) % 23))
