@@ -335,10 +335,10 @@ def test_a_worker_with_other_modules_is_refused():
     "A worker whose tiktoken is not this process's (a path mix-up this test fakes) is refused, naming both files."
     from types import SimpleNamespace
     from nanochat_dl.text.encode import _check_ready
-    from nanochat_dl.text._tokworker import _module_files
+    from nanochat_dl.text._tokworker import module_files
     w = SimpleNamespace(i=1, proc=SimpleNamespace(pid=4321))
-    _check_ready(w, ('ready', _module_files()))
-    other = dict(_module_files(), tiktoken='/elsewhere/tiktoken/__init__.py')
+    _check_ready(w, ('ready', module_files()))
+    other = dict(module_files(), tiktoken='/elsewhere/tiktoken/__init__.py')
     with pytest.raises(RuntimeError, match=r"worker 1 \(pid 4321\) imported tiktoken from /elsewhere/tiktoken/__init__.py, but this process uses"):
         _check_ready(w, ('ready', other))
     with pytest.raises(RuntimeError, match="did not start properly: it answered 'ready'"): _check_ready(w, 'ready')
@@ -510,7 +510,7 @@ class Reads:
     def __init__(self, monkeypatch):
         from nanochat_dl import encode, loader, shards
         self.n = 0
-        for mod, name in ((loader, 'read_documents'), (shards, '_read_group'), (shards, '_read_column')):
+        for mod, name in ((loader, 'read_documents'), (shards, 'read_group'), (shards, '_read_column')):
             orig = getattr(mod, name)
             def spy(*a, _orig=orig, **k): self.n += 1; return _orig(*a, **k)
             monkeypatch.setattr(mod, name, spy)

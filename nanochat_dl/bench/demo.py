@@ -15,7 +15,7 @@ from fastcore.script import call_parse
 from ..core import usable_folder, get_data_dir, get_base_dir, get_tokenizer_dir, check_int, local_location
 from ..text.dataset import list_parquet_files, make_sample_shards
 from ..text.tokenizer import get_tokenizer, train_tokenizer
-from ..pipe.packing import STRATEGIES, PackedBatch, show_batch, _pct
+from ..pipe.packing import STRATEGIES, PackedBatch, show_batch, percent
 from ..pipe.transfer import resolve_device
 from ..text.loader import PackedLoader, metrics_table
 
@@ -99,8 +99,8 @@ def compare_strategies(tokenizer,                 # the tokenizer all strategies
         waiting = waiting[waiting > T + 1]
         a, z = ms[warmup - 1], ms[-1]                   # cumulative counters before and after the window
         d = {k: z['total_' + k] - a['total_' + k] for k in ('emitted', 'cropped', 'padded')}
-        out.append(dict(strategy=s, crop_pct=_pct(d['cropped'], d['emitted'] - d['padded'] + d['cropped']),
-                        pad_pct=_pct(d['padded'], d['emitted']), waste_pct=_pct(d['cropped'] + d['padded'], d['emitted'] + d['cropped']),
+        out.append(dict(strategy=s, crop_pct=percent(d['cropped'], d['emitted'] - d['padded'] + d['cropped']),
+                        pad_pct=percent(d['padded'], d['emitted']), waste_pct=percent(d['cropped'] + d['padded'], d['emitted'] + d['cropped']),
                         long_waiting=len(waiting), long_waiting_tokens=int(waiting.sum()), floor_pct=z['floor_pct'],
                         docs_per_row=float(np.mean([m['docs_per_row'] for m in ms[warmup:]]))))
     return out

@@ -17,8 +17,8 @@ from fastcore.script import call_parse
 from ..core import get_data_dir, human_bytes, check_int, load_average, load_line
 from ..text.shards import RowGroupReader, RowGroupTexts, split_files
 from ..text.tokenizer import get_tokenizer
-from ..pipe.packing import Packer, ReferencePacker, STRATEGIES, _pct, fineweb_like_lengths
-from ..text.loader import PackedLoader, LoaderBatch, RowGroupSource, reference_loader, _runs, _UNIT_DOCS, _UNIT_MAX
+from ..pipe.packing import Packer, ReferencePacker, STRATEGIES, percent, fineweb_like_lengths
+from ..text.loader import PackedLoader, LoaderBatch, RowGroupSource, reference_loader, slice_runs, UNIT_DOCS, UNIT_MAX
 from ..text.encode import make_encoder
 from ..dataloader import tokenizing_distributed_data_loader_with_state_bos_bestfit
 from .demo import _digest, _ensure_shards, _ensure_tokenizer
@@ -139,7 +139,7 @@ def bench_pack(B=32,               # rows per batch
                 speedup=t_ref / t_fast, speedup_list=t_ref / t_list,
                 tokenize_tokens_per_s=tok['tokens_per_s'], tokenize_threads=tok['threads'], tokenize_s=t_tok,
                 fast_pct_of_tokenize=pct(t_fast), fast_list_pct_of_tokenize=pct(t_list), ref_pct_of_tokenize=pct(t_ref),
-                crop_pct=_pct(sum(b.metrics['tokens_cropped'] for b in out_fast), sum(b.metrics['tokens_emitted'] + b.metrics['tokens_cropped'] for b in out_fast)),
+                crop_pct=percent(sum(b.metrics['tokens_cropped'] for b in out_fast), sum(b.metrics['tokens_emitted'] + b.metrics['tokens_cropped'] for b in out_fast)),
                 buffered_docs=len(p_fast), identical=identical)
 
 def format_bench(r # `bench_pack`'s result
@@ -197,9 +197,9 @@ def measure_waste(strategy,           # a packing strategy (`STRATEGIES`)
     dt = time.perf_counter() - t0
     d = {k: v - m0[k] for k, v in p.metrics_state().items()}
     return dict(strategy=strategy, buffer_size=buffer_size,
-                waste_pct=_pct(d['cropped'] + d['padded'], d['emitted'] + d['cropped']),
-                crop_pct=_pct(d['cropped'], d['emitted'] - d['padded'] + d['cropped']), pad_pct=_pct(d['padded'], d['emitted']),
-                floor_pct=_pct(d['floor_tokens'], d['doc_tokens']), parked_pct=_pct(p.buffered_tokens - buf0, d['tokens_in']),
+                waste_pct=percent(d['cropped'] + d['padded'], d['emitted'] + d['cropped']),
+                crop_pct=percent(d['cropped'], d['emitted'] - d['padded'] + d['cropped']), pad_pct=percent(d['padded'], d['emitted']),
+                floor_pct=percent(d['floor_tokens'], d['doc_tokens']), parked_pct=percent(p.buffered_tokens - buf0, d['tokens_in']),
                 docs_per_row=d['placed'] / d['rows'], docs_per_row_counts=np.bincount(per_row).tolist(),
                 buffered_docs=len(p), buffered_tokens=p.buffered_tokens, rows_per_s=d['rows'] / dt)
 
@@ -260,14 +260,14 @@ def loader_units(files,            # the shards the loader read
         s = next(src)
         if n >= skip:
             cur.append(s); size += s.hi - s.lo
-            if size >= _UNIT_MAX or (size >= _UNIT_DOCS and s.hi == src.rows(s.file, s.rg)): units.append(cur); cur, size = [], 0
+            if size >= UNIT_MAX or (size >= UNIT_DOCS and s.hi == src.rows(s.file, s.rg)): units.append(cur); cur, size = [], 0
         n += s.hi - s.lo
     return units + ([cur] if cur else []), src
 
 def _waste(m0, m1) -> float:
     "Waste % between two packer counter snapshots, as the packer's own metrics define it."
     d = {k: m1[k] - m0[k] for k in ('cropped', 'padded', 'emitted')}
-    return _pct(d['cropped'] + d['padded'], d['emitted'] + d['cropped'])
+    return percent(d['cropped'] + d['padded'], d['emitted'] + d['cropped'])
 
 BENCH_KINDS = ('reference', 'dropin', 'best', 'tokenize', 'read')
 
@@ -303,10 +303,10 @@ def _encode_only(kind, tok, files, threads, docs, skip, gc_mode) -> dict:
     rt = RowGroupTexts()
     par = getattr(enc, 'workers', None) or getattr(enc, 'threads', 1)
     if kind == 'tokenize':   # text: each message cut in one part per worker, one message ahead (a pipe then never holds more than it takes)
-        work, ahead = [[t for f, g, rows in _runs(u) for t in rt(files[f], g, rows)] for u in units], par
+        work, ahead = [[t for f, g, rows in slice_runs(u) for t in rt(files[f], g, rows)] for u in units], par
         submit = lambda texts: enc.submit(texts, spread=True)
     else:                    # addresses, as the encode stage sends them: each message to one worker, two per worker ahead
-        work, ahead = [[src.request(f, g, rows) for f, g, rows in _runs(u)] for u in units], 2 * par
+        work, ahead = [[src.request(f, g, rows) for f, g, rows in slice_runs(u)] for u in units], 2 * par
         submit = lambda reqs: enc.submit_read(reqs)
     rt.close()
     enc.result(submit(work[0]))                                                    # start the workers outside the timing

@@ -287,7 +287,7 @@ def iter_texts(files,                          # parquet shards, read in this or
     "Documents of parquet `files`, row group by row group, each cropped to `doc_cap` (None: no cap), `max_chars` in total; text that is not UTF-8 is an error naming its row, or replaced (`utf8_errors='replace'`)."
     import pyarrow as pa
     from tqdm.auto import tqdm
-    from nanochat_dl.text.shards import _open_shard, shard_layout, column_texts, check_utf8_errors  # shards imports core and dataset only: no cycle
+    from nanochat_dl.text.shards import open_shard, shard_layout, column_texts, check_utf8_errors  # shards imports core and dataset only: no cycle
     if doc_cap is not None: check_int('doc_cap', doc_cap, 1)
     check_utf8_errors(utf8_errors)
     files = [Path(f) for f in files]
@@ -298,7 +298,7 @@ def iter_texts(files,                          # parquet shards, read in this or
     bar = tqdm(total=total, unit='row group', disable=not progress, desc='tokenizer text')
     try:
         for f in files:
-            with _open_shard(f, text_column) as pf:  # one file open at a time, one row group in memory
+            with open_shard(f, text_column) as pf:  # one file open at a time, one row group in memory
                 for rg in range(pf.num_row_groups):
                     stats['row_groups'] += 1
                     try: col = pf.read_row_group(rg, columns=[text_column]).column(text_column)

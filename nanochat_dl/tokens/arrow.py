@@ -26,7 +26,7 @@ from fastcore.script import call_parse
 from ..core import (check_int, check_regular, file_in_the_way, folder_lock, get_base_dir, get_data_dir, get_dist_info,
                               get_tokenizer_dir, location)
 from ..text.dataset import list_parquet_files
-from ..text.shards import split_files, split_shards, _open_shard, _read_group, check_utf8_errors
+from ..text.shards import split_files, split_shards, open_shard, read_group, check_utf8_errors
 from ..io.remote import (Cancelled, FileCache, cache_metrics, default_cache_dir, is_local, list_files, open_uri, retry,
                                 upload_file)
 
@@ -952,9 +952,9 @@ def tokenize_shard(src,                # a parquet text shard
     "Tokenize `src` into `dst` row group by row group: one record batch per document, ids as `encode_ordinary` gives them, no BOS; returns the file's record (and its source's name, size, sha256)."
     src, enc, empty = Path(src), getattr(tokenizer, 'enc', tokenizer), 0
     size, sha = src.stat().st_size, file_sha256(src)
-    with _open_shard(src, text_column) as pf, TokenWriter(dst) as w:
+    with open_shard(src, text_column) as pf, TokenWriter(dst) as w:
         for g in range(pf.num_row_groups):
-            texts = _read_group(pf, src, g, text_column, utf8_errors)
+            texts = read_group(pf, src, g, text_column, utf8_errors)
             for t in texts:
                 ids = enc.encode_to_numpy(t, disallowed_special=())   # special tokens in the text stay text
                 empty += not len(ids)                                 # counted kept or not: the record says

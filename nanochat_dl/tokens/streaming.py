@@ -26,7 +26,7 @@ from ..pipe.stages import Stage, Doc, ShuffleBuffer, check_state, mix64, mix64s
 from pathlib import Path
 from .arrow import TokenRoot, file_sha256
 from ..io.remote import giving_up_on
-from ..pipe.packing import HELD, MAX_WAIT, Packer, FlatDocs, Segment, PackedBatch, position_ids, cu_seqlens, _PackerBase
+from ..pipe.packing import HELD, MAX_WAIT, Packer, FlatDocs, Segment, PackedBatch, position_ids, cu_seqlens, PackerBase
 from ..pipe.transfer import DeviceTransfer, TrainingTriple, resolve_device
 
 # %% ../../nbs/tokens/12_streaming.ipynb #46e7cf80
@@ -1164,15 +1164,15 @@ class LazyBatch(PackedBatch):
     def _segs(self, v): self._s = v
     @property
     def metrics(self) -> dict:
-        if self._m is None: self._m = _PackerBase._metrics(self._counted, self._before, self._B)
+        if self._m is None: self._m = PackerBase._metrics(self._counted, self._before, self._B)
         return self._m
 
 class _Counted:
-    "What `_PackerBase._metrics` reads of a packer, as it was after a batch."
+    "What `PackerBase._metrics` reads of a packer, as it was after a batch."
     def __init__(self, p): self._tot, self.buffered_tokens, self._n, self._wait = dict(p._tot), p.buffered_tokens, len(p), getattr(p, '_wait', 0)
     def __len__(self): return self._n
 
-class ConcatRows(_PackerBase):
+class ConcatRows(PackerBase):
     "`Packer(strategy='concat')` for pulls of `(pieces, lengths, keys)`, a piece a list of token arrays: rows sliced from the stream of units; the same rows, segments, buffer and counters."
     strategy = 'concat'
     def __init__(self, T:int):    # tokens per input row (rows hold T + 1)
@@ -1248,7 +1248,7 @@ def _concat_segs(runs, B, C) -> list:
             if p == ends[k]: k += 1
     return out
 
-class PadRows(_PackerBase):
+class PadRows(PackerBase):
     "`Packer(strategy='greedy', max_docs_per_row=1)` for pulls of `(pieces, lengths, keys)`, pieces of at most `T + 1` tokens: each piece starts a row, the rest is `pad_id`."
     strategy = 'greedy'
     def __init__(self, T:int, pad_id:int):
@@ -1286,7 +1286,7 @@ class PadRows(_PackerBase):
         self.buffered_tokens = sum(len(t) for t, _, _ in items)
 
 # %% ../../nbs/tokens/12_streaming.ipynb #bf000001
-class BestFitRows(_PackerBase):
+class BestFitRows(PackerBase):
     "`Packer(strategy='bestfit-pad')` for pulls of `(pieces, lengths, keys)`, pieces of at most `T + 1` tokens: each row takes the longest piece that fits (the earliest of that length) until none does, then padding; with `guard`, epochs end (`_release`, `_late`). The buffer's order is kept as a journal (`snap`, `entries`): a snapshot copies nothing."
     strategy = 'bestfit-pad'
     def __init__(self, T:int, buffer_size:int, pad_id:int,
