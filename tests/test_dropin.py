@@ -304,7 +304,7 @@ def test_a_hand_edited_at_batch_is_named(env, clean_env, tmp_path):
              'no stages': (edit(lambda a: a.pop('stages')), r"lacks \['stages'\]"),
              'no pq_idx': (edit(lambda a: a.pop('pq_idx')), "not 'pq_idx'"),
              'another B': (edit(lambda a: a['config'].update(B=3)), 'B=3'),
-             "StreamingLoader's state": (stream_state, 'nanochat_dl.tokens.streaming')}
+             "StreamingLoader's state": (stream_state, 'nanochat_dl.streaming')}
     for what, (v, expected) in cases.items():
         with pytest.raises((TypeError, ValueError), match=r"^resume_state_dict\['at_batch'\]") as e:
             dropin(env['tok'], 2, 32, 'train', data_dir=env['toy'], resume_state_dict=dict(s, at_batch=v), **KW)

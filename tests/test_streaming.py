@@ -445,7 +445,7 @@ def test_a_state_of_the_format_before_the_checksum_loads_unchecked(root):
         want = [next(ld).rows.copy() for _ in range(3)]
     old = {k: v for k, v in sd.items() if k != 'checksum'}
     old['format'] = 'nanochat_dl.streaming/2'
-    from nanochat_dl import streaming
+    from nanochat_dl.tokens import streaming
     streaming._UNCHECKED.discard(old['format'])
     for form in (old, [old]):
         with pytest.warns(UserWarning, match="carries no checksum: loaded unchecked") if form is old else contextlib.nullcontext():
