@@ -7,7 +7,7 @@ the ranks of one machine."""
 # %% auto #0
 __all__ = ['CACHE_METRICS', 'FileCache', 'cache_metrics']
 
-# %% ../../nbs/io/01d_cache.ipynb #acb8738e
+# %% ../../nbs/io/01d_cache.ipynb #e8a0f21c
 import atexit, json, os, stat, threading, time
 from bisect import bisect_left
 from collections import deque
@@ -27,7 +27,7 @@ except ImportError: fcntl = None
 _COUNTERS = ('hits', 'waits', 'misses', 'refetched', 'prefetched', 'fetched_bytes', 'retries', 'evictions',
              'evicted_bytes', 'deferred', 'over_cap', 'errors')
 
-# %% ../../nbs/io/01d_cache.ipynb #af45b7dc
+# %% ../../nbs/io/01d_cache.ipynb #91f15187
 class FileCache:
     "Local copies of the files under `root`: fetched on demand and ahead, checked, kept under `cache_size` bytes (LRU)."
     def __init__(self, root,                   # a URI (s3://bucket/prefix, gs://..., memory://...) or a local folder
@@ -67,7 +67,7 @@ class FileCache:
     def __enter__(self): return self
     def __exit__(self, *exc): self.close()
 
-# %% ../../nbs/io/01d_cache.ipynb #df7eb595
+# %% ../../nbs/io/01d_cache.ipynb #c94d72e4
 @patch
 def _open(self:FileCache, root, cache_dir, refresh) -> dict:
     "Set up where the copies live (a local root: nowhere, used in place); returns the listing `{path: size}`."
@@ -86,7 +86,7 @@ def _open(self:FileCache, root, cache_dir, refresh) -> dict:
     clean_temps(self.cache_dir/'.tmp'); self._scan()
     return files
 
-# %% ../../nbs/io/01d_cache.ipynb #06eb9521
+# %% ../../nbs/io/01d_cache.ipynb #09c25991
 @patch
 def _check_fits(self:FileCache):
     "Refuse digests of files that are not listed, and a cap smaller than the largest file."
@@ -97,7 +97,7 @@ def _check_fits(self:FileCache):
         raise ValueError(f"cache_size={self.cache_size:,} is smaller than {self.uri(big)} ({self.files[big]:,} "
                          "bytes): expected room for the largest file at least")
 
-# %% ../../nbs/io/01d_cache.ipynb #694b69f5
+# %% ../../nbs/io/01d_cache.ipynb #dd2f495b
 @patch(as_prop=True)
 def fs(self:FileCache):
     "The root's filesystem (made on first use, so a fully cached dataset needs no network, not even to start)."
@@ -114,7 +114,7 @@ def __repr__(self:FileCache):
     where = 'in place' if self.cache_dir is None else f"cached in {self.cache_dir}"
     return f"FileCache({self.root!r}, {len(self.files)} files, {human_bytes(sum(self.files.values()))}, {where})"
 
-# %% ../../nbs/io/01d_cache.ipynb #a48d76ac
+# %% ../../nbs/io/01d_cache.ipynb #8a8c1e7f
 @patch
 def _retrying(self:FileCache, fn, what, attempts=None):
     "`fn()`, retried like a fetch: transient errors with backoff up to `attempts` tries; else a `FetchError`."
@@ -138,7 +138,7 @@ def _scan(self:FileCache) -> list:
         if ticket > self._scanned: self._scanned, self._cached = ticket, (len(out), sum(e.size for e in out))
     return out
 
-# %% ../../nbs/io/01d_cache.ipynb #03f6ab58
+# %% ../../nbs/io/01d_cache.ipynb #9423b553
 @patch
 def _stamp(self:FileCache, attempts=None) -> tuple:
     "`(stamp, {path: (size, mtime_ns)})`: the store's files now, and the stamp a cached listing is checked by."
@@ -162,7 +162,7 @@ def _drop_changed(self:FileCache, old, found):
             raise ValueError(f"{self.uri(rel)} changed in the store, but a process still reads its old copy {p}: "
                              f"stop the processes sharing {self.cache_dir}, then start again")
 
-# %% ../../nbs/io/01d_cache.ipynb #2fb2e50b
+# %% ../../nbs/io/01d_cache.ipynb #e8df81e3
 @patch
 def _listing(self:FileCache, refresh) -> dict:
     "`{path: size}`: the index while the store agrees (`_stamp`), else listed now (changed files' copies removed)."
@@ -186,7 +186,7 @@ def _listing(self:FileCache, refresh) -> dict:
                                   'mtimes': {r: m for r, (_, m) in found.items()}}), 'w')
     return {r: s for r, (s, _) in sorted(found.items())}
 
-# %% ../../nbs/io/01d_cache.ipynb #240e96e5
+# %% ../../nbs/io/01d_cache.ipynb #72172cbc
 @patch
 def stats(self:FileCache) -> dict:
     "The counters since start, and the state now: files, bytes listed and cached, the cap, pinned, in flight, queued."
@@ -225,7 +225,7 @@ def cache_metrics(cache,            # a `FileCache`
 def _close_all():                   # before pyarrow's own exit hook shuts S3 down (atexit runs last-registered first)
     for c in list(LIVE_CACHES): c.close(timeout=5)
 
-# %% ../../nbs/io/01d_cache.ipynb #584a93cd
+# %% ../../nbs/io/01d_cache.ipynb #f2dc2207
 @patch
 def _given_up(self:FileCache) -> bool:
     "Whether a wait of this thread for a fetch ends: the cache closed, or its reader gone (`giving_up_on`)."
@@ -247,7 +247,7 @@ def _count(self:FileCache, key, n=1):
 @patch
 def _on_retry(self:FileCache, e): self._count('retries')
 
-# %% ../../nbs/io/01d_cache.ipynb #63206571
+# %% ../../nbs/io/01d_cache.ipynb #1e418a3a
 @patch
 def _ensure(self:FileCache, rel, demand=True) -> str:
     "Make sure a finished copy of `rel` is in the cache: `'hit'` (it was), `'wait'` (a fetch here did) or `'miss'`."
@@ -278,7 +278,7 @@ def _fetch_apart(self:FileCache, rel, demand, fut):
     t = threading.Thread(target=run, daemon=True, name='FileCache-fetch')
     self._fetchers.add(t); t.start()
 
-# %% ../../nbs/io/01d_cache.ipynb #d8e02b78
+# %% ../../nbs/io/01d_cache.ipynb #f6f86157
 @patch
 def _ahead(self:FileCache, lo, n) -> list:
     "`n` places of the plan from place `lo` on (wrapping around a cyclic plan; each file once)."
@@ -306,7 +306,7 @@ def _reserve(self:FileCache, rel, demand):
             if room is False: return None
         if self._stop.wait(0.02): raise Cancelled(rel)      # 'wait': the downloads under way finish, then go
 
-# %% ../../nbs/io/01d_cache.ipynb #b2bdc4c5
+# %% ../../nbs/io/01d_cache.ipynb #6281dcfa
 @patch
 def _fetch(self:FileCache, rel, demand) -> str:
     "Fetch `rel` under its lock file: `'fetched'`, `'there'` (another process had) or `'deferred'` (no room yet)."
@@ -323,7 +323,7 @@ def _fetch(self:FileCache, rel, demand) -> str:
     self._scan()
     return 'fetched'
 
-# %% ../../nbs/io/01d_cache.ipynb #28efe7e6
+# %% ../../nbs/io/01d_cache.ipynb #9a431a72
 @patch
 def _make_room(self:FileCache, incoming, demand, wait=False):
     "Evict least recently used copies until `incoming` more bytes fit under the cap; False or `'wait'` if they cannot."
@@ -350,7 +350,7 @@ def _make_room(self:FileCache, incoming, demand, wait=False):
     if need > 0: self._count('over_cap')
     return True
 
-# %% ../../nbs/io/01d_cache.ipynb #191b69f8
+# %% ../../nbs/io/01d_cache.ipynb #446c96e1
 @patch
 def _kick(self:FileCache):
     "Queue the window's files that are neither cached, queued nor being fetched; start the background threads."
@@ -384,7 +384,7 @@ def _work(self:FileCache):
         finally:
             with self._lock: self._queued.discard(rel)
 
-# %% ../../nbs/io/01d_cache.ipynb #027b05f2
+# %% ../../nbs/io/01d_cache.ipynb #040064d8
 @patch
 def want(self:FileCache, rels,
          cycle:bool=False):     # the plan repeats (epoch after epoch): past its end, the window wraps to its start
@@ -407,7 +407,7 @@ def _advance(self:FileCache, rel):
             elif self._cycle: self._cursor = pos[0] + 1     # the plan's next round
     self._kick()
 
-# %% ../../nbs/io/01d_cache.ipynb #1aa5bc07
+# %% ../../nbs/io/01d_cache.ipynb #149cc321
 @patch
 def pin(self:FileCache, rel) -> Path:
     "The local path of a whole, checked copy of `rel` (fetched if needed), kept from eviction until `unpin(rel)`."
@@ -442,7 +442,7 @@ def _touch(self:FileCache, path) -> Path:
     except OSError: pass
     return path
 
-# %% ../../nbs/io/01d_cache.ipynb #12c2c3ca
+# %% ../../nbs/io/01d_cache.ipynb #7a05d667
 @patch
 def unpin(self:FileCache, rel):
     "Let `rel`'s copy be evicted again (once every `pin` of it in this process is matched; after `close`, a no-op)."
@@ -481,7 +481,7 @@ def discard(self:FileCache, rel) -> bool:
     self._scan()
     return gone
 
-# %% ../../nbs/io/01d_cache.ipynb #7da4ab2b
+# %% ../../nbs/io/01d_cache.ipynb #39191f17
 @patch
 @contextmanager
 def open_input(self:FileCache, rel):

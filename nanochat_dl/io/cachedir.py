@@ -8,7 +8,7 @@ __all__ = ['INDEX', 'LIVE_CACHES', 'digest', 'default_cache_dir', 'Flock', 'try_
            'clean_temps', 'reserved_bytes', 'etag', 'index_problem', 'read_index', 'cache_for', 'local_copy',
            'pin_copies', 'unpin_copies']
 
-# %% ../../nbs/io/01c_cachedir.ipynb #69c0a896
+# %% ../../nbs/io/01c_cachedir.ipynb #46b1838c
 import hashlib, json, os, re, warnings
 from contextlib import contextmanager
 from pathlib import Path
@@ -19,7 +19,7 @@ from .fetch import tag_of
 try: import fcntl                  # POSIX; the cache's locks need it
 except ImportError: fcntl = None
 
-# %% ../../nbs/io/01c_cachedir.ipynb #e9f25405
+# %% ../../nbs/io/01c_cachedir.ipynb #56cc489c
 INDEX = 'index.json'       # the cached listing, in the cache folder
 LIVE_CACHES = weakref.WeakSet()   # the open `FileCache`s of this process (`cache_for` looks among them)
 
@@ -60,7 +60,7 @@ def try_remove(path,                # a file in the cache folder
         os.unlink(path); return True
     finally: os.close(fd)
 
-# %% ../../nbs/io/01c_cachedir.ipynb #7eefe783
+# %% ../../nbs/io/01c_cachedir.ipynb #8c0a1fa1
 class CachedCopy(NamedTuple):
     used: int    # st_mtime_ns: when it was last handed out
     path: str    # '/'-separated, under the copies' folder
@@ -96,7 +96,7 @@ def etag(fs, path) -> str|None:
     "The object's ETag (a HEAD request on S3), or None where the filesystem gives none."
     with fs.open_input_file(path) as f: return tag_of(f)
 
-# %% ../../nbs/io/01c_cachedir.ipynb #fd7c5986
+# %% ../../nbs/io/01c_cachedir.ipynb #e6332448
 def index_problem(d,                # the parsed JSON of a cache folder's index
                   ) -> str|None:
     "What is wrong with a cache index `d` (wrong types, or files that are not its stamp's), or None."
@@ -117,7 +117,7 @@ def index_problem(d,                # the parsed JSON of a cache folder's index
         return "its files are not those of its stamp"
     return None
 
-# %% ../../nbs/io/01c_cachedir.ipynb #46155152
+# %% ../../nbs/io/01c_cachedir.ipynb #0ba740b8
 def read_index(idx,                 # the index file (`INDEX` in the cache folder)
                root,                # the root the folder serves
                copies,              # called for the copies there (`CachedCopy`s) when the index is damaged
@@ -131,7 +131,7 @@ def read_index(idx,                 # the index file (`INDEX` in the cache folde
     warnings.warn(f"{idx} is damaged ({why}): listing {root} again, its copies fetched again")
     return {'root': root, 'damaged': True, 'files': [[e.path, -1] for e in copies()]}
 
-# %% ../../nbs/io/01c_cachedir.ipynb #99363b30
+# %% ../../nbs/io/01c_cachedir.ipynb #c2c378c1
 def cache_for(path,                 # a local path
               ) -> tuple:
     "`(cache, rel)` when `path` is where a live `FileCache` of this process keeps the copy of `rel`; else None."

@@ -6,7 +6,7 @@ resumed after a failure; uploads the same way round."""
 # %% auto #0
 __all__ = ['Cancelled', 'new_temp', 'tag_of', 'fetch_file', 'upload_file', 'giving_up_on', 'reader_gone']
 
-# %% ../../nbs/io/01b_fetch.ipynb #c25dd73c
+# %% ../../nbs/io/01b_fetch.ipynb #f099e4a2
 import hashlib, os, secrets, threading, time
 from contextlib import contextmanager
 from pathlib import Path
@@ -14,7 +14,7 @@ from .retry import FetchError, backoff_s, is_transient, retry
 try: import fcntl                  # POSIX; the temp files' locks need it
 except ImportError: fcntl = None
 
-# %% ../../nbs/io/01b_fetch.ipynb #f038f1dc
+# %% ../../nbs/io/01b_fetch.ipynb #fad92d94
 class Cancelled(Exception): "A fetch was stopped before it finished: its cache closed, or its stop event set."
 
 def new_temp(tmp_dir,               # the folder (on the same filesystem as the final file)
@@ -33,7 +33,7 @@ def new_temp(tmp_dir,               # the folder (on the same filesystem as the 
         except FileNotFoundError: pass
         os.close(fd)                   # a cleaner took it for a dead writer's between our open and our lock
 
-# %% ../../nbs/io/01b_fetch.ipynb #3caa6253
+# %% ../../nbs/io/01b_fetch.ipynb #a8fbcea3
 class _Mismatch(Exception): pass
 
 def tag_of(f,                       # an open pyarrow input file
@@ -64,7 +64,7 @@ def _copy_from(fs, src, out, h, size, chunk_size, stop, on_bytes, tag):
         with fs.open_input_file(src) as f:                  # (one HEAD request on S3)
             if tag_of(f) != tag[0]: raise changed
 
-# %% ../../nbs/io/01b_fetch.ipynb #977fd73b
+# %% ../../nbs/io/01b_fetch.ipynb #9335fc54
 def _fetch_tries(fs, src, out, size, sha256, uri, attempts, backoff, max_backoff, verify_tries, chunk_size, stop,
                  on_retry, on_bytes) -> int:
     "Copy `src` into `out` until its size and sha256 check out, resuming after transient errors; returns the tries."
@@ -96,7 +96,7 @@ def _fetch_tries(fs, src, out, size, sha256, uri, attempts, backoff, max_backoff
             if stop.wait(wait): raise Cancelled(src)
         else: time.sleep(wait)
 
-# %% ../../nbs/io/01b_fetch.ipynb #5f147708
+# %% ../../nbs/io/01b_fetch.ipynb #cc812de3
 def fetch_file(fs,                      # a pyarrow filesystem
                src,                     # the file's path on `fs`
                dest,                    # the local path it ends up at (only ever whole and checked)
@@ -131,7 +131,7 @@ def fetch_file(fs,                      # a pyarrow filesystem
         except FileNotFoundError: pass
         raise
 
-# %% ../../nbs/io/01b_fetch.ipynb #810423a4
+# %% ../../nbs/io/01b_fetch.ipynb #0c1174f6
 def upload_file(fs,                 # the store's filesystem (pyarrow)
                 src,                # the local file
                 dst,                # its path on `fs`
@@ -153,7 +153,7 @@ def upload_file(fs,                 # the store's filesystem (pyarrow)
         except Exception: pass                                  # moved, or never made
     return n
 
-# %% ../../nbs/io/01b_fetch.ipynb #558a00ba
+# %% ../../nbs/io/01b_fetch.ipynb #d3113b4b
 _WAITER = threading.local()    # the stop event of the reader this thread works for (`giving_up_on`)
 
 @contextmanager

@@ -6,7 +6,7 @@ same version of the file, a bound on stalls as a whole, and a pool of threads th
 # %% auto #0
 __all__ = ['RETRY_STATUS', 'MIN_SPEED', 'make_session', 'DownloadError', 'fetch_url', 'in_threads']
 
-# %% ../../nbs/io/01e_http.ipynb #6684a01d
+# %% ../../nbs/io/01e_http.ipynb #c90ddffe
 import re, threading, time
 import requests, urllib3
 from requests.adapters import HTTPAdapter
@@ -16,7 +16,7 @@ from .retry import backoff_s
 from .fetch import Cancelled
 from fastcore.basics import patch
 
-# %% ../../nbs/io/01e_http.ipynb #fa9bdbb5
+# %% ../../nbs/io/01e_http.ipynb #bada5788
 RETRY_STATUS = (429, 500, 502, 503, 504)
 
 def make_session(max_retries=5,  # retries of a refused connection, a timeout or a 429/5xx answer
@@ -38,7 +38,7 @@ class DownloadError(Exception):
                  attempts=0):   # HTTP requests made
         super().__init__(msg); self.attempts = attempts
 
-# %% ../../nbs/io/01e_http.ipynb #aa747509
+# %% ../../nbs/io/01e_http.ipynb #f44cfd54
 class _Retry(Exception): "A problem with the body that another request may fix."
 
 def _content_range(value):
@@ -62,7 +62,7 @@ def _requests_made(resp):
     retries = getattr(resp.raw, 'retries', None)
     return 1 + len(getattr(retries, 'history', None) or ())
 
-# %% ../../nbs/io/01e_http.ipynb #fc2cf90f
+# %% ../../nbs/io/01e_http.ipynb #f86ffcfe
 def _validator(resp) -> str | None:
     "What names this version of the file in an `If-Range`: its ETag unless weak, else its Last-Modified date."
     etag = resp.headers.get('ETag', '').strip()
@@ -101,7 +101,7 @@ class _Body:
         if self.written > self.total: self.restart(); raise _Retry(f"got more bytes than the {self.total} announced")
         raise _Retry(f"body ended after {self.written} of {self.total} bytes expected (Content-Length)")
 
-# %% ../../nbs/io/01e_http.ipynb #62d82822
+# %% ../../nbs/io/01e_http.ipynb #5f6985c8
 @patch
 def take(self:_Body, resp) -> bool:
     "Take in `resp`'s status and headers: go on (a 206 of the same version) or start over (200); False for others."
@@ -129,7 +129,7 @@ def take(self:_Body, resp) -> bool:
     else: return False
     return True
 
-# %% ../../nbs/io/01e_http.ipynb #657901f7
+# %% ../../nbs/io/01e_http.ipynb #a4a7dfeb
 MIN_SPEED = 1024     # bytes/s a body must average over each `timeout` seconds, or it counts as stalled
 
 def _read_body(resp, body, chunk_size, timeout, stop=None, min_speed=MIN_SPEED):
@@ -144,7 +144,7 @@ def _read_body(resp, body, chunk_size, timeout, stop=None, min_speed=MIN_SPEED):
                              f"{human_bytes(min_speed)}/s (timeout {timeout:g} s)")
             t0, n0 = time.monotonic(), body.written
 
-# %% ../../nbs/io/01e_http.ipynb #6445167b
+# %% ../../nbs/io/01e_http.ipynb #09065230
 def fetch_url(session, url,  # a `requests.Session` (`make_session`), and what to fetch with it
               f, where,      # an open binary file the bytes go to (from its start); how errors name the download
               timeout,       # seconds a connection may stay silent, and over which a body must average `MIN_SPEED`
@@ -185,7 +185,7 @@ def fetch_url(session, url,  # a `requests.Session` (`make_session`), and what t
         if stop is None: time.sleep(wait)
         else: stop.wait(wait)
 
-# %% ../../nbs/io/01e_http.ipynb #615738eb
+# %% ../../nbs/io/01e_http.ipynb #9d378a5a
 def in_threads(fn,           # called with each item
                items,        # what to work on
                workers,      # threads at once

@@ -6,10 +6,10 @@ between ranks; at once an error when it will not, naming what failed."""
 # %% auto #0
 __all__ = ['is_transient', 'backoff_s', 'FetchError', 'retry']
 
-# %% ../../nbs/io/01a_retry.ipynb #c5270339
+# %% ../../nbs/io/01a_retry.ipynb #6880b4f5
 import random, re, time
 
-# %% ../../nbs/io/01a_retry.ipynb #25eda3b8
+# %% ../../nbs/io/01a_retry.ipynb #0f10ea0f
 _PERMANENT = re.compile(r'ACCESS_DENIED|NO_SUCH_(BUCKET|KEY|UPLOAD)|INVALID_ACCESS_KEY_ID|SIGNATURE_DOES_NOT_MATCH|'
                         r'HTTP status 40[0-4]\b|AccessDenied|NoSuch(Key|Bucket)|InvalidAccessKeyId|'
                         r'SignatureDoesNotMatch')
@@ -31,7 +31,7 @@ def backoff_s(k,                    # failures so far (1 for the wait after the 
     w = min(max_backoff, backoff * 2 ** (k - 1))
     return w * random.uniform(1 - jitter, 1.0) if jitter else w
 
-# %% ../../nbs/io/01a_retry.ipynb #037fd23f
+# %% ../../nbs/io/01a_retry.ipynb #1a7e0e17
 class FetchError(OSError):
     "A file could not be fetched or did not check out; the message names its URI and what was expected."
     def __init__(self, uri,         # the file (or root) that failed

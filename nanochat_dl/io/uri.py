@@ -6,14 +6,14 @@ file by file with each file's size."""
 # %% auto #0
 __all__ = ['ENDPOINT_ENVS', 'REGION_ENVS', 'is_local', 's3_filesystem', 'open_uri', 'RemoteFile', 'file_infos', 'list_files']
 
-# %% ../../nbs/io/01_uri.ipynb #b8861d31
+# %% ../../nbs/io/01_uri.ipynb #7dd5d6aa
 import os
 from typing import NamedTuple
 from urllib.parse import urlsplit
 import pyarrow.fs as pafs
 from ..core import location, uri_scheme
 
-# %% ../../nbs/io/01_uri.ipynb #b26bac0f
+# %% ../../nbs/io/01_uri.ipynb #fc80fc4b
 ENDPOINT_ENVS = ('AWS_ENDPOINT_URL_S3', 'AWS_ENDPOINT_URL')   # the first one set wins, as in the AWS SDKs
 REGION_ENVS = ('AWS_REGION', 'AWS_DEFAULT_REGION')
 
@@ -37,7 +37,7 @@ def s3_filesystem(env=None,          # environment to read (default: os.environ)
     if region: kw['region'] = region
     return pafs.S3FileSystem(**kw)
 
-# %% ../../nbs/io/01_uri.ipynb #23fbfa83
+# %% ../../nbs/io/01_uri.ipynb #3c5bc8de
 def open_uri(root,                  # `s3://bucket/prefix`, `gs://...`, `file://...`, `memory://...`, or a local path
              env=None,              # environment for S3 settings (default: os.environ)
              timeout=30.0,          # seconds an S3 request may stall
@@ -59,7 +59,7 @@ def open_uri(root,                  # `s3://bucket/prefix`, `gs://...`, `file://
     fs, path = fsspec.core.url_to_fs(s)
     return pafs.PyFileSystem(pafs.FSSpecHandler(fs)), path.rstrip('/')
 
-# %% ../../nbs/io/01_uri.ipynb #4e648fa0
+# %% ../../nbs/io/01_uri.ipynb #1711af3e
 class RemoteFile(NamedTuple):
     "One file under a root."
     path: str   # '/'-separated path under the root

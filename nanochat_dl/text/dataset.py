@@ -9,7 +9,7 @@ __all__ = ['PRESETS', 'DEFAULT_PRESET', 'SOURCE_FILE', 'BASE_URL_ENV', 'Preset',
            'check_shard', 'is_valid_shard', 'verify_shard', 'DownloadResult', 'download_single_file', 'shard_indices',
            'download', 'download_cli']
 
-# %% ../../nbs/text/02_dataset.ipynb #dd888a06
+# %% ../../nbs/text/02_dataset.ipynb #d945144d
 import os, re, secrets, sys, threading, time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -47,7 +47,7 @@ PRESETS = {
 }
 DEFAULT_PRESET = 'fineweb-edu-100b'
 
-# %% ../../nbs/text/02_dataset.ipynb #47a0a2df
+# %% ../../nbs/text/02_dataset.ipynb #912cf0c2
 def list_parquet_files(data_dir=None,  # the shard folder (default: `get_data_dir()`)
                       ) -> list[Path]:
     "Sorted paths of the complete `.parquet` files in `data_dir`; a non-regular one is refused."
@@ -57,7 +57,7 @@ def list_parquet_files(data_dir=None,  # the shard folder (default: `get_data_di
     for p in out: check_regular(p, 'a parquet shard')   # never opened: a FIFO would wait for a writer for ever
     return out
 
-# %% ../../nbs/text/02_dataset.ipynb #65b1fa15
+# %% ../../nbs/text/02_dataset.ipynb #5c679e9c
 SOURCE_FILE = '.nanochat_dl_source'
 _OUR_TEMP = re.compile(r'(.+\.parquet|' + re.escape(SOURCE_FILE) + r')\.[0-9a-f]{8}\.tmp')   # what `temp_beside` names
 
@@ -98,7 +98,7 @@ def mark_data_dir(data_dir,     # the folder (None: `get_data_dir()`)
         os.replace(tmp, d/SOURCE_FILE)
     return d
 
-# %% ../../nbs/text/02_dataset.ipynb #0ce4be4a
+# %% ../../nbs/text/02_dataset.ipynb #1b8f0dcd
 def _remove_temps(d, names=None) -> int:
     "Remove the temp files our writers leave in `d` (of the shards `names`, default all); safe under its lock only."
     gone = [f for f in os.listdir(d) if (m := _OUR_TEMP.fullmatch(f)) and (names is None or m[1] in names)]
@@ -137,7 +137,7 @@ def resolve_base_url(preset=DEFAULT_PRESET,  # whose host is the default
         raise ValueError(f"base URL {url!r} is not an http(s) URL: expected something like http://host:port/path")
     return url.rstrip('/')
 
-# %% ../../nbs/text/02_dataset.ipynb #1aada7db
+# %% ../../nbs/text/02_dataset.ipynb #ec2508ec
 def _check_layout(md, size, name):
     "`ValueError` unless every column chunk lies between the magic bytes and the footer, and the rows add up."
     end = size - 8 - md.serialized_size                  # where the footer starts
@@ -151,7 +151,7 @@ def _check_layout(md, size, name):
     if (rows := sum(md.row_group(g).num_rows for g in range(md.num_row_groups))) != md.num_rows:
         raise ValueError(f"{name}: its row groups hold {rows} rows, its footer says {md.num_rows}")
 
-# %% ../../nbs/text/02_dataset.ipynb #396cd310
+# %% ../../nbs/text/02_dataset.ipynb #f64de8cc
 def check_shard(path,                # a parquet file
                 text_column='text',  # the column of documents
                 name=None,           # how errors name the file (default: its file name)
@@ -181,7 +181,7 @@ def is_valid_shard(path,                # a parquet file (missing: False)
     try: check_shard(path, text_column); return True
     except (ValueError, OSError): return False
 
-# %% ../../nbs/text/02_dataset.ipynb #2dc3ee6c
+# %% ../../nbs/text/02_dataset.ipynb #7a9763f9
 def verify_shard(path,              # the file just downloaded
                  text_column='text', # the column of documents
                  name=None,          # how errors name the file (default: its file name)
@@ -201,7 +201,7 @@ def verify_shard(path,              # the file just downloaded
         raise ValueError(f"{name}: its sha256 is not the {sha256.lower()} the host published (got {h})")
     return n
 
-# %% ../../nbs/text/02_dataset.ipynb #da18220a
+# %% ../../nbs/text/02_dataset.ipynb #2181cf73
 @dataclass
 class DownloadResult:
     "What happened to one shard."
@@ -233,7 +233,7 @@ def _kept(path, p, d) -> bool:
     if is_valid_shard(path, p.text_column): mark_data_dir(d, p.name); return True
     path.unlink(); return False                      # present but broken: fetch it again
 
-# %% ../../nbs/text/02_dataset.ipynb #01d717e2
+# %% ../../nbs/text/02_dataset.ipynb #329ca157
 def download_single_file(index,                  # the shard's index in the preset
                          data_dir=None,          # the shard folder (default: `get_data_dir()`)
                          preset=DEFAULT_PRESET,  # which hosted set (a name or a `Preset`)
@@ -288,7 +288,7 @@ def shard_indices(n,                      # how many shards, from index 0 (-1: a
     if val and p.max_shard not in idx: idx.append(p.max_shard)
     return idx
 
-# %% ../../nbs/text/02_dataset.ipynb #9886a876
+# %% ../../nbs/text/02_dataset.ipynb #c4c214b2
 def _summary_lines(results, seconds, data_dir):
     by = {k: [r for r in results if r.status == k] for k in ('downloaded', 'skipped', 'failed')}
     got = sum(r.bytes for r in by['downloaded'])
@@ -299,7 +299,7 @@ def _summary_lines(results, seconds, data_dir):
         lines += [f"  - {r.error}" for r in by['failed']]
     return lines
 
-# %% ../../nbs/text/02_dataset.ipynb #9217c263
+# %% ../../nbs/text/02_dataset.ipynb #e9037220
 def download(n=8,                  # shards 0..n-1 (-1: all of them)
              workers=4,            # downloads in parallel (threads)
              data_dir=None,        # the shard folder (default: `get_data_dir()`)
@@ -337,7 +337,7 @@ def download(n=8,                  # shards 0..n-1 (-1: all of them)
     if verbose: print('\n'.join(_summary_lines(results, time.time() - t0, d)))
     return results
 
-# %% ../../nbs/text/02_dataset.ipynb #34e79ca2
+# %% ../../nbs/text/02_dataset.ipynb #55ef76b7
 @call_parse
 def download_cli(Num_files:int=8,          # shards to download: indices 0..n-1; -1 for all of them
                  Workers:int=4,            # parallel downloads

@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['lognormal_tail_share', 'calibrate_lognormal', 'fineweb_like_lengths']
 
-# %% ../../nbs/text/02a_lengths.ipynb #65615058
+# %% ../../nbs/text/02a_lengths.ipynb #150646bc
 import math
 import numpy as np
 

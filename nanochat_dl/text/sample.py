@@ -8,7 +8,7 @@ __all__ = ['SAMPLE_MODULES', 'SAMPLE_CHARS', 'CHARS_PER_TOKEN', 'stdlib_document
            'sample_shard_documents', 'make_sample_shards', 'ShardStats', 'ShardSummary', 'shard_summary',
            'plot_shard_layout', 'sample_cli']
 
-# %% ../../nbs/text/02b_sample.ipynb #eae7da55
+# %% ../../nbs/text/02b_sample.ipynb #6edc5559
 import inspect, json, os, random, re, subprocess, sys, warnings
 from pathlib import Path
 from typing import NamedTuple
@@ -48,7 +48,7 @@ wsgiref.simple_server wsgiref.util wsgiref.validate xml.dom xml.dom.minidom xml.
 xml.sax xml.sax.handler xml.sax.saxutils xml.sax.xmlreader xmlrpc.client xmlrpc.server zipapp zipfile zipimport zlib
 zoneinfo""".split())
 
-# %% ../../nbs/text/02b_sample.ipynb #f6b445fa
+# %% ../../nbs/text/02b_sample.ipynb #3374d31f
 def _doc_text(obj) -> str | None:
     "`obj`'s own docstring, cleaned, or None."
     import inspect
@@ -77,7 +77,7 @@ def _module_documents(mod, modname, add):
         if len(cparts) > 2: add(f"Class {modname}.{name}\n\n" + "\n\n".join(cparts))
     if len(parts) > 1: add(f"Module {modname}\n\n" + "\n\n".join(parts))
 
-# %% ../../nbs/text/02b_sample.ipynb #212f0fb1
+# %% ../../nbs/text/02b_sample.ipynb #f04aaca1
 def stdlib_documents(modules=None,  # module names (default: `SAMPLE_MODULES`)
                      min_chars=10,  # shorter texts are left out
                     ) -> list[str]:
@@ -98,7 +98,7 @@ def stdlib_documents(modules=None,  # module names (default: `SAMPLE_MODULES`)
     for k in sorted(topics): add(topics[k].strip())
     return docs
 
-# %% ../../nbs/text/02b_sample.ipynb #903b3108
+# %% ../../nbs/text/02b_sample.ipynb #8d2171e1
 def sample_documents(seed=0,                   # the order of the shuffle
                      modules=SAMPLE_MODULES,   # module names whose docstrings are collected
                      min_chars=10,             # shorter texts are left out
@@ -120,7 +120,7 @@ def sample_documents(seed=0,                   # the order of the shuffle
     random.Random(seed).shuffle(docs)
     return docs
 
-# %% ../../nbs/text/02b_sample.ipynb #37809fd1
+# %% ../../nbs/text/02b_sample.ipynb #b0af1ddc
 SAMPLE_CHARS = 13_000_000   # characters in the sample corpus: its text three times over, in FineWeb-Edu-like lengths
 CHARS_PER_TOKEN = 4.3       # of this text under an 8,192-id tokenizer trained on it
 
@@ -152,7 +152,7 @@ def sample_shard_documents(n_shards=5,         # shards; the last one is the val
     b = [round(i * len(raw) / n_shards) for i in range(n_shards + 1)]
     return [fineweb_like_documents(raw[b[i]:b[i + 1]], chars // n_shards, seed=(seed, i)) for i in range(n_shards)]
 
-# %% ../../nbs/text/02b_sample.ipynb #163f3817
+# %% ../../nbs/text/02b_sample.ipynb #50f8f031
 def _write_shard(table, path, row_group_size):
     "Write `table` as a shard at `path` through a temp file and an atomic rename, with the hosted shards' settings."
     fd, tmp = temp_beside(path)
@@ -179,7 +179,7 @@ def _shard_documents(n_shards, seed, docs) -> list:
     b = [round(i * len(docs) / n_shards) for i in range(n_shards + 1)]
     return [docs[b[i]:b[i + 1]] for i in range(n_shards)]
 
-# %% ../../nbs/text/02b_sample.ipynb #384dcb6b
+# %% ../../nbs/text/02b_sample.ipynb #00c85177
 def make_sample_shards(data_dir=None,       # the folder (default: `get_data_dir()`)
                        n_shards=5,          # shards; the last one is the val shard
                        row_group_size=64,   # documents per row group
@@ -212,7 +212,7 @@ def make_sample_shards(data_dir=None,       # the folder (default: `get_data_dir
         for f in extra: (d/f).unlink(missing_ok=True)   # only with overwrite, and only once the new set is complete
     return paths
 
-# %% ../../nbs/text/02b_sample.ipynb #bdadb027
+# %% ../../nbs/text/02b_sample.ipynb #fee8c82a
 class ShardStats(NamedTuple):
     "One shard file, counted."
     name: str             # the file name
@@ -250,7 +250,7 @@ def shard_summary(data_dir=None,       # the shard folder (default: `get_data_di
         out.append(ShardStats(f.name, len(gd), sum(gd), sum(gc), f.stat().st_size, tuple(gd), tuple(gc)))
     return out
 
-# %% ../../nbs/text/02b_sample.ipynb #225714b0
+# %% ../../nbs/text/02b_sample.ipynb #a05de98b
 def plot_shard_layout(summary,        # a `ShardSummary` (what `shard_summary` returns)
                       ax=None,        # the matplotlib axes to draw on (default: a new figure)
                       figsize=(8, 3), # size of that new figure
@@ -275,7 +275,7 @@ def plot_shard_layout(summary,        # a `ShardSummary` (what `shard_summary` r
     if norm is not None: ax.figure.colorbar(cm.ScalarMappable(norm=norm, cmap=cmap), ax=ax, label='mean chars / doc')
     return ax
 
-# %% ../../nbs/text/02b_sample.ipynb #b09fb6e0
+# %% ../../nbs/text/02b_sample.ipynb #e0146703
 @call_parse
 def sample_cli(data_dir:str=None,      # target folder (else $NANOCHAT_DL_DATA_DIR, else ~/.cache/nanochat_dl/base_data)
                n_shards:int=5,         # number of shards; the last is the val shard
