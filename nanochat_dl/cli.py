@@ -36,7 +36,7 @@ import sys, importlib
 from . import __version__
 
 COMMANDS = {
-    'sample':          ('nanochat_dl.text.dataset',    'sample_cli',          'write the offline sample shards (no download)'),
+    'sample':          ('nanochat_dl.text.sample',     'sample_cli',          'write the offline sample shards (no download)'),
     'download':        ('nanochat_dl.text.dataset',    'download_cli',        'download parquet shards in parallel'),
     'train-tokenizer': ('nanochat_dl.text.tokenizer',  'train_tokenizer_cli', 'train a BPE tokenizer on the local train shards'),
     'tokenize':        ('nanochat_dl.tokens.arrow',      'tokenize_cli',        'tokenize parquet shards into arrow token files (fms-fsdp layout) with counts and manifest'),

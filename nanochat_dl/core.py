@@ -4,9 +4,9 @@
 
 # %% auto #0
 __all__ = ['LOCK_FILE', 'LOCK_WAIT_S', 'DistInfo', 'get_dist_info', 'uri_scheme', 'location', 'local_location', 'get_base_dir',
-           'get_data_dir', 'get_tokenizer_dir', 'get_nanochat_data_dir', 'atomic_write', 'check_int', 'file_in_the_way',
-           'human_bytes', 'usable_folder', 'file_kind', 'open_lock_file', 'folder_lock', 'check_regular', 'on_drop',
-           'load_average', 'load_line']
+           'get_data_dir', 'get_tokenizer_dir', 'get_nanochat_data_dir', 'atomic_write', 'sha256_of_file', 'check_int',
+           'file_in_the_way', 'human_bytes', 'usable_folder', 'file_kind', 'open_lock_file', 'folder_lock',
+           'check_regular', 'on_drop', 'load_average', 'load_line']
 
 # %% ../nbs/00_core.ipynb #4db050d3
 import os
@@ -133,6 +133,17 @@ def atomic_write(path,       # the file to (over)write; its folder is created if
         if os.path.exists(tmp): os.unlink(tmp)
         raise
     return path
+
+# %% ../nbs/00_core.ipynb #9ddf3a22
+import hashlib
+
+def sha256_of_file(path,  # a file
+                   ) -> str:
+    "The sha256 of every byte of file `path` (read now, in 1 MiB blocks), as hex."
+    h = hashlib.sha256()
+    with open(path, 'rb') as f:
+        while b := f.read(1 << 20): h.update(b)
+    return h.hexdigest()
 
 # %% ../nbs/00_core.ipynb #0495dde0
 def check_int(name,  # how the error names the value (an argument, an option)

@@ -12,7 +12,7 @@ from s3util import moto, proxy, use_proxy   # noqa: F401 (fixtures)
 from test_s3_loaders import KW, objects, token_root
 
 from nanochat_dl.tokens.arrow import TokenRoot
-from nanochat_dl.io.remote import FileCache
+from nanochat_dl.io.cache import FileCache
 from nanochat_dl.tokens.streaming import StreamingLoader
 
 pytest.importorskip('moto')
@@ -212,7 +212,7 @@ def test_an_object_replaced_mid_download_is_never_pieced_together(moto, proxy, b
 PACKED_SIGNAL_CLOSE = r'''
 import signal, sys, tempfile, time
 from pathlib import Path
-from nanochat_dl.text.dataset import make_sample_shards
+from nanochat_dl.text.sample import make_sample_shards
 from nanochat_dl.text.tokenizer import train_tokenizer
 from nanochat_dl.text.loader import PackedLoader
 d = Path(sys.argv[1]); make_sample_shards(d/'sample')

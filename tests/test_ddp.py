@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from nanochat_dl.text.dataset import make_sample_shards
+from nanochat_dl.text.sample import make_sample_shards
 from nanochat_dl.text.tokenizer import train_tokenizer
 
 WORKER = """

@@ -14,8 +14,8 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from nanochat_dl.core import LOCK_FILE
 
 from nanochat_dl.testing import ShardServer
-from nanochat_dl.text.dataset import (BASE_URL_ENV, SOURCE_FILE, DownloadResult, download, download_cli, download_single_file,
-                                 make_sample_shards, sample_cli, shard_summary)
+from nanochat_dl.text.dataset import BASE_URL_ENV, SOURCE_FILE, DownloadResult, download, download_cli, download_single_file
+from nanochat_dl.text.sample import make_sample_shards, sample_cli, shard_summary
 
 FAST = dict(backoff=0.001, timeout=5)        # keep retries quick
 NAMES = [f'shard_{i:05d}.parquet' for i in range(4)]
@@ -457,7 +457,7 @@ def test_ctrl_c_stops_a_download_promptly(served, tmp_path, fault):
 
 RACER = """
 import os, sys, time
-import nanochat_dl.text.dataset as ds
+import nanochat_dl.text.sample as ds
 folder, n, delay, go = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), sys.argv[4]
 write = ds._write_shard
 def slow_write(*a, **k): time.sleep(delay); return write(*a, **k)   # widen the window a race needs
@@ -469,7 +469,8 @@ sys.exit(ds.sample_cli(data_dir=folder, n_shards=n))
 
 def test_racing_sample_runs_leave_one_split(tmp_path):
     "Two `sample` runs with different --n-shards at once: one wins, the other refuses; the folder holds one split."
-    from nanochat_dl.text.dataset import list_parquet_files, sample_shard_documents
+    from nanochat_dl.text.dataset import list_parquet_files
+    from nanochat_dl.text.sample import sample_shard_documents
     folder, go = tmp_path/'data', tmp_path/'go'
     procs = {n: subprocess.Popen([sys.executable, '-c', RACER, str(folder), str(n), str(delay), str(go)],
                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -615,7 +616,7 @@ def test_a_206_must_continue_the_version_and_size_of_the_first_answer():
     import io, re
     from types import SimpleNamespace
     from requests.structures import CaseInsensitiveDict
-    from nanochat_dl.text.dataset import _Body, _Retry
+    from nanochat_dl.io.http import _Body, _Retry
     def resp(status, **headers): return SimpleNamespace(status_code=status, headers=CaseInsensitiveDict(headers), history=[])
     first = {'Content-Length': '100', 'Accept-Ranges': 'bytes', 'ETag': '"v1"', 'Last-Modified': 'Mon, 01 Jan 2024 00:00:00 GMT'}
     def holding_40(**over):

@@ -50,18 +50,18 @@ def test_lock_file_is_never_truncated_and_names_the_holder(tmp_path):
 
 def test_cache_lock_files_never_follow_a_planted_link(tmp_path):
     "The object-storage cache's lock files (`.lock`, `.locks/*.lock`) are lock files only: a link there creates nothing elsewhere."
-    from nanochat_dl.io.remote import _Flock
+    from nanochat_dl.io.cachedir import Flock
     (tmp_path/'elsewhere').mkdir()
     (tmp_path/'x.lock').symlink_to(tmp_path/'elsewhere'/'made.txt')
     with pytest.raises(ValueError, match='x.lock is a symbolic link'):
-        with _Flock(tmp_path/'x.lock'): pass
+        with Flock(tmp_path/'x.lock'): pass
     assert os.listdir(tmp_path/'elsewhere') == []
 
 
 def test_cache_cleaning_does_not_wait_on_a_fifo(tmp_path):
     "A FIFO among a cache's temp files is removed like a dead writer's temp, not opened for reading (which waits for ever)."
     os.mkfifo(tmp_path/'a.bin.5.0123.part')
-    probe = "import sys; from nanochat_dl.io.remote import _try_remove; print(_try_remove(sys.argv[1]))"
+    probe = "import sys; from nanochat_dl.io.cachedir import try_remove; print(try_remove(sys.argv[1]))"
     out = subprocess.run([sys.executable, '-c', probe, str(tmp_path/'a.bin.5.0123.part')], capture_output=True, text=True, timeout=20)
     assert out.stdout == 'True\n' and os.listdir(tmp_path) == []
 

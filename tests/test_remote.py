@@ -1,4 +1,4 @@
-"""nanochat_dl.io.remote against a real S3-compatible server (moto, a child process on 127.0.0.1) behind a
+"""nanochat_dl.io (the file cache) against a real S3-compatible server (moto, a child process on 127.0.0.1) behind a
 fault-injecting proxy: fetch and verify, cache hits, background prefetch, 5xx/SlowDown, resets,
 truncated and stalled bodies, a server killed and restarted, objects replaced, eviction under a cap,
 offline restarts, two processes sharing one cache folder, and a process killed mid-download."""
@@ -10,7 +10,10 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from s3util import FaultProxy, MotoServer, moto, proxy, s3_env, until, use_proxy, wait_port   # noqa: F401 (moto, proxy: fixtures)
 
-from nanochat_dl.io.remote import _Flock, FetchError, FileCache, RemoteFile, is_transient, list_files, open_uri
+from nanochat_dl.io.cachedir import Flock
+from nanochat_dl.io.retry import FetchError, is_transient
+from nanochat_dl.io.cache import FileCache
+from nanochat_dl.io.uri import RemoteFile, list_files, open_uri
 
 pytest.importorskip('moto')
 FAST = dict(backoff=0.01, max_backoff=0.05, timeout=5)
@@ -33,7 +36,7 @@ def finished(cache_dir):
     prefetch running meanwhile cannot remove a copy between the listing and its reading (it may only add one, within the
     room it reserved)."""
     top = Path(cache_dir)/'files'
-    with _Flock(Path(cache_dir)/'.lock'):
+    with Flock(Path(cache_dir)/'.lock'):
         return {p.relative_to(top).as_posix(): p.read_bytes() for p in sorted(top.rglob('*')) if p.is_file()}
 
 
@@ -119,7 +122,7 @@ def test_prefetch_along_the_plan(s3, tmp_path, proxy):
 
 def test_a_slow_rescan_does_not_overwrite_a_newer_one(s3, tmp_path, monkeypatch):
     "Two threads rescan the cache folder at once: the totals kept are those of the listing that started last, not of the one that ended last."
-    import nanochat_dl.io.remote as R
+    import nanochat_dl.io.cachedir as R
     root, objs = s3
     c = FileCache(root, tmp_path/'c', prefetch=0, **FAST)
     c.local(NAMES[0])
@@ -174,7 +177,7 @@ def test_a_body_shorter_than_its_size_is_refused(tmp_path):
     import io
     import pyarrow.fs as pafs
     from fsspec.implementations.memory import MemoryFileSystem
-    from nanochat_dl.io.remote import fetch_file
+    from nanochat_dl.io.fetch import fetch_file
     class Cut(io.BytesIO):
         def read(self, n=-1):
             return super().read(max(0, min(n if n >= 0 else 1 << 30, 3000 - self.tell())))
@@ -292,7 +295,7 @@ def test_pinned_files_are_not_evicted(s3, tmp_path):
 
 PINNER = r'''
 import sys
-from nanochat_dl.io.remote import FileCache
+from nanochat_dl.io.cache import FileCache
 c = FileCache(sys.argv[1], sys.argv[2], cache_size=int(sys.argv[3]), prefetch=0, backoff=0.01, max_backoff=0.05, timeout=5)
 c.pin(sys.argv[4]); print('pinned', flush=True)
 sys.stdin.readline()                                      # hold the pin until told to go
@@ -350,7 +353,7 @@ def test_offline_after_a_full_pass(tmp_path, monkeypatch):
 
 WORKER = r'''
 import hashlib, json, sys
-from nanochat_dl.io.remote import FileCache
+from nanochat_dl.io.cache import FileCache
 root, cache_dir, cap, order, manifest = sys.argv[1], sys.argv[2], int(sys.argv[3]), json.loads(sys.argv[4]), json.loads(sys.argv[5])
 c = FileCache(root, cache_dir, cache_size=cap, prefetch=1, threads=1, sha256=manifest, backoff=0.01, max_backoff=0.05, timeout=5)
 c.want(order)
@@ -381,7 +384,7 @@ def test_two_processes_share_one_cache_folder(s3, tmp_path):
 
 CRASHER = r'''
 import sys
-from nanochat_dl.io.remote import FileCache
+from nanochat_dl.io.cache import FileCache
 FileCache(sys.argv[1], sys.argv[2], timeout=60, chunk_size=1 << 16).local(sys.argv[3])
 '''
 

@@ -13,7 +13,7 @@ from s3util import moto, proxy, until, use_proxy   # noqa: F401 (fixtures)
 from test_s3_loaders import KW, PKW, objects, text, token_root   # noqa: F401 (text: a fixture)
 
 from nanochat_dl.tokens.arrow import TokenFile, TokenRoot
-from nanochat_dl.io.remote import FileCache
+from nanochat_dl.io.cache import FileCache
 from nanochat_dl.tokens.streaming import StreamingLoader
 
 pytest.importorskip('moto')
@@ -181,7 +181,7 @@ def test_packed_loader_refresh_lists_again(text, moto, bucket, tmp_path):
 
 PINNER = r'''
 import sys
-from nanochat_dl.io.remote import FileCache
+from nanochat_dl.io.cache import FileCache
 c = FileCache(sys.argv[1], sys.argv[2], attempts=1, backoff=0.01, timeout=5)
 try: c.pin(sys.argv[3])
 except ValueError as e: print('refused:', e)

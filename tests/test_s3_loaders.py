@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from s3util import FaultProxy, MotoServer, moto, proxy, s3_env, until, use_proxy   # noqa: F401 (moto, proxy: fixtures)
 
 from nanochat_dl.tokens.arrow import TokenRoot, file_record, update_counts, update_manifest, write_token_file
-from nanochat_dl.io.remote import FetchError
+from nanochat_dl.io.retry import FetchError
 from nanochat_dl.tokens.streaming import StreamingLoader
 
 pytest.importorskip('moto')
@@ -204,7 +204,7 @@ def test_streaming_dataset_from_s3(local, s3root, tmp_path, monkeypatch):
 def test_a_forked_worker_builds_its_own_stream(local, s3root, tmp_path, monkeypatch):
     "The process that made a `StreamingDataset` used it (`state_dict()`: its stream fetches ahead, and a prefetch is under way) before a forked DataLoader worker of the same unit starts: the worker opens the root again rather than wait on a download of the parent's, which no thread of its own will finish."
     from torchdata.stateful_dataloader import StatefulDataLoader
-    import nanochat_dl.io.remote as R
+    import nanochat_dl.io.cache as R
     from nanochat_dl.tokens.streaming import StreamingDataset
     kw = dict(n_logical_shards=16, shuffle_window=20, seed=3, bos_token=1)
     rows = lambda dl, n: [x.clone() for x, _ in itertools.islice(dl, n)]
@@ -334,7 +334,7 @@ def words(f, g, r): return ' '.join([f"w{f}{g}{r}x"] * (1 + (7 * f + 3 * g + 5 *
 @pytest.fixture(scope='module')
 def text(tmp_path_factory):
     "Six toy shards (five train, one val) and a small tokenizer trained on the sample shards."
-    from nanochat_dl.text.dataset import make_sample_shards
+    from nanochat_dl.text.sample import make_sample_shards
     from nanochat_dl.testing import write_toy_shards
     from nanochat_dl.text.tokenizer import train_tokenizer
     d = tmp_path_factory.mktemp('s3text')
@@ -479,7 +479,7 @@ def read_json(p): return json.loads(Path(p).read_text())
 def test_tokenize_to_s3_never_shows_half_a_file(text, moto, bucket, proxy, tmp_path):
     "Uploads cut by resets and 503s are retried; one the store refuses (403) fails the run: no manifest, no partial object, nothing hidden left over."
     from nanochat_dl.tokens.arrow import tokenize
-    from nanochat_dl.io.remote import FetchError
+    from nanochat_dl.io.retry import FetchError
     shards, tok = text
     moto.put(bucket, {})
     proxy.add('status', path='.part', method='PUT', count=2, status=503)
@@ -549,3 +549,34 @@ def test_closing_one_loader_leaves_another_on_the_same_remote_root_reading(local
     got = [(x.rows.copy(), json.loads(json.dumps(x.state))) for x in first] + batches(b, 28)
     same(got, want)
     tr.close()
+
+
+def test_cache_sized_below_a_ranks_share_refetches(moto, bucket, tmp_path):
+    "Rank 0 of 2 reads a bucket exactly as local disk through a cache with room for its share (each file fetched once) and through one with room for two files, which fetches more than ten times the data (from the file cache chapter, `nbs/io/01d_cache.ipynb`)."
+    troot, rng = tmp_path/'troot', np.random.default_rng(1)
+    for ds, names in {'web': ['a.arrow', 'b.arrow', 'c.arrow'], 'code': ['x.arrow']}.items():
+        recs = {}
+        for f in names:
+            write_token_file(troot/ds/f, [rng.integers(3, 1000, n) for n in rng.integers(0, 300, 150)])
+            recs[f] = file_record(troot/ds/f)
+        update_counts(troot, ds, {f: (r.documents, r.tokens) for f, r in recs.items()})
+        update_manifest(troot, ds, recs)
+    moto.put(bucket, objects(troot, 'troot'))
+    sizes = sorted(q.stat().st_size for q in troot.rglob('*.arrow'))
+    kw = dict(seq_len=256, batch_size=4, bos_token=1, shuffle_window=100, prefetch=0, rank=0, world_size=2)
+
+    def from_bucket(cap, n=100):
+        "The same batches and states from the bucket (a cache capped at `cap` bytes) as from local disk; the cache's counters."
+        local = StreamingLoader(troot, **kw)
+        remote = StreamingLoader(f's3://{bucket}/troot', **kw, cache_dir=tmp_path/f'cache{cap}', cache_size=cap)
+        try:
+            for _ in range(n):
+                a, b = next(local), next(remote)
+                assert np.array_equal(a.rows, b.rows) and a.state == b.state
+            assert a.metrics['cache'] is None                                 # local data: no cache
+            return b.metrics['cache']
+        finally: local.close(); remote.close()
+
+    share, tight = from_bucket(sum(sizes[-3:])), from_bucket(sum(sizes[-2:]))
+    assert share['fetched_bytes'] < sum(sizes) and share['cached_bytes'] <= sum(sizes[-3:])   # no token file fetched twice
+    assert tight['evictions'] > 0 and tight['fetched_bytes'] > 10 * sum(sizes) and tight['cached_bytes'] <= sum(sizes[-2:])

@@ -9,7 +9,7 @@ import pytest
 
 from nanochat_dl.tokens.arrow import TokenRoot, _run_tasks, read_manifest, tokenize
 from nanochat_dl.cli import main
-from nanochat_dl.text.dataset import make_sample_shards
+from nanochat_dl.text.sample import make_sample_shards
 from nanochat_dl.text.tokenizer import Tokenizer, train_tokenizer
 
 BIN = Path(sys.executable).parent

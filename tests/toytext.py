@@ -1,5 +1,5 @@
 """Toy text data for the loader tests: row groups of repeated words, a tokenizer trained in the test, each document's length."""
-from nanochat_dl.text.dataset import make_sample_shards
+from nanochat_dl.text.sample import make_sample_shards
 from nanochat_dl.text.shards import read_documents
 from nanochat_dl.testing import write_toy_shards
 from nanochat_dl.text.tokenizer import train_tokenizer

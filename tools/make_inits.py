@@ -7,7 +7,7 @@ import ast, pathlib, sys
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 LIB = ROOT / 'nanochat_dl'
 ABOUT = {
-    'io':     'Files from anywhere: URIs and retry, the verified local file cache, uploads.',
+    'io':     'Files from anywhere: URIs and retries, whole checked fetches and uploads, the file cache, HTTP downloads.',
     'text':   "The nanochat path: presets and downloads, row-group shards, the tokenizer, encoders, the text loader.",
     'pipe':   'What both loaders share: the stage protocol, packing, transfer to the device.',
     'tokens': "The fms-fsdp path: token files, counts and manifest, the root, tokenize, the stream and its loader.",

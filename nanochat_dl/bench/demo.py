@@ -13,7 +13,8 @@ from pathlib import Path
 import numpy as np
 from fastcore.script import call_parse
 from ..core import usable_folder, get_data_dir, get_base_dir, get_tokenizer_dir, check_int, local_location
-from ..text.dataset import list_parquet_files, make_sample_shards
+from ..text.dataset import list_parquet_files
+from ..text.sample import make_sample_shards
 from ..text.tokenizer import get_tokenizer, train_tokenizer
 from ..pipe.packing import STRATEGIES, PackedBatch, show_batch, percent
 from ..pipe.transfer import resolve_device

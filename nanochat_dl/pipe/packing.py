@@ -5,8 +5,7 @@
 # %% auto #0
 __all__ = ['STRATEGIES', 'HELD', 'GUARDED', 'MAX_WAIT', 'Segment', 'PackedBatch', 'FlatDocs', 'percent', 'entered_runs',
            'entered_rows', 'PackerBase', 'ReferencePacker', 'ListPull', 'batch_colours', 'batch_legend', 'show_batch',
-           'Packer', 'lognormal_tail_share', 'calibrate_lognormal', 'fineweb_like_lengths', 'segment_starts',
-           'pad_mask', 'position_ids', 'CuSeqlens', 'cu_seqlens']
+           'Packer', 'segment_starts', 'pad_mask', 'position_ids', 'CuSeqlens', 'cu_seqlens']
 
 # %% ../../nbs/pipe/06_packing.ipynb #f96e75f2
 import bisect, heapq, math, os, sys, time, zlib
@@ -807,42 +806,6 @@ def restore(self:Packer, items,    # `(tokens, key, offset)` in buffer order; to
     self._row, self._held = row, keep
 
 Packer.load_buffer = Packer.restore
-
-# %% ../../nbs/pipe/06_packing.ipynb #e86efd69
-def _Phi(x): return 0.5 * (1 + math.erf(x / math.sqrt(2)))
-
-def lognormal_tail_share(sigma,  # the lognormal's shape parameter
-                         mean,   # its mean
-                         c,      # the cut: a row of T+1 tokens
-                        ) -> float:
-    "Share of a lognormal(mean, sigma)'s mass beyond `c`: E[(X-c)+] / E[X]."
-    mu = math.log(mean) - sigma ** 2 / 2
-    return _Phi((mu + sigma ** 2 - math.log(c)) / sigma) - c / mean * _Phi((mu - math.log(c)) / sigma)
-
-def calibrate_lognormal(mean=1000.0,  # mean document length in tokens
-                        floor=0.23,   # share of all tokens beyond T+1 in their document
-                        T=2048,       # rows of T+1 tokens
-                       ):
-    "`(mu, sigma)` of the lognormal with mean `mean` whose tokens beyond `T+1` are a share `floor` of all tokens."
-    if not 0 < floor < 1: raise ValueError(f"floor={floor!r} is invalid: expected a share strictly between 0 and 1")
-    lo, hi = 1e-3, 10.0
-    for _ in range(100):
-        mid = (lo + hi) / 2
-        if lognormal_tail_share(mid, mean, T + 1) < floor: lo = mid
-        else: hi = mid
-    sigma = (lo + hi) / 2
-    return math.log(mean) - sigma ** 2 / 2, sigma
-
-def fineweb_like_lengths(n,              # how many lengths
-                         rng,            # a `numpy.random.Generator`
-                         mean=1000.0,    # mean document length in tokens
-                         floor=0.23,     # share of all tokens beyond T+1 in their document
-                         T=2048,         # rows of T+1 tokens
-                         max_len=1 << 20, # the longest length allowed
-                        ) -> np.ndarray:
-    "`n` document lengths (tokens, BOS included) from the calibrated lognormal, rounded, between 1 and `max_len`."
-    mu, sigma = calibrate_lognormal(mean, floor, T)
-    return np.clip(np.rint(rng.lognormal(mu, sigma, n)), 1, max_len).astype(np.int64)
 
 # %% ../../nbs/pipe/06_packing.ipynb #552fdbeb
 def segment_starts(batch,  # a `PackedBatch`

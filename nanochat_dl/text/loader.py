@@ -21,7 +21,8 @@ import torch
 from ..core import get_dist_info, human_bytes, check_int, on_drop
 from fastcore.basics import patch
 from .shards import RowGroupReader, RowGroupTexts, Slice, split_files, split_shards, read_documents, nanochat_state, open_shard_bytes, row_group_plan
-from ..io.remote import cache_metrics, pin_copies, unpin_copies
+from ..io.cache import cache_metrics
+from ..io.cachedir import pin_copies, unpin_copies
 from ..pipe.stages import Stage, Doc
 from ..pipe.packing import (Packer, ReferencePacker, PackedBatch, FlatDocs, STRATEGIES, GUARDED, HELD,
                                  position_ids, cu_seqlens, entered_runs, entered_rows)

@@ -17,7 +17,10 @@ from fastcore.basics import patch
 import os
 from contextlib import contextmanager
 from ..core import get_data_dir, get_dist_info, check_int
-from ..io.remote import FetchError, FileCache, cache_for, is_local, local_copy
+from ..io.retry import FetchError
+from ..io.cache import FileCache
+from ..io.cachedir import cache_for, local_copy
+from ..io.uri import is_local
 
 # %% ../../nbs/text/03_shards.ipynb #8b13a313
 SPLITS = ('train', 'val')

@@ -27,8 +27,11 @@ from ..core import (check_int, check_regular, file_in_the_way, folder_lock, get_
                               get_tokenizer_dir, location)
 from ..text.dataset import list_parquet_files
 from ..text.shards import split_files, split_shards, open_shard, read_group, check_utf8_errors
-from ..io.remote import (Cancelled, FileCache, cache_metrics, default_cache_dir, is_local, list_files, open_uri, retry,
-                                upload_file)
+from ..io.fetch import Cancelled, upload_file
+from ..io.cache import FileCache, cache_metrics
+from ..io.cachedir import default_cache_dir
+from ..io.uri import is_local, list_files, open_uri
+from ..io.retry import retry
 
 # %% ../../nbs/tokens/11_arrow.ipynb #319519f0
 TOKENS = 'tokens'                          # the column fms-fsdp reads
