@@ -11,7 +11,8 @@ from hypothesis import HealthCheck, event, given, settings, strategies as st
 from nanochat_dl.text.loader import PackedLoader, reference_loader
 from nanochat_dl.dataloader import tokenizing_distributed_data_loader_with_state_bos_bestfit
 from nanochat_dl.pipe.packing import STRATEGIES
-from nanochat_dl.text.shards import RowGroupReader, split_files
+from nanochat_dl.text.reader import RowGroupReader
+from nanochat_dl.text.shards import split_files
 from stateedit import DELETE, edited, paths   # a state's fields, and a copy with one edited
 from toytext import toy_text_env, words
 
@@ -229,7 +230,7 @@ def test_close_frees_a_consumer_stuck_on_a_hung_worker(env, monkeypatch):
     """A worker that stops answering (SIGSTOP here) blocks the next batch. `close()` from another thread kills the
     workers once the background thread does not stop in time, and the waiting consumer gets a clear error."""
     import signal, threading
-    from nanochat_dl import loader
+    from nanochat_dl.text import loader
     monkeypatch.setattr(loader, '_JOIN_TIMEOUT', 1.0)
     ld = PackedLoader(env['tok'], 4, 256, files=split_files('train', env['data']), device='cpu', tokenizer_threads=2,
                       tokenize_in='processes', buffer_size=20)
@@ -508,9 +509,10 @@ def runs(env):
 class Reads:
     "Counts documents read or encoded while it is active (a refused state must cost neither)."
     def __init__(self, monkeypatch):
-        from nanochat_dl import encode, loader, shards
+        from nanochat_dl.text import encode, loader, reader, shards
         self.n = 0
-        for mod, name in ((loader, 'read_documents'), (shards, 'read_group'), (shards, '_read_column')):
+        for mod, name in ((loader, 'read_documents'), (shards, 'read_group'), (reader, 'read_group'),
+                          (shards, '_read_column')):
             orig = getattr(mod, name)
             def spy(*a, _orig=orig, **k): self.n += 1; return _orig(*a, **k)
             monkeypatch.setattr(mod, name, spy)
@@ -717,7 +719,7 @@ def test_workers_reading_rows_give_the_batches_of_the_text_path(env, strategy):
 def test_no_text_is_read_in_the_training_process(env, monkeypatch):
     """With worker processes, the training process reads footers only: no row group is decoded and no text is sent, neither
     while streaming nor when a resume rebuilds the packing buffer (the workers fetch it)."""
-    from nanochat_dl import encode, shards
+    from nanochat_dl.text import encode, shards
     kw = dict(files=split_files('train', env['data']), B=4, T=512, tokenizer_batch_size=32, buffer_size=40, device='cpu',
               tokenizer_threads=2, tokenize_in='processes')
     want = _stream(env['tok'], 14, **kw)
@@ -793,7 +795,7 @@ def test_close_from_another_thread_with_busy_workers(env, monkeypatch, prefetch)
     time limit): the busy workers are killed without waiting the join timeout, and the consumer gets a clear error
     (never an `OSError` from pipes closed under it)."""
     import signal, threading
-    from nanochat_dl import loader
+    from nanochat_dl.text import loader
     monkeypatch.setattr(loader, '_JOIN_TIMEOUT', 3600.0)   # a close that waits for the join timeout hangs the test
     ld = PackedLoader(env['tok'], 4, 256, files=split_files('train', env['data']), device='cpu', tokenizer_threads=2,
                       tokenize_in='processes', buffer_size=20, prefetch=prefetch, worker_timeout=None)
