@@ -849,6 +849,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                        'nanochat_dl/text/encode.py'),
                                          'nanochat_dl.text.encode.DocEncoder._reader': ( 'text/encode.html#docencoder._reader',
                                                                                          'nanochat_dl/text/encode.py'),
+                                         'nanochat_dl.text.encode.DocEncoder._start': ( 'text/encode.html#docencoder._start',
+                                                                                        'nanochat_dl/text/encode.py'),
                                          'nanochat_dl.text.encode.DocEncoder.close': ( 'text/encode.html#docencoder.close',
                                                                                        'nanochat_dl/text/encode.py'),
                                          'nanochat_dl.text.encode.DocEncoder.result': ( 'text/encode.html#docencoder.result',
