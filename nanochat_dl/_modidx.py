@@ -1286,6 +1286,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                     'nanochat_dl/text/tokenizer.py'),
                                             'nanochat_dl.text.tokenizer._no_dup_keys': ( 'text/tokenizer.html#_no_dup_keys',
                                                                                          'nanochat_dl/text/tokenizer.py'),
+                                            'nanochat_dl.text.tokenizer._parse_meta': ( 'text/tokenizer.html#_parse_meta',
+                                                                                        'nanochat_dl/text/tokenizer.py'),
                                             'nanochat_dl.text.tokenizer._read_meta': ( 'text/tokenizer.html#_read_meta',
                                                                                        'nanochat_dl/text/tokenizer.py'),
                                             'nanochat_dl.text.tokenizer._tiktoken_cache_dir': ( 'text/tokenizer.html#_tiktoken_cache_dir',

@@ -57,51 +57,61 @@ class Tokenizer:
     def decode(self, ids,  # token ids: a list, an array or a tensor
               ) -> str: return self.enc.decode(ids.tolist() if hasattr(ids, 'tolist') else list(ids))
 
-    def encode_special(self, text: str,  # the special token's name, e.g. `'<|bos|>'`
-                      ) -> int:
-        "The id of special token `text`; anything else is an error (ordinary text goes through `encode`)."
-        try: return self._special[text]
-        except (KeyError, TypeError):
-            raise ValueError(f"{text!r} is not a special token of this tokenizer "
-                             f"(it has {sorted(self._special, key=self._special.get)})") from None
+# %% ../../nbs/text/04_tokenizer.ipynb #c08cdccd
+@patch
+def encode_special(self: Tokenizer,
+                   text: str,  # the special token's name, e.g. `'<|bos|>'`
+                  ) -> int:
+    "The id of special token `text`; anything else is an error (ordinary text goes through `encode`)."
+    try: return self._special[text]
+    except (KeyError, TypeError):
+        raise ValueError(f"{text!r} is not a special token of this tokenizer "
+                         f"(it has {sorted(self._special, key=self._special.get)})") from None
 
-    def _token_id(self, tok, what) -> int:
-        if isinstance(tok, str): return self.encode_special(tok)
-        if isinstance(tok, bool): raise TypeError(f"{what} must be a token id or a special token string, got a bool")
-        try: i = operator.index(tok)
-        except TypeError:
-            raise TypeError(f"{what} must be a token id (int) or a special token string, got {type(tok).__name__}") from None
-        if not 0 <= i < self.enc.n_vocab: raise ValueError(f"{what}={i} is outside the vocabulary [0, {self.enc.n_vocab})")
-        return i
+@patch
+def _token_id(self: Tokenizer, tok, what) -> int:
+    "`tok` as a token id: an id in the vocabulary, or the name of a special token; `what` names it in errors."
+    if isinstance(tok, str): return self.encode_special(tok)
+    if isinstance(tok, bool): raise TypeError(f"{what} must be a token id or a special token string, got a bool")
+    try: i = operator.index(tok)
+    except TypeError:
+        raise TypeError(f"{what} must be a token id (int) or a special token string, "
+                        f"got {type(tok).__name__}") from None
+    if not 0 <= i < self.enc.n_vocab: raise ValueError(f"{what}={i} is outside the vocabulary [0, {self.enc.n_vocab})")
+    return i
 
-    def encode(self, text,              # a document (str) or a list of them
-               prepend=None,           # an id or a special token put before each document (e.g. the BOS)
-               append=None,            # an id or a special token put after each document
-               num_threads: int = 8):  # threads for a list (1: a plain loop)
-        "`str` -> ids, or `list[str]` -> list of ids (in `num_threads` threads); `prepend`/`append`: an id or a special token."
-        pre = None if prepend is None else [self._token_id(prepend, 'prepend')]
-        post = None if append is None else self._token_id(append, 'append')
-        if isinstance(text, str):
-            ids = self.enc.encode_ordinary(text)
-            if pre is not None: ids = pre + ids
-            if post is not None: ids.append(post)
-            return ids
-        if not isinstance(text, (list, tuple)):
-            raise TypeError(f"encode expects a str or a list of str, got {type(text).__name__}")
-        if num_threads <= 1 or len(text) <= 1: rows = [self.enc.encode_ordinary(t) for t in text]
-        else: rows = self.enc.encode_ordinary_batch(list(text), num_threads=num_threads)
-        if pre is not None: rows = [pre + r for r in rows]
-        if post is not None:
-            for r in rows: r.append(post)
-        return rows
+# %% ../../nbs/text/04_tokenizer.ipynb #4eaa4de4
+@patch
+def encode(self: Tokenizer,
+           text,                   # a document (str) or a list of them
+           prepend=None,           # an id or a special token put before each document (e.g. the BOS)
+           append=None,            # an id or a special token put after each document
+           num_threads: int = 8):  # threads for a list (1: a plain loop)
+    "`str` -> ids, or `list[str]` -> list of ids (in `num_threads` threads), with `prepend` and `append` ids."
+    pre = None if prepend is None else [self._token_id(prepend, 'prepend')]
+    post = None if append is None else self._token_id(append, 'append')
+    if isinstance(text, str):
+        ids = self.enc.encode_ordinary(text)
+        if pre is not None: ids = pre + ids
+        if post is not None: ids.append(post)
+        return ids
+    if not isinstance(text, (list, tuple)):
+        raise TypeError(f"encode expects a str or a list of str, got {type(text).__name__}")
+    if num_threads <= 1 or len(text) <= 1: rows = [self.enc.encode_ordinary(t) for t in text]
+    else: rows = self.enc.encode_ordinary_batch(list(text), num_threads=num_threads)
+    if pre is not None: rows = [pre + r for r in rows]
+    if post is not None:
+        for r in rows: r.append(post)
+    return rows
 
-    __call__ = encode
+Tokenizer.__call__ = Tokenizer.encode
 
-    def token_bytes(self) -> list[int]:
-        "Length in bytes of every id (0 for special and unused ids): the denominator of bits per byte."
-        out = [0] * self.enc.n_vocab
-        for tok, rank in self.enc._mergeable_ranks.items(): out[rank] = len(tok)
-        return out
+@patch
+def token_bytes(self: Tokenizer) -> list[int]:
+    "Length in bytes of every id (0 for special and unused ids): the denominator of bits per byte."
+    out = [0] * self.enc.n_vocab
+    for tok, rank in self.enc._mergeable_ranks.items(): out[rank] = len(tok)
+    return out
 
 # %% ../../nbs/text/04_tokenizer.ipynb #69632b8b
 def _train_ranks(texts, n_mergeable, pattern):
@@ -188,7 +198,8 @@ def _no_dup_keys(pairs):
         d[k] = v
     return d
 
-def _read_meta(path: Path) -> dict:
+def _parse_meta(path: Path) -> dict:
+    "The JSON object in `path`, read strictly (UTF-8, no duplicate keys); errors name the file."
     try: text = path.read_text(encoding='utf-8')
     except FileNotFoundError:
         raise FileNotFoundError(f"{path} is missing: not a saved tokenizer (expected {META_FILE} and {RANKS_FILE}, "
@@ -197,15 +208,24 @@ def _read_meta(path: Path) -> dict:
     try: meta = json.loads(text, object_pairs_hook=_no_dup_keys)
     except ValueError as e: raise ValueError(f"{path}: not valid JSON ({e})") from None
     if not isinstance(meta, dict): raise ValueError(f"{path}: expected a JSON object, got {type(meta).__name__}")
+    return meta
+
+# %% ../../nbs/text/04_tokenizer.ipynb #9b3d46ef
+def _read_meta(path: Path) -> dict:
+    "The checked meta file of a saved tokenizer: every key of the right type, the special tokens consistent."
+    meta = _parse_meta(path)
     for k, typ in _META_KEYS.items():
         if k not in meta: raise ValueError(f"{path}: missing key {k!r}")
-        if not isinstance(meta[k], typ): raise ValueError(f"{path}: {k!r} must be a {typ.__name__}, got {type(meta[k]).__name__}")
+        if not isinstance(meta[k], typ):
+            raise ValueError(f"{path}: {k!r} must be a {typ.__name__}, got {type(meta[k]).__name__}")
     if meta['format'] != FORMAT: raise ValueError(f"{path}: format is {meta['format']!r}, expected {FORMAT!r}")
     sp = meta['special_tokens']
     for s, i in sp.items():
-        if not s or not _is_int(i) or i < 0: raise ValueError(f"{path}: special token {s!r} needs a non-empty name and an int id >= 0, got {i!r}")
+        if not s or not _is_int(i) or i < 0:
+            raise ValueError(f"{path}: special token {s!r} needs a non-empty name and an int id >= 0, got {i!r}")
     if len(set(sp.values())) != len(sp): raise ValueError(f"{path}: two special tokens share an id: {sp}")
-    if meta['bos_token'] not in sp: raise ValueError(f"{path}: bos_token {meta['bos_token']!r} is not among special_tokens")
+    if meta['bos_token'] not in sp:
+        raise ValueError(f"{path}: bos_token {meta['bos_token']!r} is not among special_tokens")
     return meta
 
 @patch
@@ -222,6 +242,7 @@ def save(self: Tokenizer,
     atomic_write(path/META_FILE, json.dumps(meta, indent=1).encode() + b'\n')
     return path
 
+# %% ../../nbs/text/04_tokenizer.ipynb #7c5c232b
 @patch(cls_method=True)
 def load(cls: Tokenizer,
          path):  # a folder written by `save`
@@ -231,14 +252,18 @@ def load(cls: Tokenizer,
     meta = _read_meta(path/META_FILE)
     rpath = path/RANKS_FILE
     try: data = rpath.read_bytes()
-    except FileNotFoundError: raise FileNotFoundError(f"{rpath} is missing (the ranks file next to {META_FILE})") from None
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{rpath} is missing (the ranks file next to {META_FILE})") from None
     ranks = parse_tiktoken_bpe(data, rpath)
     if hashlib.sha256(data).hexdigest() != meta['ranks_sha256']:
-        raise ValueError(f"{rpath} does not match the ranks_sha256 in {path/META_FILE}: the directory holds parts of two "
-                         "different saves (or was edited); save or train the tokenizer again")
+        raise ValueError(f"{rpath} does not match the ranks_sha256 in {path/META_FILE}: the directory holds parts of "
+                         "two different saves (or was edited); save or train the tokenizer again")
     clash = {s: i for s, i in meta['special_tokens'].items() if i < len(ranks)}
-    if clash: raise ValueError(f"{path/META_FILE}: special token ids {clash} collide with mergeable token ids 0..{len(ranks) - 1}")
-    try: enc = tiktoken.Encoding(meta['name'], pat_str=meta['pattern'], mergeable_ranks=ranks, special_tokens=meta['special_tokens'])
+    if clash:
+        raise ValueError(f"{path/META_FILE}: special token ids {clash} collide with mergeable token ids "
+                         f"0..{len(ranks) - 1}")
+    try: enc = tiktoken.Encoding(meta['name'], pat_str=meta['pattern'], mergeable_ranks=ranks,
+                                 special_tokens=meta['special_tokens'])
     except ValueError as e: raise ValueError(f"{path/META_FILE}: bad split pattern ({e})") from None
     tok = cls(enc, meta['bos_token'])
     tok.train_info = meta.get('train_info')
