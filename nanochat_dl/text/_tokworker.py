@@ -15,7 +15,7 @@ def encode_flat(enc,     # a `tiktoken.Encoding`
                 texts,   # the documents, `str`s
                 bos:int  # the id put in front of every document
                ) -> tuple:
-    "`(lengths int64, ids int32)`: each text's ids as `enc.encode_ordinary` gives them (special tokens as plain text), after `bos`, concatenated."
+    "`(lengths int64, ids int32)`: each text's ids from `enc.encode_ordinary`, after `bos`, concatenated."
     head, parts = np.array([bos], dtype=np.uint32), []
     for t in texts:
         try: ids = enc.encode_to_numpy(t, disallowed_special=())
@@ -80,8 +80,9 @@ _BOOT = ("import importlib.util, json, sys; a = json.loads(sys.argv[1]); sys.pat
          "m = sys.modules[s.name] = importlib.util.module_from_spec(s); s.loader.exec_module(m); m.serve()")
 
 def worker_cmd() -> list:
-    "The command that starts a worker: isolated `python -I`, given this process's `sys.path` less the current directory, running this file."
-    path = [os.fspath(p) for p in sys.path if isinstance(p, (str, os.PathLike)) and os.fspath(p)]   # '' is the current directory
+    "The command that starts a worker: `python -I` with this process's `sys.path` less the current directory,."
+    # '' is the current directory
+    path = [os.fspath(p) for p in sys.path if isinstance(p, (str, os.PathLike)) and os.fspath(p)]
     me = importlib.import_module('nanochat_dl.text._tokworker')                                      # (this module)
     return [sys.executable, '-I', '-c', _BOOT, json.dumps(dict(path=path, file=os.path.abspath(me.__file__)))]
 

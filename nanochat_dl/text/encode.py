@@ -473,12 +473,13 @@ def _usable_cpus() -> int:
 
 def make_encoder(tokenizer,                # the tokenizer
                  workers:int=4,            # worker processes or threads (processes: at most one per usable CPU)
-                 tokenize_in='auto',       # 'auto' (processes for a tiktoken core on POSIX, else threads), 'processes' or 'threads'
+                 tokenize_in='auto',       # 'auto' (processes for a tiktoken core on POSIX), 'processes' or 'threads'
                  timeout=(60.0, 1e-5)):    # a worker's time limit per answer (`ProcessEncoder`'s `timeout`)
     "A `ProcessEncoder` or a `DocEncoder` for `tokenizer`."
     if tokenize_in not in ('auto', 'processes', 'threads'):
         raise ValueError(f"tokenize_in={tokenize_in!r}: expected 'auto', 'processes' or 'threads'")
     workers = check_int('tokenizer_threads', workers)
-    if tokenize_in == 'processes' or (tokenize_in == 'auto' and _tiktoken_core(tokenizer) is not None and os.name == 'posix'):
+    auto = tokenize_in == 'auto' and _tiktoken_core(tokenizer) is not None and os.name == 'posix'
+    if tokenize_in == 'processes' or auto:
         return ProcessEncoder(tokenizer, min(workers, _usable_cpus()), timeout=timeout)
     return DocEncoder(tokenizer, workers)

@@ -130,13 +130,16 @@ def train_from_iterator(cls: Tokenizer,
                         name: str = "rustbpe"):         # the encoding's name
     "Train a BPE of exactly `vocab_size` ids (mergeable tokens, then `special_tokens`) on an iterable of strings."
     special_tokens = list(special_tokens)
-    if len(set(special_tokens)) != len(special_tokens): raise ValueError(f"special_tokens has duplicates: {special_tokens}")
+    if len(set(special_tokens)) != len(special_tokens):
+        raise ValueError(f"special_tokens has duplicates: {special_tokens}")
     if bos_token not in special_tokens: raise ValueError(f"bos_token {bos_token!r} is not in special_tokens")
     n_min = 256 + len(special_tokens)
     if not _is_int(vocab_size) or vocab_size < n_min:
-        raise ValueError(f"vocab_size={vocab_size!r} is {'too small' if _is_int(vocab_size) else 'invalid'}: it must be an int >= {n_min} "
+        why = 'too small' if _is_int(vocab_size) else 'invalid'
+        raise ValueError(f"vocab_size={vocab_size!r} is {why}: it must be an int >= {n_min} "
                          f"(256 byte tokens + {len(special_tokens)} special tokens)")
-    if isinstance(texts, (str, bytes)): raise TypeError("texts must be an iterable of documents (str), not a single string")
+    if isinstance(texts, (str, bytes)):
+        raise TypeError("texts must be an iterable of documents (str), not a single string")
     n_mergeable = vocab_size - len(special_tokens)
     ranks, pattern = _train_ranks(texts, n_mergeable, pattern)
     if len(ranks) != n_mergeable:
@@ -173,19 +176,23 @@ def parse_tiktoken_bpe(data: bytes,         # the content of a `.tiktoken` file
     for lineno, line in enumerate(data.splitlines(), 1):
         if not line.strip(): continue
         parts = line.split()
-        if len(parts) != 2: raise ValueError(f"{source}, line {lineno}: expected '<base64 token> <rank>', got {line[:60]!r}")
+        if len(parts) != 2:
+            raise ValueError(f"{source}, line {lineno}: expected '<base64 token> <rank>', got {line[:60]!r}")
         b64, rank = parts
         try: t = base64.b64decode(b64, validate=True)
-        except (binascii.Error, ValueError): raise ValueError(f"{source}, line {lineno}: {b64[:40]!r} is not valid base64") from None
+        except (binascii.Error, ValueError):
+            raise ValueError(f"{source}, line {lineno}: {b64[:40]!r} is not valid base64") from None
         if not t: raise ValueError(f"{source}, line {lineno}: empty token")
-        if not rank.isdigit(): raise ValueError(f"{source}, line {lineno}: rank {rank[:20]!r} is not a non-negative integer")
+        if not rank.isdigit():
+            raise ValueError(f"{source}, line {lineno}: rank {rank[:20]!r} is not a non-negative integer")
         if t in ranks: raise ValueError(f"{source}, line {lineno}: token {t!r} appears twice")
         ranks[t] = int(rank)
     if not ranks: raise ValueError(f"{source}: no tokens")
     if set(ranks.values()) != set(range(len(ranks))):
         raise ValueError(f"{source}: ranks must be 0..{len(ranks) - 1}, each exactly once")
     missing = [b for b in range(256) if bytes([b]) not in ranks]
-    if missing: raise ValueError(f"{source}: single-byte tokens missing for bytes {missing[:8]} (every byte needs a token)")
+    if missing:
+        raise ValueError(f"{source}: single-byte tokens missing for bytes {missing[:8]} (every byte needs a token)")
     return ranks
 
 # %% ../../nbs/text/04_tokenizer.ipynb #d6b40170
@@ -294,7 +301,8 @@ def from_pretrained(cls: Tokenizer,
         raise RuntimeError(
             f"could not fetch the vocabulary file of tiktoken encoding {name!r} from {url} ({type(e).__name__}); "
             f"this machine looks offline and the file is not in tiktoken's cache ({_tiktoken_cache_dir()}). "
-            f"On a machine with internet run `python -c \"import tiktoken; tiktoken.get_encoding('{name}')\"`, copy its "
+            f"On a machine with internet run `python -c \"import tiktoken; tiktoken.get_encoding('{name}')\"`, "
+            "copy its "
             f"cache folder here and set TIKTOKEN_CACHE_DIR to it; or train a tokenizer offline with "
             f"`nanochat-dl train-tokenizer`") from e
     return cls(enc, bos_token)
@@ -309,10 +317,10 @@ def iter_texts(files,                          # parquet shards, read in this or
                stats: dict | None = None,      # filled in with the characters, documents and row groups read
                progress: bool = False,         # a progress bar in row groups
                utf8_errors: str = 'strict'):   # 'strict': text that is not UTF-8 is an error; 'replace': U+FFFD
-    "Documents of parquet `files`, row group by row group, each cropped to `doc_cap` (None: no cap), `max_chars` in total; text that is not UTF-8 is an error naming its row, or replaced (`utf8_errors='replace'`)."
+    "Documents of parquet `files`, row group by row group, each cropped to `doc_cap`, `max_chars` in total."
     import pyarrow as pa
     from tqdm.auto import tqdm
-    from nanochat_dl.text.shards import open_shard, shard_layout, column_texts, check_utf8_errors  # shards imports core and dataset only: no cycle
+    from nanochat_dl.text.shards import open_shard, shard_layout, column_texts, check_utf8_errors   # (no cycle)
     if doc_cap is not None: check_int('doc_cap', doc_cap, 1)
     check_utf8_errors(utf8_errors)
     files = [Path(f) for f in files]
@@ -358,9 +366,9 @@ def train_tokenizer(data_dir=None,                           # the shard folder 
                     doc_cap: int | None = 10_000,            # crop each document to this many characters
                     out_dir=None,                            # where to save (default: `get_tokenizer_dir()`)
                     progress: bool = True,                   # a progress bar in row groups
-                    utf8_errors: str = 'strict',             # 'strict': text that is not UTF-8 is an error; 'replace': U+FFFD
+                    utf8_errors: str = 'strict',             # 'strict': text not UTF-8 is an error; 'replace': U+FFFD
                    ) -> Tokenizer:
-    "Train on the text of the local train shards (all but the last) and save to `out_dir` (default: `get_tokenizer_dir()`)."
+    "Train on the text of the local train shards (all but the last) and save to `out_dir` (or `get_tokenizer_dir()`)."
     from nanochat_dl.text.shards import shard_layout, check_utf8_errors
     if max_chars is not None: check_int('max_chars', max_chars, 1)
     check_utf8_errors(utf8_errors)
@@ -372,9 +380,10 @@ def train_tokenizer(data_dir=None,                           # the shard folder 
         found = f"only one shard ({files[0].name})" if files else "no parquet shards"
         raise FileNotFoundError(f"{found} in {get_data_dir(data_dir)}: training needs at least 2 (the last one is kept "
                                 f"for validation); {_NO_SHARDS}")
-    shard_layout(files)  # every shard, val included, must open as parquet with a string `text` column: fail before training
+    shard_layout(files)  # every shard, val included, must open as parquet with a string `text` column: fail now
     stats, t0 = {}, time.perf_counter()
-    tok = Tokenizer.train_from_iterator(iter_texts(files[:-1], max_chars, doc_cap, stats=stats, progress=progress, utf8_errors=utf8_errors), vocab_size)
+    tok = Tokenizer.train_from_iterator(iter_texts(files[:-1], max_chars, doc_cap, stats=stats, progress=progress,
+                                                   utf8_errors=utf8_errors), vocab_size)
     tok.train_info = dict(stats, train_files=[f.name for f in files[:-1]], max_chars=max_chars, doc_cap=doc_cap,
                           seconds=round(time.perf_counter() - t0, 3))
     tok.save(out)
@@ -387,11 +396,13 @@ def train_tokenizer_cli(vocab_size: int = 8192,  # number of token ids, special 
                         doc_cap: int = 10_000,  # crop every document to this many characters
                         data_dir: str = None,  # shard folder (default: NANOCHAT_DL_DATA_DIR or the cache)
                         out_dir: str = None,  # where to save (default: the cache's tokenizer/ folder)
-                        utf8_errors: str = 'strict'):  # text that is not UTF-8: 'strict' stops with the file, row group and row; 'replace' reads it with U+FFFD
-    "Train a BPE tokenizer on the local train shards and save it; exit code 2 for bad arguments or shards, 1 if saving fails."
+                        utf8_errors: str = 'strict'):  # not UTF-8: 'strict' stops, naming the row; 'replace': U+FFFD
+    "Train a BPE tokenizer on the local train shards and save it; exit code 2 for bad arguments or shards, else 1."
     try:
-        val = list(iter_texts(list_parquet_files(data_dir)[-1:], max_chars=1_000_000, doc_cap=doc_cap, utf8_errors=utf8_errors))  # read before anything is saved
-        tok = train_tokenizer(data_dir, vocab_size, max_chars, doc_cap, out_dir, progress=sys.stderr.isatty(), utf8_errors=utf8_errors)
+        val = list(iter_texts(list_parquet_files(data_dir)[-1:], max_chars=1_000_000, doc_cap=doc_cap,
+                              utf8_errors=utf8_errors))  # read before anything is saved
+        tok = train_tokenizer(data_dir, vocab_size, max_chars, doc_cap, out_dir, progress=sys.stderr.isatty(),
+                              utf8_errors=utf8_errors)
     except (FileNotFoundError, ValueError) as e:
         print(f"nanochat-dl train-tokenizer: error: {e}", file=sys.stderr); return 2
     except OSError as e:  # e.g. no permission to write the tokenizer
@@ -399,7 +410,8 @@ def train_tokenizer_cli(vocab_size: int = 8192,  # number of token ids, special 
     info, out = tok.train_info, get_tokenizer_dir() if out_dir is None else Path(out_dir)
     print(f"trained on {info['chars']:,} chars ({info['docs']:,} docs, {info['row_groups']:,} row groups, "
           f"{len(info['train_files'])} train shards) in {info['seconds']:.2f} s")
-    print(f"vocab size {tok.get_vocab_size():,} ({len(tok.get_special_tokens())} special, bos {tok.bos_token}={tok.get_bos_token_id()})")
+    print(f"vocab size {tok.get_vocab_size():,} ({len(tok.get_special_tokens())} special, "
+          f"bos {tok.bos_token}={tok.get_bos_token_id()})")
     print(f"val compression: {compression_ratio(tok, val):.2f} bytes/token on {len(val):,} docs of the val shard")
     print(f"saved to {out}")
     return 0
@@ -410,22 +422,26 @@ def get_tokenizer(tokenizer_dir=None,  # a folder written by `Tokenizer.save` (d
     "The saved tokenizer in `tokenizer_dir` (default: `get_tokenizer_dir()`)."
     d = get_tokenizer_dir() if tokenizer_dir is None else Path(tokenizer_dir)
     if not (d/META_FILE).exists():
-        raise FileNotFoundError(f"no trained tokenizer in {d}: train one with `nanochat-dl train-tokenizer --vocab-size 8192` "
+        raise FileNotFoundError(f"no trained tokenizer in {d}: train one with "
+                                "`nanochat-dl train-tokenizer --vocab-size 8192` "
                                 f"(it reads the local shards; {_NO_SHARDS}), or pass tokenizer_dir=")
     return Tokenizer.load(d)
 
 # %% ../../nbs/text/04_tokenizer.ipynb #c0f2c235
-_PROBE = "Tokenizer probe: Hello, world! 12345 \u00fcber na\u00efve \u65e5\u672c\u8a9e \U0001f600 <|bos|>\n\tdef f(x): return x ** 2  # done."
+_PROBE = ("Tokenizer probe: Hello, world! 12345 \u00fcber na\u00efve \u65e5\u672c\u8a9e \U0001f600 <|bos|>\n"
+          "\tdef f(x): return x ** 2  # done.")
 
-def tokenizer_fingerprint(tokenizer,  # a `Tokenizer`, or anything with `encode`, `get_vocab_size` and `get_bos_token_id`
+def tokenizer_fingerprint(tokenizer,  # a `Tokenizer`, or one with `encode`, `get_vocab_size` and `get_bos_token_id`
                          ) -> dict:
-    "Vocabulary size, BOS id and a hash of the split pattern, merges and special tokens (of a probe text's ids for tokenizers without a tiktoken core)."
+    "Vocabulary size, BOS id and a hash of the split pattern, merges and special tokens (or of a probe text's ids)."
     h = hashlib.sha256()
     ranks = getattr(getattr(tokenizer, 'enc', None), '_mergeable_ranks', None)
     if isinstance(ranks, dict):
-        for tok_bytes, r in sorted(ranks.items(), key=lambda kv: kv[1]): h.update(len(tok_bytes).to_bytes(2, 'little') + tok_bytes)
+        for tok_bytes, r in sorted(ranks.items(), key=lambda kv: kv[1]):
+            h.update(len(tok_bytes).to_bytes(2, 'little') + tok_bytes)
         specials = getattr(tokenizer.enc, '_special_tokens', {})
         h.update(json.dumps(sorted(specials.items())).encode())
-        h.update(str(getattr(tokenizer.enc, '_pat_str', '')).encode())   # the pattern cuts the text: another one gives other ids
+        h.update(str(getattr(tokenizer.enc, '_pat_str', '')).encode())   # the pattern cuts the text: another, other ids
     else: h.update(json.dumps([int(i) for i in tokenizer.encode(_PROBE)]).encode())
-    return dict(vocab_size=int(tokenizer.get_vocab_size()), bos_id=int(tokenizer.get_bos_token_id()), sha=h.hexdigest()[:16])
+    return dict(vocab_size=int(tokenizer.get_vocab_size()), bos_id=int(tokenizer.get_bos_token_id()),
+                sha=h.hexdigest()[:16])
