@@ -356,7 +356,7 @@ class ProcessEncoder:
 @patch
 def close(self: ProcessEncoder,
           timeout=10.0): # seconds to wait for idle workers to exit before killing them
-    "Hang up on the workers; wait for them to exit (the busy ones half a second), then kill them. Idempotent."
+    "Hang up on the workers; wait for them to exit (the busy ones half a second), then kill them (idempotent)."
     _close_workers(self._w, timeout)
 
 @patch
