@@ -11,7 +11,8 @@ from hypothesis import HealthCheck, event, given, settings, strategies as st
 from nanochat_dl.text.loader import PackedLoader, reference_loader
 from nanochat_dl.dataloader import tokenizing_distributed_data_loader_with_state_bos_bestfit
 from nanochat_dl.pipe.packing import STRATEGIES
-from nanochat_dl.text.shards import RowGroupReader, split_files
+from nanochat_dl.text.reader import RowGroupReader
+from nanochat_dl.text.shards import split_files
 from stateedit import DELETE, edited, paths   # a state's fields, and a copy with one edited
 from toytext import toy_text_env, words
 
@@ -508,9 +509,10 @@ def runs(env):
 class Reads:
     "Counts documents read or encoded while it is active (a refused state must cost neither)."
     def __init__(self, monkeypatch):
-        from nanochat_dl.text import encode, loader, shards
+        from nanochat_dl.text import encode, loader, reader, shards
         self.n = 0
-        for mod, name in ((loader, 'read_documents'), (shards, 'read_group'), (shards, '_read_column')):
+        for mod, name in ((loader, 'read_documents'), (shards, 'read_group'), (reader, 'read_group'),
+                          (shards, '_read_column')):
             orig = getattr(mod, name)
             def spy(*a, _orig=orig, **k): self.n += 1; return _orig(*a, **k)
             monkeypatch.setattr(mod, name, spy)

@@ -8,8 +8,8 @@ import pyarrow.parquet as pq
 import pytest
 from hypothesis import given, settings, strategies as st, HealthCheck
 
-from nanochat_dl.text.shards import (DocBatch, RowGroupReader, nanochat_state, read_documents, resume_loss, row_group_plan,
-                                 shard_layout, split_files)
+from nanochat_dl.text.reader import DocBatch, RowGroupReader, nanochat_state, resume_loss
+from nanochat_dl.text.shards import read_documents, row_group_plan, shard_layout, split_files
 from nanochat_dl.testing import toy_text, write_toy_shards
 
 LAYOUT = [[3, 4, 3, 5, 4], [6, 2, 5], [4, 3, 3, 4, 5, 3, 6]]   # 5, 3, 7 row groups of 2..6 documents

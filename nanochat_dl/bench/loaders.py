@@ -15,7 +15,8 @@ from collections import deque
 import numpy as np
 from fastcore.script import call_parse
 from ..core import get_data_dir, human_bytes, check_int, load_average, load_line
-from ..text.shards import RowGroupReader, RowGroupTexts, split_files
+from ..text.shards import RowGroupTexts, split_files
+from ..text.reader import RowGroupReader
 from ..text.tokenizer import get_tokenizer
 from ..pipe.packing import Packer, ReferencePacker, STRATEGIES, percent
 from ..text.lengths import fineweb_like_lengths

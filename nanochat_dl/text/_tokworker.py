@@ -15,7 +15,7 @@ def encode_flat(enc,     # a `tiktoken.Encoding`
                 texts,   # the documents, `str`s
                 bos:int  # the id put in front of every document
                ) -> tuple:
-    "`(lengths int64, ids int32)`: each text's ids as `enc.encode_ordinary` gives them (special tokens as plain text), after `bos`, concatenated."
+    "`(lengths int64, ids int32)`: each text's ids from `enc.encode_ordinary`, after `bos`, concatenated."
     head, parts = np.array([bos], dtype=np.uint32), []
     for t in texts:
         try: ids = enc.encode_to_numpy(t, disallowed_special=())
@@ -25,7 +25,8 @@ def encode_flat(enc,     # a `tiktoken.Encoding`
     return lens, (np.concatenate(parts).view(np.int32) if parts else np.empty(0, np.int32))
 
 # %% ../../nbs/text/08a_tokworker.ipynb #4898a51d
-_CHECKED = ('nanochat_dl.text._tokworker', 'nanochat_dl.text.shards', 'numpy', 'pyarrow', 'tiktoken', 'tiktoken._tiktoken')   # a worker reports where it got these
+_CHECKED = ('nanochat_dl.text._tokworker', 'nanochat_dl.text.shards', 'numpy', 'pyarrow', 'tiktoken',
+            'tiktoken._tiktoken')   # a worker reports where it got these
 
 def module_files() -> dict:
     return {m: getattr(sys.modules.get(m), '__file__', None) for m in _CHECKED}
@@ -36,24 +37,29 @@ def read_texts(reader,    # a `nanochat_dl.text.shards.RowGroupTexts`
     "The texts of the rows of `requests`, in order."
     return [t for path, g, rows, _ in requests for t in reader(path, g, rows)]
 
+def _frame(inp):
+    "The next message from `inp` (a length-prefixed pickle), or None at the end of the input."
+    h = inp.read(8)
+    return pickle.loads(inp.read(struct.unpack('<Q', h)[0])) if len(h) == 8 else None
+
+def _send(out, obj):
+    "Write `obj` to `out` as a length-prefixed pickle."
+    b = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    out.write(struct.pack('<Q', len(b))); out.write(b); out.flush()   # (not `header + b`: a copy of every answer)
+
+# %% ../../nbs/text/08a_tokworker.ipynb #2d007540
 def serve():
-    "A worker's life: receive the tokenizer, answer `('ready', module files)`; then per request, read (`'read'`) or take (`'texts'`) the documents, encode them, answer with their ids."
+    "A worker's life: receive the tokenizer, say it is ready; then read or take each request's texts and encode them."
     import signal, tiktoken
-    from nanochat_dl.text.shards import RowGroupTexts   # pyarrow and the shards chapter's reading, from the parent's sys.path
-    signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C is the training script's to handle; the worker ends with its input
+    from nanochat_dl.text.shards import RowGroupTexts   # pyarrow and the shards chapter, from the parent's sys.path
+    signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C is the training script's; the worker ends with its input
     out = os.fdopen(os.dup(1), 'wb'); os.dup2(2, 1)
     inp = sys.stdin.buffer
-    def frame():
-        h = inp.read(8)
-        return pickle.loads(inp.read(struct.unpack('<Q', h)[0])) if len(h) == 8 else None
-    def send(obj):
-        b = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-        out.write(struct.pack('<Q', len(b))); out.write(b); out.flush()   # (not `header + b`: a copy of every answer)
-    name, pat, ranks, special, bos = frame()
+    name, pat, ranks, special, bos = _frame(inp)
     enc = tiktoken.Encoding(name, pat_str=pat, mergeable_ranks=ranks, special_tokens=special)
-    send(('ready', module_files()))
+    _send(out, ('ready', module_files()))
     reader = None
-    while (msg := frame()) is not None:
+    while (msg := _frame(inp)) is not None:
         try:
             t0 = time.thread_time()
             if msg[0] == 'read':
@@ -64,8 +70,9 @@ def serve():
                 texts, t1 = read_texts(reader, requests), time.thread_time()
             else: texts, t1 = msg[1], t0
             lens, flat = encode_flat(enc, texts, bos)
-            send((True, lens, flat, (t1 - t0, time.thread_time() - t1, time.process_time())))   # for the loader's CPU accounting
-        except Exception as e: send((False, (type(e).__name__, str(e), traceback.format_exc()), None, None))
+            cpu = (t1 - t0, time.thread_time() - t1, time.process_time())   # for the loader's CPU accounting
+            _send(out, (True, lens, flat, cpu))
+        except Exception as e: _send(out, (False, (type(e).__name__, str(e), traceback.format_exc()), None, None))
 
 # %% ../../nbs/text/08a_tokworker.ipynb #5d9e3a61
 _BOOT = ("import importlib.util, json, sys; a = json.loads(sys.argv[1]); sys.path[:] = a['path']; "
@@ -73,8 +80,9 @@ _BOOT = ("import importlib.util, json, sys; a = json.loads(sys.argv[1]); sys.pat
          "m = sys.modules[s.name] = importlib.util.module_from_spec(s); s.loader.exec_module(m); m.serve()")
 
 def worker_cmd() -> list:
-    "The command that starts a worker: isolated `python -I`, given this process's `sys.path` less the current directory, running this file."
-    path = [os.fspath(p) for p in sys.path if isinstance(p, (str, os.PathLike)) and os.fspath(p)]   # '' is the current directory
+    "The command that starts a worker: `python -I` with this process's `sys.path` less the current directory,."
+    # '' is the current directory
+    path = [os.fspath(p) for p in sys.path if isinstance(p, (str, os.PathLike)) and os.fspath(p)]
     me = importlib.import_module('nanochat_dl.text._tokworker')                                      # (this module)
     return [sys.executable, '-I', '-c', _BOOT, json.dumps(dict(path=path, file=os.path.abspath(me.__file__)))]
 

@@ -14,6 +14,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, NamedTuple
 import numpy as np
+from fastcore.basics import patch
 from ..core import check_int
 from ..pipe.packing import FlatDocs
 from .shards import RowGroupTexts, check_utf8_errors
@@ -23,7 +24,7 @@ from ._tokworker import encode_flat, read_texts, worker_cmd, module_files
 _CORE_ATTRS = ('name', '_pat_str', '_mergeable_ranks', '_special_tokens', 'encode_to_numpy')
 
 def _tiktoken_core(tokenizer):
-    "The tokenizer's `tiktoken.Encoding` if it has one we can drive directly (in threads or worker processes), else None."
+    "The tokenizer's `tiktoken.Encoding` if it has one we can drive directly (in threads or processes), else None."
     enc = getattr(tokenizer, 'enc', None)
     return enc if enc is not None and all(hasattr(enc, a) for a in _CORE_ATTRS) else None
 
@@ -37,14 +38,15 @@ class Request(NamedTuple):
     rows: Any    # the rows: a `range`, or a list of row numbers
     nbytes: int  # bytes of text in those rows (from the footer; what the worker is given time for)
 
+# %% ../../nbs/text/08_encode.ipynb #47a497da
 class DocEncoder:
-    "Documents -> a `FlatDocs` of int32 token arrays that start with BOS, encoded in `threads` threads: the ids of `tokenizer.encode(texts, prepend=bos)`."
-    def __init__(self, tokenizer,     # a tokenizer with `get_bos_token_id()` and `encode(texts, prepend, num_threads)`; with a tiktoken core (`.enc`) it is driven directly
+    "Documents -> a `FlatDocs` of int32 token arrays that start with BOS (the ids of `encode(texts, prepend=bos)`)."
+    def __init__(self, tokenizer,     # with `get_bos_token_id()` and `encode(texts, prepend, num_threads)`, or `.enc`
                  threads:int=4):      # encoding threads
         self.tokenizer, self.threads = tokenizer, check_int('tokenizer_threads', threads)
         self.bos = int(tokenizer.get_bos_token_id())
         self._enc, self._pool = _tiktoken_core(tokenizer), None   # no tiktoken core: the tokenizer's own encode
-        self.encode_cpu_s = self.read_cpu_s = 0.0                  # CPU seconds spent encoding (tiktoken core only) and reading rows
+        self.encode_cpu_s = self.read_cpu_s = 0.0                  # CPU seconds encoding (tiktoken core) and reading
         self._lock, self._local, self._readers = threading.Lock(), threading.local(), []
 
     def _encode(self, texts) -> FlatDocs:
@@ -53,74 +55,94 @@ class DocEncoder:
         with self._lock: self.encode_cpu_s += time.thread_time() - t0
         return docs
 
-    def _reader(self, text_column, utf8_errors) -> RowGroupTexts:
-        "This thread's `RowGroupTexts` for these settings (each thread keeps its own open shard and decoded row group)."
-        rd = getattr(self._local, 'reader', None)
-        if rd is None or (rd.text_column, rd.utf8_errors) != (text_column, utf8_errors):
-            rd = self._local.reader = RowGroupTexts(text_column, utf8_errors)
-            with self._lock: self._readers.append(rd)
-        return rd
+    def __repr__(self):
+        how = 'tiktoken' if self._enc is not None else 'tokenizer.encode'
+        return f"DocEncoder({how}, threads={self.threads}, bos={self.bos})"
 
-    def _read(self, requests, text_column, utf8_errors) -> list:
-        t0 = time.thread_time()
-        texts = read_texts(self._reader(text_column, utf8_errors), requests)
-        with self._lock: self.read_cpu_s += time.thread_time() - t0
-        return texts
+# %% ../../nbs/text/08_encode.ipynb #7466796c
+@patch
+def _reader(self: DocEncoder, text_column, utf8_errors) -> RowGroupTexts:
+    "This thread's `RowGroupTexts` for these settings (each thread keeps its own open shard and decoded row group)."
+    rd = getattr(self._local, 'reader', None)
+    if rd is None or (rd.text_column, rd.utf8_errors) != (text_column, utf8_errors):
+        rd = self._local.reader = RowGroupTexts(text_column, utf8_errors)
+        with self._lock: self._readers.append(rd)
+    return rd
 
-    def submit(self, texts,     # the documents
-               spread=True      # (for `ProcessEncoder`'s interface: threads always share the work)
-              ) -> list:
-        "Start encoding `texts`: futures whose results, in order, are `FlatDocs`."
-        texts = list(texts)
-        if self._enc is None:
-            ids = self.tokenizer.encode(texts, prepend=self.bos, num_threads=self.threads)
-            flat = np.fromiter(itertools.chain.from_iterable(ids), dtype=np.int32, count=sum(map(len, ids)))
-            return [_done(FlatDocs(list(map(len, ids)), flat))]
-        if self.threads == 1 or len(texts) < 2: return [_done(self._encode(texts))]
-        if self._pool is None: self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix='nanochat_dl-tokenize')
-        k = max(1, len(texts) // (4 * self.threads))   # small chunks: long and short documents even out
-        return [self._pool.submit(self._encode, texts[i:i + k]) for i in range(0, len(texts), k)]
+@patch
+def _read(self: DocEncoder, requests, text_column, utf8_errors) -> list:
+    t0 = time.thread_time()
+    texts = read_texts(self._reader(text_column, utf8_errors), requests)
+    with self._lock: self.read_cpu_s += time.thread_time() - t0
+    return texts
 
-    def submit_read(self, requests,             # `Request`s (or `(path, row group, rows, bytes)` tuples)
-                    text_column='text',         # the string column
-                    utf8_errors='strict',       # 'strict' or 'replace'
-                    spread=True                 # (for `ProcessEncoder`'s interface: threads always share the work)
-                   ) -> list:
-        "Start reading the rows of `requests` and encoding them, each request in one of the threads: futures of `FlatDocs`."
-        requests = list(requests)
-        if self._enc is None: return self.submit(self._read(requests, text_column, utf8_errors))   # read here, the tokenizer's own threads
-        work = lambda rq: self._encode(self._read(rq, text_column, utf8_errors))
-        if self.threads == 1 or len(requests) < 2: return [_done(work(requests))]
-        if self._pool is None: self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix='nanochat_dl-tokenize')
-        return [self._pool.submit(work, [rq]) for rq in requests]
+# %% ../../nbs/text/08_encode.ipynb #38aa5917
+@patch
+def _start(self: DocEncoder, work, parts) -> list:
+    "Futures of `work(part)` for each of `parts`, in the pool (started when first needed)."
+    if self._pool is None: self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix='nanochat_dl-tokenize')
+    return [self._pool.submit(work, p) for p in parts]
 
-    def result(self, handle # what `submit` or `submit_read` returned
-              ) -> FlatDocs:
-        "The documents of a `submit` or `submit_read`, in order (waits for them)."
-        return FlatDocs.concat([f.result() for f in handle])
+@patch
+def submit(self: DocEncoder,
+           texts,        # the documents
+           spread=True   # (for `ProcessEncoder`'s interface: threads always share the work)
+          ) -> list:
+    "Start encoding `texts`: futures whose results, in order, are `FlatDocs`."
+    texts = list(texts)
+    if self._enc is None:
+        ids = self.tokenizer.encode(texts, prepend=self.bos, num_threads=self.threads)
+        flat = np.fromiter(itertools.chain.from_iterable(ids), dtype=np.int32, count=sum(map(len, ids)))
+        return [_done(FlatDocs(list(map(len, ids)), flat))]
+    if self.threads == 1 or len(texts) < 2: return [_done(self._encode(texts))]
+    k = max(1, len(texts) // (4 * self.threads))   # small chunks: long and short documents even out
+    return self._start(self._encode, [texts[i:i + k] for i in range(0, len(texts), k)])
 
-    def __call__(self, texts) -> FlatDocs: return self.result(self.submit(texts))
+@patch
+def submit_read(self: DocEncoder,
+                requests,             # `Request`s (or `(path, row group, rows, bytes)` tuples)
+                text_column='text',   # the string column
+                utf8_errors='strict', # 'strict' or 'replace'
+                spread=True           # (for `ProcessEncoder`'s interface: threads always share the work)
+               ) -> list:
+    "Start reading the rows of `requests` and encoding them, each request in one of the threads: futures of `FlatDocs`."
+    requests = list(requests)
+    if self._enc is None:   # read here, encoded in the tokenizer's own threads
+        return self.submit(self._read(requests, text_column, utf8_errors))
+    work = lambda rq: self._encode(self._read(rq, text_column, utf8_errors))
+    if self.threads == 1 or len(requests) < 2: return [_done(work(requests))]
+    return self._start(work, [[rq] for rq in requests])
 
-    def close(self):
-        "Stop the thread pool and close the shards the threads had open (a later call starts again)."
-        if self._pool is not None: self._pool.shutdown(wait=True); self._pool = None
-        with self._lock: readers, self._readers = self._readers, []
-        for rd in readers: rd.close()
-        self._local = threading.local()
+# %% ../../nbs/text/08_encode.ipynb #347f6ac7
+@patch
+def result(self: DocEncoder,
+           handle # what `submit` or `submit_read` returned
+          ) -> FlatDocs:
+    "The documents of a `submit` or `submit_read`, in order (waits for them)."
+    return FlatDocs.concat([f.result() for f in handle])
 
-    def __repr__(self): return f"DocEncoder({'tiktoken' if self._enc is not None else 'tokenizer.encode'}, threads={self.threads}, bos={self.bos})"
+@patch
+def __call__(self: DocEncoder, texts) -> FlatDocs: return self.result(self.submit(texts))
 
-# %% ../../nbs/text/08_encode.ipynb #ea996d88
+@patch
+def close(self: DocEncoder):
+    "Stop the thread pool and close the shards the threads had open (a later call starts again)."
+    if self._pool is not None: self._pool.shutdown(wait=True); self._pool = None
+    with self._lock: readers, self._readers = self._readers, []
+    for rd in readers: rd.close()
+    self._local = threading.local()
+
+# %% ../../nbs/text/08_encode.ipynb #74f467e1
 def _widen_pipe(fd, size=1 << 20):
     "Ask for a 1 MiB pipe buffer (Linux): fewer wake-ups, and a whole slice of texts fits at once."
     try:
         import fcntl
         fcntl.fcntl(fd, getattr(fcntl, 'F_SETPIPE_SZ', 1031), size)
-    except (ImportError, OSError): pass   # elsewhere, or above the system's limit: the default buffer works, a little slower
+    except (ImportError, OSError): pass   # elsewhere, or above the system's limit: the default buffer works, slower
 
 def _awake(t0, expected) -> float:
-    "Seconds since `t0` of a wait that should take at most `expected`: a longer one means this process was stopped (a suspended job), which is nobody's fault, so it counts as `expected` only."
-    return min(time.monotonic() - t0, expected + 0.5)
+    "Seconds since `t0` of a wait that should take at most `expected`, counting a stopped process's wait as `expected`."
+    return min(time.monotonic() - t0, expected + 0.5)   # longer: this process was stopped (a suspended job)
 
 _STATES = dict(R='running', S='sleeping', D='waiting for the disk', T='stopped', t='stopped by a debugger', Z='exited')
 
@@ -135,20 +157,26 @@ def _chars(texts) -> int:
     try: return sum(map(len, texts))
     except TypeError: return sum(len(t) for t in texts if isinstance(t, str))
 
+# %% ../../nbs/text/08_encode.ipynb #f8a4c2bd
 def check_timeout(name, v):
-    "`None`, or a pair `(seconds > 0, seconds per character >= 0)` as floats (a byte of text read from a shard counts as a character)."
-    ok = v is None or (isinstance(v, tuple) and len(v) == 2 and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in v)
+    "`None`, or a pair `(seconds > 0, seconds per character >= 0)` as floats (a byte of text counts as a character)."
+    ok = v is None or (isinstance(v, tuple) and len(v) == 2
+                       and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in v)
                        and v[0] > 0 and v[1] >= 0 and all(map(math.isfinite, v)))
-    if not ok: raise ValueError(f"{name}={v!r} is invalid: expected None or (seconds, seconds per character), e.g. (60.0, 1e-05)")
+    if not ok:
+        raise ValueError(f"{name}={v!r} is invalid: expected None or (seconds, seconds per character), "
+                         "e.g. (60.0, 1e-05)")
     return None if v is None else (float(v[0]), float(v[1]))
 
-_Poller = getattr(selectors, 'PollSelector', selectors.DefaultSelector)   # poll(): no limit on descriptor numbers, unlike select()
+_Poller = getattr(selectors, 'PollSelector', selectors.DefaultSelector)   # poll(): no limit on descriptor numbers
 
+# %% ../../nbs/text/08_encode.ipynb #ea996d88
 class _Worker:
     "One worker process and the two ends of its pipes, driven without helper threads."
     def __init__(self, i):
         self.i, self.err = i, tempfile.TemporaryFile()
-        self.proc = subprocess.Popen(worker_cmd(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.err, bufsize=0)
+        self.proc = subprocess.Popen(worker_cmd(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.err,
+                                     bufsize=0)
         self.wfd, self.rfd = self.proc.stdin.fileno(), self.proc.stdout.fileno()
         _widen_pipe(self.wfd); _widen_pipe(self.rfd)
         os.set_blocking(self.wfd, False)
@@ -171,126 +199,142 @@ class _Worker:
         if code is None:
             try: code = self.proc.wait(1)
             except subprocess.TimeoutExpired: pass
-        return RuntimeError(f"tokenizer worker {self.i} (pid {self.proc.pid}) {what} (exit code {code}); its stderr: {self.stderr()}")
+        return RuntimeError(f"tokenizer worker {self.i} (pid {self.proc.pid}) {what} (exit code {code}); "
+                            f"its stderr: {self.stderr()}")
 
-    def pump(self):
-        "Read what the worker has written so far (it must be readable) and cut it into frames."
-        n = os.readv(self.rfd, [self.rview])
-        if not n: self.eof = True; return
-        buf = self.inbuf; buf += self.rview[:n]
-        while len(buf) >= 8:
-            n, = struct.unpack_from('<Q', buf)
-            if len(buf) < 8 + n: break
-            self.frames.append(pickle.loads(memoryview(buf)[8:8 + n]))
-            del buf[:8 + n]
+# %% ../../nbs/text/08_encode.ipynb #6ebb764e
+@patch
+def pump(self: _Worker):
+    "Read what the worker has written so far (it must be readable) and cut it into frames."
+    n = os.readv(self.rfd, [self.rview])
+    if not n: self.eof = True; return
+    buf = self.inbuf; buf += self.rview[:n]
+    while len(buf) >= 8:
+        n, = struct.unpack_from('<Q', buf)
+        if len(buf) < 8 + n: break
+        self.frames.append(pickle.loads(memoryview(buf)[8:8 + n]))
+        del buf[:8 + n]
 
-    def stuck(self, what) -> RuntimeError:
-        "The error for a worker that did not answer in the time allowed (`what` it was doing, and for how long); it is killed on close."
-        self.hung = True
-        return RuntimeError(f"tokenizer worker {self.i} (pid {self.proc.pid}) {what}{_proc_state(self.proc.pid)}: it looks hung (stopped, "
-                            "deadlocked or starved of CPU) and is killed when the encoder closes; if it was only slow, allow more time "
-                            f"(PackedLoader's worker_timeout, ProcessEncoder's timeout). Its stderr: {self.stderr()}")
+@patch
+def stuck(self: _Worker, what) -> RuntimeError:
+    "The error for a worker that did not answer in the time allowed (`what` it was doing); it is killed on close."
+    self.hung = True
+    return RuntimeError(f"tokenizer worker {self.i} (pid {self.proc.pid}) {what}{_proc_state(self.proc.pid)}: it looks "
+                        "hung (stopped, deadlocked or starved of CPU) and is killed when the encoder closes; if it was "
+                        "only slow, allow more time (PackedLoader's worker_timeout, ProcessEncoder's timeout). "
+                        f"Its stderr: {self.stderr()}")
 
-    def send(self, data: bytes, what=(None, 0, 'characters'), allowed=None, rule=''):
-        "Write a frame of `what` = (documents, amount of text, its unit); while the pipe is full, read the worker's answers so that it can go on (no deadlock). Raise if it reads nothing for `allowed` seconds."
-        view, idle = memoryview(struct.pack('<Q', len(data)) + data), 0.0
-        while view:
-            t0 = time.monotonic()
-            ready = [k.fd for k, _ in self.rwsel.select(1.0)]
-            r, w = self.rfd in ready, self.wfd in ready
-            if r:
-                self.pump()
-                if self.eof: raise self.gone("closed its output")
-            if w:
-                try: view = view[os.write(self.wfd, view):]
-                except BlockingIOError: pass
-                except (BrokenPipeError, OSError): raise self.gone("is gone") from None
-            if r or w: idle = 0.0
-            elif self.proc.poll() is not None: raise self.gone("exited")
-            else:
-                idle += _awake(t0, 1.0)
-                if allowed is not None and idle > allowed:
-                    raise self.stuck(f"has not read its input for {idle:.1f} s (allowed {allowed:.1f} s: {rule}) while {what[0]:,} documents "
-                                     f"({what[1]:,} {what[2]}) wait to be sent, after {len(self.pending)} unanswered message(s)")
-        self.pending.append((*what, time.monotonic()))
+# %% ../../nbs/text/08_encode.ipynb #6ee4da9a
+@patch
+def send(self: _Worker, data: bytes, what=(None, 0, 'characters'), allowed=None, rule=''):
+    "Write a frame of `what` (documents, amount of text, its unit), reading answers while the pipe is full."
+    view, idle = memoryview(struct.pack('<Q', len(data)) + data), 0.0   # (so neither side waits for the other forever)
+    while view:
+        t0 = time.monotonic()
+        ready = [k.fd for k, _ in self.rwsel.select(1.0)]
+        r, w = self.rfd in ready, self.wfd in ready
+        if r:
+            self.pump()
+            if self.eof: raise self.gone("closed its output")
+        if w:
+            try: view = view[os.write(self.wfd, view):]
+            except BlockingIOError: pass
+            except (BrokenPipeError, OSError): raise self.gone("is gone") from None
+        if r or w: idle = 0.0
+        elif self.proc.poll() is not None: raise self.gone("exited")
+        else:
+            idle += _awake(t0, 1.0)
+            if allowed is not None and idle > allowed:   # it read nothing for `allowed` seconds
+                raise self.stuck(f"has not read its input for {idle:.1f} s (allowed {allowed:.1f} s: {rule}) while "
+                                 f"{what[0]:,} documents ({what[1]:,} {what[2]}) wait to be sent, after "
+                                 f"{len(self.pending)} unanswered message(s)")
+    self.pending.append((*what, time.monotonic()))
 
-    def get(self, allowed=None, rule=''):
-        "The next answer, waiting for it; raise if none comes within `allowed` seconds of waiting."
-        waited = 0.0
-        while not self.frames:
-            if self.eof: raise self.gone("exited")
-            t0 = time.monotonic()
-            if self.rsel.select(0.5): self.pump()
-            else:
-                waited += _awake(t0, 0.5)
-                if allowed is not None and waited > allowed:
-                    docs, amount, unit, sent = self.pending[0] if self.pending else (None, 0, '', time.monotonic())
-                    doing = "has not started" if docs is None else \
-                            f"was sent {docs:,} documents ({amount:,} {unit}) {time.monotonic() - sent:.1f} s ago and has not answered"
-                    raise self.stuck(f"{doing} for {waited:.1f} s (allowed {allowed:.1f} s: {rule})")
-        if self.pending: self.pending.popleft()
-        return self.frames.popleft()
+# %% ../../nbs/text/08_encode.ipynb #96cdfd71
+@patch
+def get(self: _Worker, allowed=None, rule=''):
+    "The next answer, waiting for it; raise if none comes within `allowed` seconds of waiting."
+    waited = 0.0
+    while not self.frames:
+        if self.eof: raise self.gone("exited")
+        t0 = time.monotonic()
+        if self.rsel.select(0.5): self.pump()
+        else:
+            waited += _awake(t0, 0.5)
+            if allowed is not None and waited > allowed:
+                docs, amount, unit, sent = self.pending[0] if self.pending else (None, 0, '', time.monotonic())
+                ago = time.monotonic() - sent
+                doing = "has not started" if docs is None else \
+                        f"was sent {docs:,} documents ({amount:,} {unit}) {ago:.1f} s ago and has not answered"
+                raise self.stuck(f"{doing} for {waited:.1f} s (allowed {allowed:.1f} s: {rule})")
+    if self.pending: self.pending.popleft()
+    return self.frames.popleft()
 
-    def hang_up(self):
-        "Close both pipes: an idle worker reads end-of-input, a busy one fails its next write (answers nobody will read); either exits."
-        for f in (self.proc.stdin, self.proc.stdout):
-            try: f.close()
-            except OSError: pass
+@patch
+def hang_up(self: _Worker):
+    "Close both pipes: an idle worker reads end-of-input, a busy one fails its next write; either exits."
+    for f in (self.proc.stdin, self.proc.stdout):
+        try: f.close()
+        except OSError: pass
 
-    def close(self, deadline):
-        "Hang up and wait for the process until `deadline` (`time.monotonic()`), then kill it (a hung one at once)."
-        if self.hung: self.proc.kill()
-        self.hang_up()
-        try: self.proc.wait(max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired: self.proc.kill(); self.proc.wait()
-        self.err.close(); self.rsel.close(); self.rwsel.close()
+@patch
+def close(self: _Worker, deadline):
+    "Hang up and wait for the process until `deadline` (`time.monotonic()`), then kill it (a hung one at once)."
+    if self.hung: self.proc.kill()
+    self.hang_up()
+    try: self.proc.wait(max(0.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired: self.proc.kill(); self.proc.wait()
+    self.err.close(); self.rsel.close(); self.rwsel.close()
 
+# %% ../../nbs/text/08_encode.ipynb #fb11bbf0
 def _check_ready(w, answer):
-    "A worker's first answer must be 'ready', with its modules (numpy, pyarrow, tiktoken, the shards module) from the files this process uses."
+    "A worker's first answer must be 'ready', with its modules from the files this process uses."
     if not (isinstance(answer, tuple) and len(answer) == 2 and answer[0] == 'ready' and isinstance(answer[1], dict)):
-        raise RuntimeError(f"tokenizer worker {w.i} (pid {w.proc.pid}) did not start properly: it answered {answer!r:.200}")
+        raise RuntimeError(f"tokenizer worker {w.i} (pid {w.proc.pid}) did not start properly: "
+                           f"it answered {answer!r:.200}")
     real = lambda f: f and os.path.realpath(f)
-    for m, mine in module_files().items():
+    for m, mine in module_files().items():   # numpy, pyarrow, tiktoken, the shards module
         if mine and real(answer[1].get(m)) != real(mine):
-            raise RuntimeError(f"tokenizer worker {w.i} (pid {w.proc.pid}) imported {m} from {answer[1].get(m)}, but this process "
-                               f"uses {mine}: the workers must run the same code (see `worker_cmd`)")
+            raise RuntimeError(f"tokenizer worker {w.i} (pid {w.proc.pid}) imported {m} from {answer[1].get(m)}, but "
+                               f"this process uses {mine}: the workers must run the same code (see `worker_cmd`)")
 
-_BUSY_GRACE = 0.5   # seconds a closing encoder waits for a worker still busy with messages nobody will read, then kills it
+_BUSY_GRACE = 0.5   # seconds a closing encoder waits for a worker still busy with messages nobody will read
 
 def _close_workers(workers, timeout):
     if not workers: return                            # closed already
     for w in workers: w.hang_up()                      # all of them first: they exit side by side
-    now = time.monotonic()
-    deadline, busy = now + timeout, now + min(timeout, _BUSY_GRACE)   # an idle worker exits at once; a busy one holds nothing worth waiting for
+    now = time.monotonic()   # an idle worker exits at once; a busy one holds nothing worth waiting for
+    deadline, busy = now + timeout, now + min(timeout, _BUSY_GRACE)
     for w in workers: w.close(busy if w.pending else deadline)
     workers.clear()
 
 _RERAISED = {'ValueError': ValueError, 'FileNotFoundError': FileNotFoundError}   # a shard missing, broken, or not UTF-8
 
 def _failure(i, error) -> Exception:
-    "The exception for a worker's failed answer: a shard's error again, with the worker's message; anything else with its traceback."
+    "The exception for a worker's failed answer: a shard's error again, with its message; else with its traceback."
     kind, message, tb = error
     return _RERAISED[kind](message) if kind in _RERAISED else RuntimeError(f"tokenizer worker {i} failed:\n{tb}")
 
+# %% ../../nbs/text/08_encode.ipynb #64a99743
 class ProcessEncoder:
     "`DocEncoder`'s interface with the reading and encoding in `workers` worker processes (tiktoken tokenizers, POSIX)."
     def __init__(self, tokenizer,                  # a tokenizer with a tiktoken core (`.enc`) and `get_bos_token_id()`
                  workers:int=2,                    # worker processes
                  start_timeout:float=60.0,         # seconds a worker may take to start
-                 timeout=(60.0, 1e-5)):            # seconds an answer may take: (seconds, seconds per character of text); None: no limit
+                 timeout=(60.0, 1e-5)):            # seconds an answer may take: (s, s per character); None: no limit
         self.workers = check_int('workers', workers)
         self.timeout = check_timeout('timeout', timeout)
         self._rule = None if self.timeout is None else f"{self.timeout[0]:g} s + {self.timeout[1]:g} s per character"
         self.bos = int(tokenizer.get_bos_token_id())
         enc = _tiktoken_core(tokenizer)
         if enc is None:
-            raise TypeError(f"ProcessEncoder needs a tokenizer with a tiktoken core (`.enc`), got {type(tokenizer).__name__}; "
-                            "use DocEncoder (threads) for other tokenizers")
+            raise TypeError(f"ProcessEncoder needs a tokenizer with a tiktoken core (`.enc`), got "
+                            f"{type(tokenizer).__name__}; use DocEncoder (threads) for other tokenizers")
         init = pickle.dumps((enc.name, enc._pat_str, enc._mergeable_ranks, enc._special_tokens, self.bos))
         self._w, self._next, self._broken = [], 0, None
-        self.encode_cpu_s = self.read_cpu_s = 0.0   # CPU seconds the workers spent encoding and reading (what they report with each answer)
+        self.encode_cpu_s = self.read_cpu_s = 0.0   # CPU seconds the workers spent encoding and reading (reported)
         self._cpu = [0.0] * self.workers   # each worker's CPU seconds so far, as of its last answer
-        self._finalizer = weakref.finalize(self, _close_workers, self._w, 10.0)   # dropped without close(): the workers still go
+        self._finalizer = weakref.finalize(self, _close_workers, self._w, 10.0)   # dropped without close(): they go
         try:
             for i in range(self.workers):
                 self._w.append(_Worker(i)); self._w[-1].send(init)
@@ -306,99 +350,120 @@ class ProcessEncoder:
         "All the CPU seconds the workers have used, as of their last answers (read with `encode_cpu_s`, the two agree)."
         return sum(self._cpu)
 
-    def _send(self, msgs, order) -> list:
-        "Send each `(pickled message, what)` of `msgs` to the worker `order` gives it; the handle (worker per message)."
-        self._check()
-        handle = []
-        try:
-            for (m, what), i in zip(msgs, order):
-                w = self._w[i]
-                w.send(m, what, self._allowed(what[1] + sum(p[1] for p in w.pending)), self._rule); handle.append(i)
-        except BaseException as e: self._broken = e; raise
-        return handle
-
-    def _least_busy(self) -> int:
-        "The worker with the least text in unanswered messages (the next in turn among equals)."
-        busy = [sum(p[1] for p in w.pending) for w in self._w] if self._w else [0]
-        i = min(range(len(busy)), key=lambda j: (busy[j], (j - self._next) % len(busy)))
-        self._next = (i + 1) % self.workers
-        return i
-
-    def _round_robin(self, n) -> list:
-        order = [(self._next + j) % self.workers for j in range(n)]
-        self._next = (self._next + n) % self.workers
-        return order
-
-    def submit(self, texts,     # the documents
-               spread=True      # True: in contiguous chunks, one per worker; False: all to the least busy worker
-              ) -> list:
-        "Send `texts` to the workers; returns the handle for `result`."
-        texts, n = list(texts), self.workers if spread else 1
-        k = -(-len(texts) // n) if texts else 0
-        # every chunk pickled before any is sent: one that cannot be pickled must not leave the others' answers unread
-        chunks = [texts[j:j + k] for j in range(0, len(texts), k or 1)]
-        msgs = [(pickle.dumps(('texts', c), protocol=pickle.HIGHEST_PROTOCOL), (len(c), _chars(c), 'characters')) for c in chunks]
-        return self._send(msgs, self._round_robin(len(msgs)) if spread else [self._least_busy()])
-
-    def submit_read(self, requests,            # `Request`s (or `(path, row group, rows, bytes)` tuples)
-                    text_column='text',        # the string column
-                    utf8_errors='strict',      # 'strict' or 'replace'
-                    spread=False               # False: all to the least busy worker; True: in contiguous parts, one per worker
-                   ) -> list:
-        "Send the addresses of rows to the workers, which read and encode them; returns the handle for `result`."
-        reqs, utf8_errors = [tuple(r) for r in requests], check_utf8_errors(utf8_errors)
-        if spread and len(reqs) > 1:
-            total, parts, acc = sum(r[3] for r in reqs) or 1, [[] for _ in range(min(self.workers, len(reqs)))], 0
-            for r in reqs:   # contiguous parts of about equal bytes
-                parts[min(len(parts) - 1, acc * len(parts) // total)].append(r); acc += r[3]
-            parts = [p for p in parts if p]
-            order = self._round_robin(len(parts))
-        else: parts, order = [reqs], [self._least_busy()]
-        msgs = [(pickle.dumps(('read', p, text_column, utf8_errors), protocol=pickle.HIGHEST_PROTOCOL),
-                 (sum(len(r[2]) for r in p), sum(r[3] for r in p), 'bytes of text')) for p in parts]
-        return self._send(msgs, order)
-
-    def _allowed(self, amount):
-        "Seconds a worker may take for `amount` characters (or bytes) of text (None: no limit)."
-        return None if self.timeout is None else self.timeout[0] + self.timeout[1] * amount
-
-    def _check(self):
-        # a send or a wait cut short (a worker gone, an interrupt) leaves answers in the pipes that would be taken
-        # for the next call's: from then on this encoder refuses to work rather than hand out another call's ids
-        if self._broken is not None:
-            raise RuntimeError(f"this ProcessEncoder stopped after {self._broken!r}; its pipes may hold answers of an earlier call: "
-                               "close it and start a new one")
-        if not self._w: raise RuntimeError("this ProcessEncoder is closed")
-
-    def result(self, handle # what `submit` or `submit_read` returned
-              ) -> FlatDocs:
-        "The documents of a `submit` or `submit_read`, in order (waits for the workers' answers)."
-        self._check()
-        parts, failed = [], None
-        try:
-            for i in handle:   # every answer of the handle is read, even after a failure: the next result must not get this one's
-                w = self._w[i]
-                ok, lens, flat, cpu = w.get(self._allowed(w.pending[0][1]) if w.pending else None, self._rule)
-                if not ok:
-                    failed = failed or _failure(i, lens)
-                    continue
-                self.read_cpu_s += cpu[0]; self.encode_cpu_s += cpu[1]; self._cpu[i] = cpu[2]
-                parts.append(FlatDocs(lens, flat))
-        except BaseException as e: self._broken = e; raise
-        if failed: raise failed
-        return FlatDocs.concat(parts)
-
-    def __call__(self, texts) -> FlatDocs: return self.result(self.submit(texts))
-
-    def close(self, timeout=10.0): # seconds to wait for idle workers to exit before killing them
-        "Hang up on the workers; wait for them to exit (kill those left after `timeout`, and those still busy with messages nobody will read after half a second). Idempotent."
-        _close_workers(self._w, timeout)
-
-    def kill(self):
-        "Kill the worker processes, from any thread (a thread waiting on them sees them gone); `close()` still releases the pipes."
-        for w in self._w: w.proc.kill()
-
     def __repr__(self): return f"ProcessEncoder(workers={self.workers}, bos={self.bos})"
+
+# %% ../../nbs/text/08_encode.ipynb #0e4dc4c8
+@patch
+def close(self: ProcessEncoder,
+          timeout=10.0): # seconds to wait for idle workers to exit before killing them
+    "Hang up on the workers; wait for them to exit (the busy ones half a second), then kill them (idempotent)."
+    _close_workers(self._w, timeout)
+
+@patch
+def kill(self: ProcessEncoder):
+    "Kill the worker processes, from any thread (one waiting on them sees them gone); `close()` still frees the pipes."
+    for w in self._w: w.proc.kill()
+
+# %% ../../nbs/text/08_encode.ipynb #94c19fd2
+@patch
+def _allowed(self: ProcessEncoder, amount):
+    "Seconds a worker may take for `amount` characters (or bytes) of text (None: no limit)."
+    return None if self.timeout is None else self.timeout[0] + self.timeout[1] * amount
+
+@patch
+def _check(self: ProcessEncoder):
+    # a send or a wait cut short (a worker gone, an interrupt) leaves answers in the pipes that would be taken
+    # for the next call's: from then on this encoder refuses to work rather than hand out another call's ids
+    if self._broken is not None:
+        raise RuntimeError(f"this ProcessEncoder stopped after {self._broken!r}; its pipes may hold answers of an "
+                           "earlier call: close it and start a new one")
+    if not self._w: raise RuntimeError("this ProcessEncoder is closed")
+
+@patch
+def _send(self: ProcessEncoder, msgs, order) -> list:
+    "Send each `(pickled message, what)` of `msgs` to the worker `order` gives it; the handle (worker per message)."
+    self._check()
+    handle = []
+    try:
+        for (m, what), i in zip(msgs, order):
+            w = self._w[i]
+            w.send(m, what, self._allowed(what[1] + sum(p[1] for p in w.pending)), self._rule); handle.append(i)
+    except BaseException as e: self._broken = e; raise
+    return handle
+
+# %% ../../nbs/text/08_encode.ipynb #1fa035be
+@patch
+def _least_busy(self: ProcessEncoder) -> int:
+    "The worker with the least text in unanswered messages (the next in turn among equals)."
+    busy = [sum(p[1] for p in w.pending) for w in self._w] if self._w else [0]
+    i = min(range(len(busy)), key=lambda j: (busy[j], (j - self._next) % len(busy)))
+    self._next = (i + 1) % self.workers
+    return i
+
+@patch
+def _round_robin(self: ProcessEncoder, n) -> list:
+    order = [(self._next + j) % self.workers for j in range(n)]
+    self._next = (self._next + n) % self.workers
+    return order
+
+@patch
+def submit(self: ProcessEncoder,
+           texts,        # the documents
+           spread=True   # True: in contiguous chunks, one per worker; False: all to the least busy worker
+          ) -> list:
+    "Send `texts` to the workers; returns the handle for `result`."
+    texts, n = list(texts), self.workers if spread else 1
+    k = -(-len(texts) // n) if texts else 0
+    # every chunk pickled before any is sent: one that cannot be pickled must not leave the others' answers unread
+    chunks = [texts[j:j + k] for j in range(0, len(texts), k or 1)]
+    msgs = [(pickle.dumps(('texts', c), protocol=pickle.HIGHEST_PROTOCOL), (len(c), _chars(c), 'characters'))
+            for c in chunks]
+    return self._send(msgs, self._round_robin(len(msgs)) if spread else [self._least_busy()])
+
+# %% ../../nbs/text/08_encode.ipynb #cb4a3722
+@patch
+def submit_read(self: ProcessEncoder,
+                requests,             # `Request`s (or `(path, row group, rows, bytes)` tuples)
+                text_column='text',   # the string column
+                utf8_errors='strict', # 'strict' or 'replace'
+                spread=False          # False: all to the least busy worker; True: in parts, one per worker
+               ) -> list:
+    "Send the addresses of rows to the workers, which read and encode them; returns the handle for `result`."
+    reqs, utf8_errors = [tuple(r) for r in requests], check_utf8_errors(utf8_errors)
+    if spread and len(reqs) > 1:
+        total, parts, acc = sum(r[3] for r in reqs) or 1, [[] for _ in range(min(self.workers, len(reqs)))], 0
+        for r in reqs:   # contiguous parts of about equal bytes
+            parts[min(len(parts) - 1, acc * len(parts) // total)].append(r); acc += r[3]
+        parts = [p for p in parts if p]
+        order = self._round_robin(len(parts))
+    else: parts, order = [reqs], [self._least_busy()]
+    msgs = [(pickle.dumps(('read', p, text_column, utf8_errors), protocol=pickle.HIGHEST_PROTOCOL),
+             (sum(len(r[2]) for r in p), sum(r[3] for r in p), 'bytes of text')) for p in parts]
+    return self._send(msgs, order)
+
+# %% ../../nbs/text/08_encode.ipynb #9dfc8a60
+@patch
+def result(self: ProcessEncoder,
+           handle # what `submit` or `submit_read` returned
+          ) -> FlatDocs:
+    "The documents of a `submit` or `submit_read`, in order (waits for the workers' answers)."
+    self._check()
+    parts, failed = [], None
+    try:
+        for i in handle:   # every answer of the handle is read, even after a failure: the next result must not get it
+            w = self._w[i]
+            ok, lens, flat, cpu = w.get(self._allowed(w.pending[0][1]) if w.pending else None, self._rule)
+            if not ok:
+                failed = failed or _failure(i, lens)
+                continue
+            self.read_cpu_s += cpu[0]; self.encode_cpu_s += cpu[1]; self._cpu[i] = cpu[2]
+            parts.append(FlatDocs(lens, flat))
+    except BaseException as e: self._broken = e; raise
+    if failed: raise failed
+    return FlatDocs.concat(parts)
+
+@patch
+def __call__(self: ProcessEncoder, texts) -> FlatDocs: return self.result(self.submit(texts))
 
 # %% ../../nbs/text/08_encode.ipynb #694fddcd
 def _usable_cpus() -> int:
@@ -408,12 +473,13 @@ def _usable_cpus() -> int:
 
 def make_encoder(tokenizer,                # the tokenizer
                  workers:int=4,            # worker processes or threads (processes: at most one per usable CPU)
-                 tokenize_in='auto',       # 'auto' (processes for a tiktoken core on POSIX, else threads), 'processes' or 'threads'
+                 tokenize_in='auto',       # 'auto' (processes for a tiktoken core on POSIX), 'processes' or 'threads'
                  timeout=(60.0, 1e-5)):    # a worker's time limit per answer (`ProcessEncoder`'s `timeout`)
     "A `ProcessEncoder` or a `DocEncoder` for `tokenizer`."
     if tokenize_in not in ('auto', 'processes', 'threads'):
         raise ValueError(f"tokenize_in={tokenize_in!r}: expected 'auto', 'processes' or 'threads'")
     workers = check_int('tokenizer_threads', workers)
-    if tokenize_in == 'processes' or (tokenize_in == 'auto' and _tiktoken_core(tokenizer) is not None and os.name == 'posix'):
+    auto = tokenize_in == 'auto' and _tiktoken_core(tokenizer) is not None and os.name == 'posix'
+    if tokenize_in == 'processes' or auto:
         return ProcessEncoder(tokenizer, min(workers, _usable_cpus()), timeout=timeout)
     return DocEncoder(tokenizer, workers)

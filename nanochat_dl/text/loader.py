@@ -20,7 +20,8 @@ import numpy as np
 import torch
 from ..core import get_dist_info, human_bytes, check_int, on_drop
 from fastcore.basics import patch
-from .shards import RowGroupReader, RowGroupTexts, Slice, split_files, split_shards, read_documents, nanochat_state, open_shard_bytes, row_group_plan
+from .shards import RowGroupTexts, split_files, split_shards, read_documents, open_shard_bytes, row_group_plan
+from .reader import RowGroupReader, Slice, nanochat_state
 from ..io.cache import cache_metrics
 from ..io.cachedir import pin_copies, unpin_copies
 from ..pipe.stages import Stage, Doc

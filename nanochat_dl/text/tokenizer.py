@@ -57,51 +57,61 @@ class Tokenizer:
     def decode(self, ids,  # token ids: a list, an array or a tensor
               ) -> str: return self.enc.decode(ids.tolist() if hasattr(ids, 'tolist') else list(ids))
 
-    def encode_special(self, text: str,  # the special token's name, e.g. `'<|bos|>'`
-                      ) -> int:
-        "The id of special token `text`; anything else is an error (ordinary text goes through `encode`)."
-        try: return self._special[text]
-        except (KeyError, TypeError):
-            raise ValueError(f"{text!r} is not a special token of this tokenizer "
-                             f"(it has {sorted(self._special, key=self._special.get)})") from None
+# %% ../../nbs/text/04_tokenizer.ipynb #c08cdccd
+@patch
+def encode_special(self: Tokenizer,
+                   text: str,  # the special token's name, e.g. `'<|bos|>'`
+                  ) -> int:
+    "The id of special token `text`; anything else is an error (ordinary text goes through `encode`)."
+    try: return self._special[text]
+    except (KeyError, TypeError):
+        raise ValueError(f"{text!r} is not a special token of this tokenizer "
+                         f"(it has {sorted(self._special, key=self._special.get)})") from None
 
-    def _token_id(self, tok, what) -> int:
-        if isinstance(tok, str): return self.encode_special(tok)
-        if isinstance(tok, bool): raise TypeError(f"{what} must be a token id or a special token string, got a bool")
-        try: i = operator.index(tok)
-        except TypeError:
-            raise TypeError(f"{what} must be a token id (int) or a special token string, got {type(tok).__name__}") from None
-        if not 0 <= i < self.enc.n_vocab: raise ValueError(f"{what}={i} is outside the vocabulary [0, {self.enc.n_vocab})")
-        return i
+@patch
+def _token_id(self: Tokenizer, tok, what) -> int:
+    "`tok` as a token id: an id in the vocabulary, or the name of a special token; `what` names it in errors."
+    if isinstance(tok, str): return self.encode_special(tok)
+    if isinstance(tok, bool): raise TypeError(f"{what} must be a token id or a special token string, got a bool")
+    try: i = operator.index(tok)
+    except TypeError:
+        raise TypeError(f"{what} must be a token id (int) or a special token string, "
+                        f"got {type(tok).__name__}") from None
+    if not 0 <= i < self.enc.n_vocab: raise ValueError(f"{what}={i} is outside the vocabulary [0, {self.enc.n_vocab})")
+    return i
 
-    def encode(self, text,              # a document (str) or a list of them
-               prepend=None,           # an id or a special token put before each document (e.g. the BOS)
-               append=None,            # an id or a special token put after each document
-               num_threads: int = 8):  # threads for a list (1: a plain loop)
-        "`str` -> ids, or `list[str]` -> list of ids (in `num_threads` threads); `prepend`/`append`: an id or a special token."
-        pre = None if prepend is None else [self._token_id(prepend, 'prepend')]
-        post = None if append is None else self._token_id(append, 'append')
-        if isinstance(text, str):
-            ids = self.enc.encode_ordinary(text)
-            if pre is not None: ids = pre + ids
-            if post is not None: ids.append(post)
-            return ids
-        if not isinstance(text, (list, tuple)):
-            raise TypeError(f"encode expects a str or a list of str, got {type(text).__name__}")
-        if num_threads <= 1 or len(text) <= 1: rows = [self.enc.encode_ordinary(t) for t in text]
-        else: rows = self.enc.encode_ordinary_batch(list(text), num_threads=num_threads)
-        if pre is not None: rows = [pre + r for r in rows]
-        if post is not None:
-            for r in rows: r.append(post)
-        return rows
+# %% ../../nbs/text/04_tokenizer.ipynb #4eaa4de4
+@patch
+def encode(self: Tokenizer,
+           text,                   # a document (str) or a list of them
+           prepend=None,           # an id or a special token put before each document (e.g. the BOS)
+           append=None,            # an id or a special token put after each document
+           num_threads: int = 8):  # threads for a list (1: a plain loop)
+    "`str` -> ids, or `list[str]` -> list of ids (in `num_threads` threads), with `prepend` and `append` ids."
+    pre = None if prepend is None else [self._token_id(prepend, 'prepend')]
+    post = None if append is None else self._token_id(append, 'append')
+    if isinstance(text, str):
+        ids = self.enc.encode_ordinary(text)
+        if pre is not None: ids = pre + ids
+        if post is not None: ids.append(post)
+        return ids
+    if not isinstance(text, (list, tuple)):
+        raise TypeError(f"encode expects a str or a list of str, got {type(text).__name__}")
+    if num_threads <= 1 or len(text) <= 1: rows = [self.enc.encode_ordinary(t) for t in text]
+    else: rows = self.enc.encode_ordinary_batch(list(text), num_threads=num_threads)
+    if pre is not None: rows = [pre + r for r in rows]
+    if post is not None:
+        for r in rows: r.append(post)
+    return rows
 
-    __call__ = encode
+Tokenizer.__call__ = Tokenizer.encode
 
-    def token_bytes(self) -> list[int]:
-        "Length in bytes of every id (0 for special and unused ids): the denominator of bits per byte."
-        out = [0] * self.enc.n_vocab
-        for tok, rank in self.enc._mergeable_ranks.items(): out[rank] = len(tok)
-        return out
+@patch
+def token_bytes(self: Tokenizer) -> list[int]:
+    "Length in bytes of every id (0 for special and unused ids): the denominator of bits per byte."
+    out = [0] * self.enc.n_vocab
+    for tok, rank in self.enc._mergeable_ranks.items(): out[rank] = len(tok)
+    return out
 
 # %% ../../nbs/text/04_tokenizer.ipynb #69632b8b
 def _train_ranks(texts, n_mergeable, pattern):
@@ -120,13 +130,16 @@ def train_from_iterator(cls: Tokenizer,
                         name: str = "rustbpe"):         # the encoding's name
     "Train a BPE of exactly `vocab_size` ids (mergeable tokens, then `special_tokens`) on an iterable of strings."
     special_tokens = list(special_tokens)
-    if len(set(special_tokens)) != len(special_tokens): raise ValueError(f"special_tokens has duplicates: {special_tokens}")
+    if len(set(special_tokens)) != len(special_tokens):
+        raise ValueError(f"special_tokens has duplicates: {special_tokens}")
     if bos_token not in special_tokens: raise ValueError(f"bos_token {bos_token!r} is not in special_tokens")
     n_min = 256 + len(special_tokens)
     if not _is_int(vocab_size) or vocab_size < n_min:
-        raise ValueError(f"vocab_size={vocab_size!r} is {'too small' if _is_int(vocab_size) else 'invalid'}: it must be an int >= {n_min} "
+        why = 'too small' if _is_int(vocab_size) else 'invalid'
+        raise ValueError(f"vocab_size={vocab_size!r} is {why}: it must be an int >= {n_min} "
                          f"(256 byte tokens + {len(special_tokens)} special tokens)")
-    if isinstance(texts, (str, bytes)): raise TypeError("texts must be an iterable of documents (str), not a single string")
+    if isinstance(texts, (str, bytes)):
+        raise TypeError("texts must be an iterable of documents (str), not a single string")
     n_mergeable = vocab_size - len(special_tokens)
     ranks, pattern = _train_ranks(texts, n_mergeable, pattern)
     if len(ranks) != n_mergeable:
@@ -163,19 +176,23 @@ def parse_tiktoken_bpe(data: bytes,         # the content of a `.tiktoken` file
     for lineno, line in enumerate(data.splitlines(), 1):
         if not line.strip(): continue
         parts = line.split()
-        if len(parts) != 2: raise ValueError(f"{source}, line {lineno}: expected '<base64 token> <rank>', got {line[:60]!r}")
+        if len(parts) != 2:
+            raise ValueError(f"{source}, line {lineno}: expected '<base64 token> <rank>', got {line[:60]!r}")
         b64, rank = parts
         try: t = base64.b64decode(b64, validate=True)
-        except (binascii.Error, ValueError): raise ValueError(f"{source}, line {lineno}: {b64[:40]!r} is not valid base64") from None
+        except (binascii.Error, ValueError):
+            raise ValueError(f"{source}, line {lineno}: {b64[:40]!r} is not valid base64") from None
         if not t: raise ValueError(f"{source}, line {lineno}: empty token")
-        if not rank.isdigit(): raise ValueError(f"{source}, line {lineno}: rank {rank[:20]!r} is not a non-negative integer")
+        if not rank.isdigit():
+            raise ValueError(f"{source}, line {lineno}: rank {rank[:20]!r} is not a non-negative integer")
         if t in ranks: raise ValueError(f"{source}, line {lineno}: token {t!r} appears twice")
         ranks[t] = int(rank)
     if not ranks: raise ValueError(f"{source}: no tokens")
     if set(ranks.values()) != set(range(len(ranks))):
         raise ValueError(f"{source}: ranks must be 0..{len(ranks) - 1}, each exactly once")
     missing = [b for b in range(256) if bytes([b]) not in ranks]
-    if missing: raise ValueError(f"{source}: single-byte tokens missing for bytes {missing[:8]} (every byte needs a token)")
+    if missing:
+        raise ValueError(f"{source}: single-byte tokens missing for bytes {missing[:8]} (every byte needs a token)")
     return ranks
 
 # %% ../../nbs/text/04_tokenizer.ipynb #d6b40170
@@ -188,7 +205,8 @@ def _no_dup_keys(pairs):
         d[k] = v
     return d
 
-def _read_meta(path: Path) -> dict:
+def _parse_meta(path: Path) -> dict:
+    "The JSON object in `path`, read strictly (UTF-8, no duplicate keys); errors name the file."
     try: text = path.read_text(encoding='utf-8')
     except FileNotFoundError:
         raise FileNotFoundError(f"{path} is missing: not a saved tokenizer (expected {META_FILE} and {RANKS_FILE}, "
@@ -197,15 +215,24 @@ def _read_meta(path: Path) -> dict:
     try: meta = json.loads(text, object_pairs_hook=_no_dup_keys)
     except ValueError as e: raise ValueError(f"{path}: not valid JSON ({e})") from None
     if not isinstance(meta, dict): raise ValueError(f"{path}: expected a JSON object, got {type(meta).__name__}")
+    return meta
+
+# %% ../../nbs/text/04_tokenizer.ipynb #9b3d46ef
+def _read_meta(path: Path) -> dict:
+    "The checked meta file of a saved tokenizer: every key of the right type, the special tokens consistent."
+    meta = _parse_meta(path)
     for k, typ in _META_KEYS.items():
         if k not in meta: raise ValueError(f"{path}: missing key {k!r}")
-        if not isinstance(meta[k], typ): raise ValueError(f"{path}: {k!r} must be a {typ.__name__}, got {type(meta[k]).__name__}")
+        if not isinstance(meta[k], typ):
+            raise ValueError(f"{path}: {k!r} must be a {typ.__name__}, got {type(meta[k]).__name__}")
     if meta['format'] != FORMAT: raise ValueError(f"{path}: format is {meta['format']!r}, expected {FORMAT!r}")
     sp = meta['special_tokens']
     for s, i in sp.items():
-        if not s or not _is_int(i) or i < 0: raise ValueError(f"{path}: special token {s!r} needs a non-empty name and an int id >= 0, got {i!r}")
+        if not s or not _is_int(i) or i < 0:
+            raise ValueError(f"{path}: special token {s!r} needs a non-empty name and an int id >= 0, got {i!r}")
     if len(set(sp.values())) != len(sp): raise ValueError(f"{path}: two special tokens share an id: {sp}")
-    if meta['bos_token'] not in sp: raise ValueError(f"{path}: bos_token {meta['bos_token']!r} is not among special_tokens")
+    if meta['bos_token'] not in sp:
+        raise ValueError(f"{path}: bos_token {meta['bos_token']!r} is not among special_tokens")
     return meta
 
 @patch
@@ -222,6 +249,7 @@ def save(self: Tokenizer,
     atomic_write(path/META_FILE, json.dumps(meta, indent=1).encode() + b'\n')
     return path
 
+# %% ../../nbs/text/04_tokenizer.ipynb #7c5c232b
 @patch(cls_method=True)
 def load(cls: Tokenizer,
          path):  # a folder written by `save`
@@ -231,14 +259,18 @@ def load(cls: Tokenizer,
     meta = _read_meta(path/META_FILE)
     rpath = path/RANKS_FILE
     try: data = rpath.read_bytes()
-    except FileNotFoundError: raise FileNotFoundError(f"{rpath} is missing (the ranks file next to {META_FILE})") from None
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{rpath} is missing (the ranks file next to {META_FILE})") from None
     ranks = parse_tiktoken_bpe(data, rpath)
     if hashlib.sha256(data).hexdigest() != meta['ranks_sha256']:
-        raise ValueError(f"{rpath} does not match the ranks_sha256 in {path/META_FILE}: the directory holds parts of two "
-                         "different saves (or was edited); save or train the tokenizer again")
+        raise ValueError(f"{rpath} does not match the ranks_sha256 in {path/META_FILE}: the directory holds parts of "
+                         "two different saves (or was edited); save or train the tokenizer again")
     clash = {s: i for s, i in meta['special_tokens'].items() if i < len(ranks)}
-    if clash: raise ValueError(f"{path/META_FILE}: special token ids {clash} collide with mergeable token ids 0..{len(ranks) - 1}")
-    try: enc = tiktoken.Encoding(meta['name'], pat_str=meta['pattern'], mergeable_ranks=ranks, special_tokens=meta['special_tokens'])
+    if clash:
+        raise ValueError(f"{path/META_FILE}: special token ids {clash} collide with mergeable token ids "
+                         f"0..{len(ranks) - 1}")
+    try: enc = tiktoken.Encoding(meta['name'], pat_str=meta['pattern'], mergeable_ranks=ranks,
+                                 special_tokens=meta['special_tokens'])
     except ValueError as e: raise ValueError(f"{path/META_FILE}: bad split pattern ({e})") from None
     tok = cls(enc, meta['bos_token'])
     tok.train_info = meta.get('train_info')
@@ -269,7 +301,8 @@ def from_pretrained(cls: Tokenizer,
         raise RuntimeError(
             f"could not fetch the vocabulary file of tiktoken encoding {name!r} from {url} ({type(e).__name__}); "
             f"this machine looks offline and the file is not in tiktoken's cache ({_tiktoken_cache_dir()}). "
-            f"On a machine with internet run `python -c \"import tiktoken; tiktoken.get_encoding('{name}')\"`, copy its "
+            f"On a machine with internet run `python -c \"import tiktoken; tiktoken.get_encoding('{name}')\"`, "
+            "copy its "
             f"cache folder here and set TIKTOKEN_CACHE_DIR to it; or train a tokenizer offline with "
             f"`nanochat-dl train-tokenizer`") from e
     return cls(enc, bos_token)
@@ -284,10 +317,10 @@ def iter_texts(files,                          # parquet shards, read in this or
                stats: dict | None = None,      # filled in with the characters, documents and row groups read
                progress: bool = False,         # a progress bar in row groups
                utf8_errors: str = 'strict'):   # 'strict': text that is not UTF-8 is an error; 'replace': U+FFFD
-    "Documents of parquet `files`, row group by row group, each cropped to `doc_cap` (None: no cap), `max_chars` in total; text that is not UTF-8 is an error naming its row, or replaced (`utf8_errors='replace'`)."
+    "Documents of parquet `files`, row group by row group, each cropped to `doc_cap`, `max_chars` in total."
     import pyarrow as pa
     from tqdm.auto import tqdm
-    from nanochat_dl.text.shards import open_shard, shard_layout, column_texts, check_utf8_errors  # shards imports core and dataset only: no cycle
+    from nanochat_dl.text.shards import open_shard, shard_layout, column_texts, check_utf8_errors   # (no cycle)
     if doc_cap is not None: check_int('doc_cap', doc_cap, 1)
     check_utf8_errors(utf8_errors)
     files = [Path(f) for f in files]
@@ -333,9 +366,9 @@ def train_tokenizer(data_dir=None,                           # the shard folder 
                     doc_cap: int | None = 10_000,            # crop each document to this many characters
                     out_dir=None,                            # where to save (default: `get_tokenizer_dir()`)
                     progress: bool = True,                   # a progress bar in row groups
-                    utf8_errors: str = 'strict',             # 'strict': text that is not UTF-8 is an error; 'replace': U+FFFD
+                    utf8_errors: str = 'strict',             # 'strict': text not UTF-8 is an error; 'replace': U+FFFD
                    ) -> Tokenizer:
-    "Train on the text of the local train shards (all but the last) and save to `out_dir` (default: `get_tokenizer_dir()`)."
+    "Train on the text of the local train shards (all but the last) and save to `out_dir` (or `get_tokenizer_dir()`)."
     from nanochat_dl.text.shards import shard_layout, check_utf8_errors
     if max_chars is not None: check_int('max_chars', max_chars, 1)
     check_utf8_errors(utf8_errors)
@@ -347,9 +380,10 @@ def train_tokenizer(data_dir=None,                           # the shard folder 
         found = f"only one shard ({files[0].name})" if files else "no parquet shards"
         raise FileNotFoundError(f"{found} in {get_data_dir(data_dir)}: training needs at least 2 (the last one is kept "
                                 f"for validation); {_NO_SHARDS}")
-    shard_layout(files)  # every shard, val included, must open as parquet with a string `text` column: fail before training
+    shard_layout(files)  # every shard, val included, must open as parquet with a string `text` column: fail now
     stats, t0 = {}, time.perf_counter()
-    tok = Tokenizer.train_from_iterator(iter_texts(files[:-1], max_chars, doc_cap, stats=stats, progress=progress, utf8_errors=utf8_errors), vocab_size)
+    tok = Tokenizer.train_from_iterator(iter_texts(files[:-1], max_chars, doc_cap, stats=stats, progress=progress,
+                                                   utf8_errors=utf8_errors), vocab_size)
     tok.train_info = dict(stats, train_files=[f.name for f in files[:-1]], max_chars=max_chars, doc_cap=doc_cap,
                           seconds=round(time.perf_counter() - t0, 3))
     tok.save(out)
@@ -362,11 +396,13 @@ def train_tokenizer_cli(vocab_size: int = 8192,  # number of token ids, special 
                         doc_cap: int = 10_000,  # crop every document to this many characters
                         data_dir: str = None,  # shard folder (default: NANOCHAT_DL_DATA_DIR or the cache)
                         out_dir: str = None,  # where to save (default: the cache's tokenizer/ folder)
-                        utf8_errors: str = 'strict'):  # text that is not UTF-8: 'strict' stops with the file, row group and row; 'replace' reads it with U+FFFD
-    "Train a BPE tokenizer on the local train shards and save it; exit code 2 for bad arguments or shards, 1 if saving fails."
+                        utf8_errors: str = 'strict'):  # not UTF-8: 'strict' stops, naming the row; 'replace': U+FFFD
+    "Train a BPE tokenizer on the local train shards and save it; exit code 2 for bad arguments or shards, else 1."
     try:
-        val = list(iter_texts(list_parquet_files(data_dir)[-1:], max_chars=1_000_000, doc_cap=doc_cap, utf8_errors=utf8_errors))  # read before anything is saved
-        tok = train_tokenizer(data_dir, vocab_size, max_chars, doc_cap, out_dir, progress=sys.stderr.isatty(), utf8_errors=utf8_errors)
+        val = list(iter_texts(list_parquet_files(data_dir)[-1:], max_chars=1_000_000, doc_cap=doc_cap,
+                              utf8_errors=utf8_errors))  # read before anything is saved
+        tok = train_tokenizer(data_dir, vocab_size, max_chars, doc_cap, out_dir, progress=sys.stderr.isatty(),
+                              utf8_errors=utf8_errors)
     except (FileNotFoundError, ValueError) as e:
         print(f"nanochat-dl train-tokenizer: error: {e}", file=sys.stderr); return 2
     except OSError as e:  # e.g. no permission to write the tokenizer
@@ -374,7 +410,8 @@ def train_tokenizer_cli(vocab_size: int = 8192,  # number of token ids, special 
     info, out = tok.train_info, get_tokenizer_dir() if out_dir is None else Path(out_dir)
     print(f"trained on {info['chars']:,} chars ({info['docs']:,} docs, {info['row_groups']:,} row groups, "
           f"{len(info['train_files'])} train shards) in {info['seconds']:.2f} s")
-    print(f"vocab size {tok.get_vocab_size():,} ({len(tok.get_special_tokens())} special, bos {tok.bos_token}={tok.get_bos_token_id()})")
+    print(f"vocab size {tok.get_vocab_size():,} ({len(tok.get_special_tokens())} special, "
+          f"bos {tok.bos_token}={tok.get_bos_token_id()})")
     print(f"val compression: {compression_ratio(tok, val):.2f} bytes/token on {len(val):,} docs of the val shard")
     print(f"saved to {out}")
     return 0
@@ -385,22 +422,26 @@ def get_tokenizer(tokenizer_dir=None,  # a folder written by `Tokenizer.save` (d
     "The saved tokenizer in `tokenizer_dir` (default: `get_tokenizer_dir()`)."
     d = get_tokenizer_dir() if tokenizer_dir is None else Path(tokenizer_dir)
     if not (d/META_FILE).exists():
-        raise FileNotFoundError(f"no trained tokenizer in {d}: train one with `nanochat-dl train-tokenizer --vocab-size 8192` "
+        raise FileNotFoundError(f"no trained tokenizer in {d}: train one with "
+                                "`nanochat-dl train-tokenizer --vocab-size 8192` "
                                 f"(it reads the local shards; {_NO_SHARDS}), or pass tokenizer_dir=")
     return Tokenizer.load(d)
 
 # %% ../../nbs/text/04_tokenizer.ipynb #c0f2c235
-_PROBE = "Tokenizer probe: Hello, world! 12345 \u00fcber na\u00efve \u65e5\u672c\u8a9e \U0001f600 <|bos|>\n\tdef f(x): return x ** 2  # done."
+_PROBE = ("Tokenizer probe: Hello, world! 12345 \u00fcber na\u00efve \u65e5\u672c\u8a9e \U0001f600 <|bos|>\n"
+          "\tdef f(x): return x ** 2  # done.")
 
-def tokenizer_fingerprint(tokenizer,  # a `Tokenizer`, or anything with `encode`, `get_vocab_size` and `get_bos_token_id`
+def tokenizer_fingerprint(tokenizer,  # a `Tokenizer`, or one with `encode`, `get_vocab_size` and `get_bos_token_id`
                          ) -> dict:
-    "Vocabulary size, BOS id and a hash of the split pattern, merges and special tokens (of a probe text's ids for tokenizers without a tiktoken core)."
+    "Vocabulary size, BOS id and a hash of the split pattern, merges and special tokens (or of a probe text's ids)."
     h = hashlib.sha256()
     ranks = getattr(getattr(tokenizer, 'enc', None), '_mergeable_ranks', None)
     if isinstance(ranks, dict):
-        for tok_bytes, r in sorted(ranks.items(), key=lambda kv: kv[1]): h.update(len(tok_bytes).to_bytes(2, 'little') + tok_bytes)
+        for tok_bytes, r in sorted(ranks.items(), key=lambda kv: kv[1]):
+            h.update(len(tok_bytes).to_bytes(2, 'little') + tok_bytes)
         specials = getattr(tokenizer.enc, '_special_tokens', {})
         h.update(json.dumps(sorted(specials.items())).encode())
-        h.update(str(getattr(tokenizer.enc, '_pat_str', '')).encode())   # the pattern cuts the text: another one gives other ids
+        h.update(str(getattr(tokenizer.enc, '_pat_str', '')).encode())   # the pattern cuts the text: another, other ids
     else: h.update(json.dumps([int(i) for i in tokenizer.encode(_PROBE)]).encode())
-    return dict(vocab_size=int(tokenizer.get_vocab_size()), bos_id=int(tokenizer.get_bos_token_id()), sha=h.hexdigest()[:16])
+    return dict(vocab_size=int(tokenizer.get_vocab_size()), bos_id=int(tokenizer.get_bos_token_id()),
+                sha=h.hexdigest()[:16])
