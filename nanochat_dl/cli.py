@@ -23,7 +23,7 @@ class CliHelp(argparse.HelpFormatter):
 def cli_parser(func,  # a function decorated with fastcore's `call_parse`
                prog,  # the command's name, for its help and its errors
               ) -> argparse.ArgumentParser:
-    "fastcore's `anno_parser` for `func`, its help made plain: a flag shows no default, a one-letter option one spelling."
+    "fastcore's `anno_parser` for `func`, its help made plain: a flag shows no default, a one-letter option once."
     p = anno_parser(func, prog=prog)
     p.formatter_class = CliHelp
     for a in p._actions:
@@ -35,16 +35,21 @@ def cli_parser(func,  # a function decorated with fastcore's `call_parse`
 import sys, importlib
 from . import __version__
 
-COMMANDS = {
-    'sample':          ('nanochat_dl.text.sample',     'sample_cli',          'write the offline sample shards (no download)'),
-    'download':        ('nanochat_dl.text.dataset',    'download_cli',        'download parquet shards in parallel'),
-    'train-tokenizer': ('nanochat_dl.text.tokenizer',  'train_tokenizer_cli', 'train a BPE tokenizer on the local train shards'),
-    'tokenize':        ('nanochat_dl.tokens.arrow',      'tokenize_cli',        'tokenize parquet shards into arrow token files (fms-fsdp layout) with counts and manifest'),
-    'bench-pack':      ('nanochat_dl.bench.loaders',      'bench_pack_cli',      'benchmark reference vs fast best-fit packing'),
-    'demo':            ('nanochat_dl.bench.demo',       'demo_cli',            'the main job: sample data, tokenizer, stream batches, check resume'),
-    'bench':           ('nanochat_dl.bench.loaders',      'bench_cli',           'benchmark the loaders against the reference'),
-    'bench-stream':    ('nanochat_dl.bench.stream', 'bench_stream_cli',  'benchmark the pre-tokenized loader against a per-document reader'),
-    'bench-peers':     ('nanochat_dl.bench.peers', 'bench_peers_cli',    "benchmark the pre-tokenized loader against Mosaic streaming, LitData and torchdata (the 'bench' extra)"),
+COMMANDS = {   # name: (the subpackage that has its function, the function, what it does)
+    'sample':          ('nanochat_dl.text',   'sample_cli',          'write the offline sample shards (no download)'),
+    'download':        ('nanochat_dl.text',   'download_cli',        'download parquet shards in parallel'),
+    'train-tokenizer': ('nanochat_dl.text',   'train_tokenizer_cli', 'train a BPE tokenizer on the local train shards'),
+    'tokenize':        ('nanochat_dl.tokens', 'tokenize_cli',
+                        'tokenize parquet shards into arrow token files (fms-fsdp layout) with counts and manifest'),
+    'bench-pack':      ('nanochat_dl.bench',  'bench_pack_cli',      'benchmark reference vs fast best-fit packing'),
+    'demo':            ('nanochat_dl.bench',  'demo_cli',
+                        'the main job: sample data, tokenizer, stream batches, check resume'),
+    'bench':           ('nanochat_dl.bench',  'bench_cli',           'benchmark the loaders against the reference'),
+    'bench-stream':    ('nanochat_dl.bench',  'bench_stream_cli',
+                        'benchmark the pre-tokenized loader against a per-document reader'),
+    'bench-peers':     ('nanochat_dl.bench',  'bench_peers_cli',
+                        "benchmark the pre-tokenized loader against Mosaic streaming, LitData and torchdata "
+                        "(the 'bench' extra)"),
 }
 
 def _usage():
@@ -56,6 +61,7 @@ def _usage():
               "  torchrun --no-python --nproc-per-node 8 nanochat-dl tokenize ..."]
     return '\n'.join(lines)
 
+# %% ../nbs/99_cli.ipynb #85fc8bce
 def run_command(func,  # a function decorated with fastcore's `call_parse`
                 argv,  # its command-line arguments
                 prog,  # the command's name, for its help and its errors

@@ -10,6 +10,7 @@ __all__ = ['ShardServer', 'toy_text', 'write_toy_shards']
 # %% ../nbs/90_testing.ipynb #1fab2a80
 import hashlib, re, threading, time
 from email.utils import formatdate
+from fastcore.basics import patch
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import unquote
@@ -32,53 +33,63 @@ class _ShardHandler(BaseHTTPRequestHandler):
         self.end_headers()
         if body: self.wfile.write(data)
 
-    def _serve(self, body):
-        srv = self.server_ref
-        name = unquote(self.path.split('?', 1)[0].lstrip('/'))
-        rng, fault = self.headers.get('Range'), srv._next_fault(name)
-        srv._record(name, rng, fault, self.headers.get('If-Range'))
-        if fault == 'stall': time.sleep(srv.stall_s)
-        if isinstance(fault, int): return self._simple(fault, f'injected HTTP {fault} for {name}\n', body=body)
-        if fault == 'html': return self._simple(200, _HTML_PAGE, 'text/html', body)
-        if '/' in name or name.startswith('.') or (got := srv._content(name)) is None:
-            return self._simple(404, f'{name} not found\n', body=body)
-        data, validators = got
-        status, extra = 200, [(k, v) for k, v in validators.items() if v]
-        if rng and srv.ranges and fault != 'ignore_range' and srv._range_applies(self.headers.get('If-Range'), validators):
-            m = re.fullmatch(r'bytes=(\d+)-(\d*)', rng.strip())
-            if m:
-                start, end = int(m[1]), min(int(m[2]) if m[2] else len(data) - 1, len(data) - 1)
-                if start >= len(data):
-                    return self._simple(416, 'range not satisfiable\n', body=body, extra=[('Content-Range', f'bytes */{len(data)}')])
-                extra.append(('Content-Range', f'bytes {start}-{end}/{len(data)}'))
-                data, status = data[start:end + 1], 206
-        self.send_response(status)
-        self.send_header('Content-Type', 'application/vnd.apache.parquet')
-        self.send_header('Content-Length', str(len(data)))
-        if srv.ranges: self.send_header('Accept-Ranges', 'bytes')
-        for k, v in extra: self.send_header(k, v)
-        self.end_headers()
-        if body: self._send_body(data, fault)
-
-    def _send_body(self, data, fault):
-        srv = self.server_ref
-        if fault == 'drop': data = data[:len(data) // 2]
-        elif fault == 'short': data = data[:len(data) - max(1, len(data) // 10)]
-        elif fault == 'flip': data = data[:len(data) // 2] + bytes([data[len(data) // 2] ^ 0xFF]) + data[len(data) // 2 + 1:]
-        if fault == 'trickle':                   # one byte per trickle_s for stall_s, then hang up
-            end = time.monotonic() + srv.stall_s
-            for b in data:
-                if time.monotonic() >= end: break
-                self.wfile.write(bytes([b])); self.wfile.flush(); time.sleep(srv.trickle_s)
-        else: self.wfile.write(data); self.wfile.flush()
-        if fault in ('drop', 'short', 'trickle'): self.close_connection = True
-
 class _QuietHTTPServer(ThreadingHTTPServer):
     daemon_threads = True
     def handle_error(self, request, client_address): pass   # clients that hang up mid-answer are expected here
 
+# %% ../nbs/90_testing.ipynb #ce56f606
+@patch
+def _serve(self:_ShardHandler, body):
+    srv = self.server_ref
+    name = unquote(self.path.split('?', 1)[0].lstrip('/'))
+    rng, fault = self.headers.get('Range'), srv._next_fault(name)
+    srv._record(name, rng, fault, self.headers.get('If-Range'))
+    if fault == 'stall': time.sleep(srv.stall_s)
+    if isinstance(fault, int): return self._simple(fault, f'injected HTTP {fault} for {name}\n', body=body)
+    if fault == 'html': return self._simple(200, _HTML_PAGE, 'text/html', body)
+    if '/' in name or name.startswith('.') or (got := srv._content(name)) is None:
+        return self._simple(404, f'{name} not found\n', body=body)
+    data, validators = got
+    status, extra = 200, [(k, v) for k, v in validators.items() if v]
+    if (rng and srv.ranges and fault != 'ignore_range'
+            and srv._range_applies(self.headers.get('If-Range'), validators)):
+        m = re.fullmatch(r'bytes=(\d+)-(\d*)', rng.strip())
+        if m:
+            start, end = int(m[1]), min(int(m[2]) if m[2] else len(data) - 1, len(data) - 1)
+            if start >= len(data):
+                return self._simple(416, 'range not satisfiable\n', body=body,
+                                    extra=[('Content-Range', f'bytes */{len(data)}')])
+            extra.append(('Content-Range', f'bytes {start}-{end}/{len(data)}'))
+            data, status = data[start:end + 1], 206
+    self.send_response(status)
+    self.send_header('Content-Type', 'application/vnd.apache.parquet')
+    self.send_header('Content-Length', str(len(data)))
+    if srv.ranges: self.send_header('Accept-Ranges', 'bytes')
+    for k, v in extra: self.send_header(k, v)
+    self.end_headers()
+    if body: self._send_body(data, fault)
+
+# %% ../nbs/90_testing.ipynb #290d6b36
+@patch
+def _send_body(self:_ShardHandler, data, fault):
+    srv = self.server_ref
+    if fault == 'drop': data = data[:len(data) // 2]
+    elif fault == 'short': data = data[:len(data) - max(1, len(data) // 10)]
+    elif fault == 'flip':
+        h = len(data) // 2
+        data = data[:h] + bytes([data[h] ^ 0xFF]) + data[h + 1:]
+    if fault == 'trickle':                   # one byte per trickle_s for stall_s, then hang up
+        end = time.monotonic() + srv.stall_s
+        for b in data:
+            if time.monotonic() >= end: break
+            self.wfile.write(bytes([b])); self.wfile.flush(); time.sleep(srv.trickle_s)
+    else: self.wfile.write(data); self.wfile.flush()
+    if fault in ('drop', 'short', 'trickle'): self.close_connection = True
+
+# %% ../nbs/90_testing.ipynb #ec4c3e43
 class ShardServer:
-    "Serve the files of `root` on 127.0.0.1 over HTTP like a real host (Range, If-Range, validators), with a request log and injectable faults."
+    """Serve the files of `root` on 127.0.0.1 over HTTP like a real host (Range, If-Range, validators), with a request
+    log and injectable faults."""
     def __init__(self, root,             # the folder whose files are served
                  ranges=True,            # honour `Range` requests (False: always the whole file)
                  port=0,                 # the port on 127.0.0.1 (0: any free one)
@@ -88,7 +99,8 @@ class ShardServer:
                  last_modified=True,     # send a `Last-Modified` date
                  if_range=True,          # honour `If-Range` (False: a proxy that ignores it)
                  sha256=False):          # send the file's sha256 as Hugging Face's `X-Linked-Etag`
-        self.root, self.ranges, self.port, self.stall_s, self.trickle_s = Path(root), ranges, port, stall_s, trickle_s
+        self.root, self.ranges, self.port = Path(root), ranges, port
+        self.stall_s, self.trickle_s = stall_s, trickle_s
         self.etag, self.last_modified, self.if_range, self.sha256 = etag, last_modified, if_range, sha256
         self.faults, self.log, self._lock, self._httpd, self._url = {}, [], threading.Lock(), None, None
         self._swaps, self._versions = {}, {}
@@ -102,68 +114,86 @@ class ShardServer:
     def swap(self, name,  # a file name in `root`
              data,         # the bytes of its new version
              after=1):     # requests that still get the current version
-        "Serve `data` as file `name` (a new version: new ETag, Last-Modified, sha256) once `after` more requests have seen the current one."
+        """Serve `data` as file `name` (a new version: new ETag, Last-Modified, sha256) once `after` more requests have
+        seen the current one."""
         with self._lock: self._swaps[name] = [after, bytes(data)]
         return self
 
-    def _next_fault(self, name):
-        with self._lock:
-            q = self.faults.get(name)
-            return q.pop(0) if q else None
+# %% ../nbs/90_testing.ipynb #e2fc8b4c
+@patch
+def _next_fault(self:ShardServer, name):
+    with self._lock:
+        q = self.faults.get(name)
+        return q.pop(0) if q else None
 
-    def _content(self, name):
-        "The bytes this request gets for `name` and the headers that name their version; None if there is no such file."
-        with self._lock:
-            if (s := self._swaps.get(name)) is not None:
-                if s[0] > 0: s[0] -= 1
-                else: self._versions[name] = (self._versions.get(name, (0, None))[0] + 1, s[1]); del self._swaps[name]
-            version, data = self._versions.get(name, (0, None))
-        path = self.root/name
-        if data is None:
-            if not path.is_file(): return None
-            data = path.read_bytes()
-        digest = hashlib.sha256(data).hexdigest()
-        mtime = int(path.stat().st_mtime) if path.is_file() else 0
-        return data, {'ETag': f'"{digest[:32]}"' if self.etag else None,
-                      'Last-Modified': formatdate(mtime + 3600 * version, usegmt=True) if self.last_modified else None,
-                      'X-Linked-Etag': f'"{digest}"' if self.sha256 else None}
+@patch
+def _content(self:ShardServer, name):
+    "The bytes this request gets for `name` and the headers that name their version; None if there is no such file."
+    with self._lock:
+        if (s := self._swaps.get(name)) is not None:
+            if s[0] > 0: s[0] -= 1
+            else:
+                self._versions[name] = (self._versions.get(name, (0, None))[0] + 1, s[1]); del self._swaps[name]
+        version, data = self._versions.get(name, (0, None))
+    path = self.root/name
+    if data is None:
+        if not path.is_file(): return None
+        data = path.read_bytes()
+    digest = hashlib.sha256(data).hexdigest()
+    mtime = int(path.stat().st_mtime) if path.is_file() else 0
+    return data, {'ETag': f'"{digest[:32]}"' if self.etag else None,
+                  'Last-Modified': formatdate(mtime + 3600 * version, usegmt=True) if self.last_modified else None,
+                  'X-Linked-Etag': f'"{digest}"' if self.sha256 else None}
 
-    def _range_applies(self, if_range, validators):
-        "RFC 9110: a Range counts only if `If-Range` (when sent) names the current version, by strong ETag or exact date."
-        if if_range is None or not self.if_range: return True
-        if if_range.startswith(('"', 'W/')): return not if_range.startswith('W/') and if_range == validators['ETag']
-        return if_range == validators['Last-Modified']
+# %% ../nbs/90_testing.ipynb #2b09616e
+@patch
+def _range_applies(self:ShardServer, if_range, validators):
+    "RFC 9110: a Range counts only if `If-Range` (when sent) names the current version (strong ETag or exact date)."
+    if if_range is None or not self.if_range: return True
+    if if_range.startswith(('"', 'W/')): return not if_range.startswith('W/') and if_range == validators['ETag']
+    return if_range == validators['Last-Modified']
 
-    def _record(self, name, rng, fault, if_range=None):
-        with self._lock: self.log.append(dict(name=name, range=rng, fault=fault, if_range=if_range))
+@patch
+def _record(self:ShardServer, name, rng, fault, if_range=None):
+    with self._lock: self.log.append(dict(name=name, range=rng, fault=fault, if_range=if_range))
 
-    def requests_for(self, name,  # a file name
-                    ) -> list[dict]:
-        "The requests seen for file `name`: dicts with its `Range` and `If-Range` headers (or None) and the fault served."
-        with self._lock: return [r for r in self.log if r['name'] == name]
+@patch
+def requests_for(self:ShardServer, name,  # a file name
+                ) -> list[dict]:
+    "The requests seen for file `name`: dicts with its `Range` and `If-Range` headers (or None) and the fault served."
+    with self._lock: return [r for r in self.log if r['name'] == name]
 
-    @property
-    def url(self) -> str:
-        "Base URL of the running server, e.g. `http://127.0.0.1:54321`."
-        if self._url is None: raise RuntimeError("ShardServer is not started: use `with ShardServer(root) as srv:` or .start()")
-        return self._url
+# %% ../nbs/90_testing.ipynb #0d788a49
+@patch(as_prop=True)
+def url(self:ShardServer) -> str:
+    "Base URL of the running server, e.g. `http://127.0.0.1:54321`."
+    if self._url is None:
+        raise RuntimeError("ShardServer is not started: use `with ShardServer(root) as srv:` or .start()")
+    return self._url
 
-    def start(self):
-        handler = type('Handler', (_ShardHandler,), {'server_ref': self})
-        self._httpd = _QuietHTTPServer(('127.0.0.1', self.port), handler)
-        self._url = f'http://127.0.0.1:{self._httpd.server_address[1]}'
-        self._thread = threading.Thread(target=self._httpd.serve_forever, kwargs=dict(poll_interval=0.05), daemon=True)
-        self._thread.start()
-        return self
+@patch
+def start(self:ShardServer):
+    "Start serving in a thread of its own."
+    handler = type('Handler', (_ShardHandler,), {'server_ref': self})
+    self._httpd = _QuietHTTPServer(('127.0.0.1', self.port), handler)
+    self._url = f'http://127.0.0.1:{self._httpd.server_address[1]}'
+    self._thread = threading.Thread(target=self._httpd.serve_forever, kwargs=dict(poll_interval=0.05),
+                                    daemon=True)
+    self._thread.start()
+    return self
 
-    def stop(self):
-        if self._httpd is None: return
-        self._httpd.shutdown(); self._httpd.server_close()
-        self._thread.join(timeout=5)
-        self._httpd = None
+@patch
+def stop(self:ShardServer):
+    "Stop serving."
+    if self._httpd is None: return
+    self._httpd.shutdown(); self._httpd.server_close()
+    self._thread.join(timeout=5)
+    self._httpd = None
 
-    def __enter__(self): return self.start()
-    def __exit__(self, *exc): self.stop()
+@patch
+def __enter__(self:ShardServer): return self.start()
+@patch
+def __exit__(self:ShardServer, *exc): self.stop()
 
 # %% ../nbs/90_testing.ipynb #88194ba1
 def toy_text(f: int,   # file index

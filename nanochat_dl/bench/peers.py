@@ -18,8 +18,7 @@ import numpy as np
 import torch
 from fastcore.script import call_parse
 from ..core import check_int, get_base_dir
-from ..tokens.arrow import TokenRoot
-from ..tokens.streaming import PACKS, StreamingLoader, open_epochs
+from ..tokens import TokenRoot, StreamingLoader, open_epochs
 from .stream import bench_root, per_document_rows
 
 # %% ../../nbs/bench/17_bench_peers.ipynb #50d6a89f
@@ -30,7 +29,7 @@ def peer_rows(root,          # a token root
               T:int,         # tokens per input row (rows hold T + 1)
               eos:int=EOS,   # appended to every document
               ) -> np.ndarray:
-    "Every document of `root`, in file order, each followed by `eos`, concatenated and cut into rows of T + 1 (the tail dropped): `[N, T+1]` uint32."
+    "Every document of `root` in file order, each followed by `eos`, cut into rows of T + 1 (tail dropped), uint32."
     tr, parts = TokenRoot(root), []
     end = np.array([eos], np.uint32)
     for ds in tr.datasets:
@@ -54,7 +53,7 @@ def _fresh(path, make):
     return path
 
 def import_mosaic():
-    "Mosaic streaming, imported; its `streaming.vision` (torchvision datasets, unused here) is left out when torchvision cannot load (the registry's torchvision is a CUDA build that a CPU torch cannot load)."
+    "Mosaic streaming, imported; without its `streaming.vision` (unused here) when torchvision cannot load."
     if not available('mosaic'): raise ImportError("mosaicml-streaming is not installed (pip install -e '.[bench]')")
     try: import torchvision  # noqa: F401
     except (ImportError, RuntimeError, OSError):
@@ -70,11 +69,13 @@ def available(peer,   # a name from `PEERS`
     import importlib.util
     return importlib.util.find_spec(mod) is not None
 
+# %% ../../nbs/bench/17_bench_peers.ipynb #619d7428
 def write_mds(rows,   # `[N, T+1]` rows, as `peer_rows` makes them
               out):  # the folder to write (once)
     "Mosaic's format, by its own `MDSWriter`: one sample per row, column `tokens` (`ndarray:uint32`), no compression."
     def make(tmp):
-        with import_mosaic().MDSWriter(out=str(tmp), columns={'tokens': 'ndarray:uint32'}, compression=None, size_limit=1 << 26) as w:
+        with import_mosaic().MDSWriter(out=str(tmp), columns={'tokens': 'ndarray:uint32'}, compression=None,
+                                       size_limit=1 << 26) as w:
             for r in rows: w.write({'tokens': r})
     return _fresh(out, make)
 
@@ -87,15 +88,16 @@ def _litdata_rows(spec):
 def write_litdata(rows,                   # `[N, T+1]` rows
                   out,                    # the folder to write (once)
                   rows_per_chunk:int=1024):   # rows per LitData chunk
-    "LitData's format, by its own `optimize` with its `TokensLoader` (LitGPT's pretraining layout): chunks of whole rows."
+    "LitData's format, by its own `optimize` with its `TokensLoader` (LitGPT's pretraining layout): whole rows."
     from litdata import optimize
     from litdata.streaming.item_loader import TokensLoader
     def make(tmp):
         src = tmp.parent/'rows.npy'
         np.save(src, rows)
         n, C = rows.shape
-        optimize(fn=_litdata_rows, inputs=[(str(src), a, min(a + rows_per_chunk, n)) for a in range(0, n, rows_per_chunk)],
-                 output_dir=str(tmp), chunk_size=rows_per_chunk * C, item_loader=TokensLoader(), num_workers=1)
+        inputs = [(str(src), a, min(a + rows_per_chunk, n)) for a in range(0, n, rows_per_chunk)]
+        optimize(fn=_litdata_rows, inputs=inputs, output_dir=str(tmp), chunk_size=rows_per_chunk * C,
+                 item_loader=TokensLoader(), num_workers=1)
     return _fresh(out, make)
 
 def write_plain(rows,   # `[N, T+1]` rows
@@ -105,6 +107,7 @@ def write_plain(rows,   # `[N, T+1]` rows
         tmp.mkdir(); np.save(tmp/'rows.npy', rows)
     return _fresh(out, make)
 
+# %% ../../nbs/bench/17_bench_peers.ipynb #378393cc
 def peer_data(T:int=2048,     # tokens per input row
               path=None,      # where it all goes (default: `peer_bench/` in the cache)
               seed:int=0,     # of the synthetic documents
@@ -124,21 +127,25 @@ def peer_data(T:int=2048,     # tokens per input row
 
 # %% ../../nbs/bench/17_bench_peers.ipynb #d9f127e0
 def _digest(a) -> str:
+    "A short digest of a row's tokens (as int64): the row's name."
     import hashlib
     return hashlib.blake2b(np.ascontiguousarray(a, dtype=np.int64).tobytes(), digest_size=8).hexdigest()
 
 class Ours:
-    "`StreamingLoader` over the token root: one rank, no prefetch thread (every loader here makes its batches on demand)."
+    "`StreamingLoader` over the token root: one rank, no prefetch thread (every loader here makes batches on demand)."
     def __init__(self, data, B, T, seed, rank, world, pack='concat', window=1000):
-        self.ld = StreamingLoader(data['root'], T, B, rank=rank, world_size=world, pack=pack, eos_token=EOS, seed=seed, prefetch=0, shuffle_window=window)
+        self.ld = StreamingLoader(data['root'], T, B, rank=rank, world_size=world, pack=pack, eos_token=EOS, seed=seed,
+                                  prefetch=0, shuffle_window=window)
     def load(self, states): self.ld.load_state_dict(states[0] if len(states) == 1 else states)
     def next(self, wrap=False): return next(self.ld)
     def rows(self, b): return b.rows
-    def ids(self, b): return [[s.key.file, s.key.doc, s.key.epoch, s.offset, s.length] for row in b.segments for s in row]
+    def ids(self, b):
+        return [[s.key.file, s.key.doc, s.key.epoch, s.offset, s.length] for row in b.segments for s in row]
     def state(self): return self.ld.state_dict()
     def epoch_done(self, b, epoch=1) -> bool: return min(open_epochs(self.ld.state_dict()).values()) > epoch
     def close(self): self.ld.close()
 
+# %% ../../nbs/bench/17_bench_peers.ipynb #df840cc9
 class _Peer:
     "A peer's loader: batches from its iterator; an epoch ends when the iterator does."
     def next(self, wrap=False):   # wrap: at the end of the epoch, go on with the next one
@@ -150,7 +157,7 @@ class _Peer:
     def rows(self, b): return b
     def ids(self, b): return [_digest(r) for r in np.asarray(self.rows(b))]
     def state(self): return self.ld.state_dict()
-    def load(self, states): self.ld.load_state_dict(states[0])   # every rank's state is the same global one: rank 0's is what a job saves
+    def load(self, states): self.ld.load_state_dict(states[0])   # every rank's is the same global state: rank 0's
     def epoch_done(self, b, epoch=1) -> bool: return False
     def close(self): pass
 
@@ -163,12 +170,14 @@ class Mosaic(_Peer):
     def rows(self, b): return b['tokens']
 
 class LitData(_Peer):
-    "LitData's `StreamingDataset` with its `TokensLoader` (blocks of T + 1), shuffled, `drop_last=False` (its default on one rank; a state saved on 2 ranks then loads on 1), and its `StreamingDataLoader`."
+    "LitData's `StreamingDataset` (`TokensLoader`: blocks of T + 1; shuffled) and its `StreamingDataLoader`."
     def __init__(self, data, B, T, seed, rank, world):
         from litdata import StreamingDataset, StreamingDataLoader, TokensLoader
-        ds = StreamingDataset(data['litdata'], item_loader=TokensLoader(block_size=T + 1), shuffle=True, seed=seed, drop_last=False)
+        ds = StreamingDataset(data['litdata'], item_loader=TokensLoader(block_size=T + 1), shuffle=True, seed=seed,
+                              drop_last=False)   # its default on one rank: a state saved on 2 ranks loads on 1
         self.ld, self.it = StreamingDataLoader(ds, batch_size=B, num_workers=0), None
 
+# %% ../../nbs/bench/17_bench_peers.ipynb #7179b44a
 class _Rows(torch.utils.data.Dataset):
     "Map-style: row `i` of a memory-mapped `.npy` file of rows, as int64."
     def __init__(self, path): self.path, self.a = path, None
@@ -178,7 +187,7 @@ class _Rows(torch.utils.data.Dataset):
         return torch.from_numpy(self.a[i].astype(np.int64))
 
 class TorchData(_Peer):
-    "torchdata's `StatefulDataLoader` over a map-style dataset of the rows, with its `StatefulDistributedSampler` (shuffled)."
+    "torchdata's `StatefulDataLoader` over a map-style dataset of the rows, its `StatefulDistributedSampler` shuffling."
     def __init__(self, data, B, T, seed, rank, world):
         from torchdata.stateful_dataloader import StatefulDataLoader
         from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
@@ -198,7 +207,7 @@ PEERS = {'mosaic': Mosaic, 'litdata': LitData, 'torchdata': TorchData, 'perdoc':
 
 # %% ../../nbs/bench/17_bench_peers.ipynb #dd83e91d
 def _rss_mib(field='VmRSS') -> float:
-    "This process's resident memory (`VmRSS`) or its peak (`VmHWM`, unlike `ru_maxrss` not inherited from a parent), MiB."
+    "This process's resident memory (`VmRSS`) or its peak (`VmHWM`, unlike `ru_maxrss` not inherited), in MiB."
     with open('/proc/self/status') as f:
         return next(int(l.split()[1]) for l in f if l.startswith(field + ':')) / 1024
 
@@ -207,9 +216,43 @@ def _make(spec):
     kw = dict(pack=p.split('-', 1)[1], window=spec.get('window', 1000)) if p.startswith('ours-') else {}
     return PEERS[p](spec['data'], spec['B'], spec['T'], spec['seed'], spec['rank'], spec['world'], **kw)
 
-def run_rank(spec:dict,   # peer, data, B, T, seed, rank, world, mode ('speed', 'run' or 'drain'), n, and optionally states, save, ids, next, window
+def _speed(ad, spec) -> dict:
+    "The best of `repeats` runs of `n` batches, epochs wrapping: tokens/s."
+    best = float('inf')
+    for _ in range(spec.get('repeats', 3)):
+        busy = 0.0
+        for _ in range(spec['n']):
+            t = time.perf_counter(); ad.next(wrap=True); busy += time.perf_counter() - t
+        best = min(best, busy)
+    return dict(tokens_per_s=spec['n'] * spec['B'] * spec['T'] / best)
+
+# %% ../../nbs/bench/17_bench_peers.ipynb #f4d746e6
+def _drain(ad, spec, b, ids) -> dict:
+    "On to the end of the epoch (at most `n` batches after `b`), naming what is delivered."
+    ended, done = ad.epoch_done(b), 0
+    while not ended and done < spec['n']:
+        try: b = ad.next()
+        except StopIteration: ended = True; break
+        ids += ad.ids(b); done += 1; ended = ad.epoch_done(b)
+    return dict(ids=ids, batches=done + 1, ended=ended)
+
+def _run(ad, spec, ids, nxt) -> dict:
+    "`n` batches timed, the state saved (with `save`), and the digests of the batches after it (`next` in all)."
+    res, busy = {}, 0.0
+    for _ in range(spec['n']):
+        t = time.perf_counter(); b = ad.next(); busy += time.perf_counter() - t
+        if spec.get('ids'): ids += ad.ids(b)
+    if spec['n']: res['tokens_per_s'] = spec['n'] * spec['B'] * spec['T'] / busy
+    if spec.get('save'):
+        st = pickle.dumps(ad.state()); Path(spec['save']).write_bytes(st)
+        res['state_bytes'], nxt = len(st), []
+    nxt += [_digest(ad.rows(ad.next())) for _ in range(spec['next'] - len(nxt))]
+    return dict(res, ids=ids, next=nxt)
+
+# %% ../../nbs/bench/17_bench_peers.ipynb #2ad81b98
+def run_rank(spec:dict,   # peer, data, B, T, seed, rank, world, mode, n; optionally states, save, ids, next, window
              ) -> dict:
-    "One rank's part of one measurement (in its own process): build (and resume); then time `n` batches `repeats` times (`speed`), or take `n` batches, save the state and record the next ones (`run`), or finish the epoch (`drain`)."
+    "One rank's part of one measurement (in its own process): build and resume, then `speed`, `run` or `drain`."
     res, rss0 = dict(rank=spec['rank']), _rss_mib()
     t0 = time.perf_counter()
     ad = _make(spec)
@@ -220,38 +263,17 @@ def run_rank(spec:dict,   # peer, data, B, T, seed, rank, world, mode ('speed', 
             if len(states) == 1: raise
             return dict(res, unsupported=f"{type(e).__name__}: {str(e)[:200]}")
     b = ad.next()
-    res['first_s'], ids, busy, done = time.perf_counter() - t0, [], 0.0, 0
+    res['first_s'], ids = time.perf_counter() - t0, []
     nxt = [_digest(ad.rows(b))]
     if spec.get('ids') or spec['mode'] == 'drain': ids += ad.ids(b)
-    if spec['mode'] == 'speed':      # the best of `repeats` runs of `n` batches, epochs wrapping
-        best = float('inf')
-        for _ in range(spec.get('repeats', 3)):
-            busy = 0.0
-            for _ in range(spec['n']):
-                t = time.perf_counter(); ad.next(wrap=True); busy += time.perf_counter() - t
-            best = min(best, busy)
-        res['tokens_per_s'] = spec['n'] * spec['B'] * spec['T'] / best
-    elif spec['mode'] == 'drain':
-        ended = ad.epoch_done(b)
-        while not ended and done < spec['n']:
-            try: b = ad.next()
-            except StopIteration: ended = True; break
-            ids += ad.ids(b); done += 1; ended = ad.epoch_done(b)
-        res.update(ids=ids, batches=done + 1, ended=ended)
-    else:
-        for _ in range(spec['n']):
-            t = time.perf_counter(); b = ad.next(); busy += time.perf_counter() - t
-            if spec.get('ids'): ids += ad.ids(b)
-        if spec['n']: res['tokens_per_s'] = spec['n'] * spec['B'] * spec['T'] / busy
-        if spec.get('save'):
-            st = pickle.dumps(ad.state()); Path(spec['save']).write_bytes(st)
-            res['state_bytes'], nxt = len(st), []
-        nxt += [_digest(ad.rows(ad.next())) for _ in range(spec['next'] - len(nxt))]
-        res.update(ids=ids, next=nxt)
+    if spec['mode'] == 'speed': res.update(_speed(ad, spec))
+    elif spec['mode'] == 'drain': res.update(_drain(ad, spec, b, ids))
+    else: res.update(_run(ad, spec, ids, nxt))
     ad.close()
     res.update(rss0_mib=rss0, peak_mib=_rss_mib('VmHWM'))
     return res
 
+# %% ../../nbs/bench/17_bench_peers.ipynb #35a519c6
 def _child():
     spec = json.loads(Path(sys.argv[1]).read_text())
     res = run_rank(spec)
@@ -266,9 +288,10 @@ def launch(specs,         # one `run_rank` spec per rank, each with a `tag`
         s = dict(s, out=str(work/f"{s['tag']}_r{s['rank']}.json"))
         p = work/f"{s['tag']}_r{s['rank']}.spec.json"; p.write_text(json.dumps(s))
         env = dict(os.environ, RANK=str(s['rank']), GLOBAL_RANK=str(s['rank']), LOCAL_RANK=str(s['rank']),
-                   WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world), NODE_RANK='0', MASTER_ADDR='127.0.0.1', MASTER_PORT='29531')
-        procs.append((s, subprocess.Popen([sys.executable, '-c', 'from nanochat_dl.bench.peers import _child; _child()', str(p)],
-                                          env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)))
+                   WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world), NODE_RANK='0', MASTER_ADDR='127.0.0.1',
+                   MASTER_PORT='29531')
+        cmd = [sys.executable, '-c', 'from nanochat_dl.bench.peers import _child; _child()', str(p)]
+        procs.append((s, subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)))
     out = []
     for s, p in procs:
         log, _ = p.communicate(timeout=timeout)
@@ -280,21 +303,21 @@ def launch(specs,         # one `run_rank` spec per rank, each with a `tag`
 def row_coverage(ids,    # digests of the rows delivered
                  rows,   # every row of the epoch
                  ) -> dict:
-    "How the rows named by `ids` (digests) cover `rows`: rows delivered twice or more (`dup`), never (`missing`), unknown digests."
+    "How the rows named by `ids` (digests) cover `rows`: rows delivered twice or more (`dup`), never (`missing`)."
     want = {_digest(r): i for i, r in enumerate(rows)}
     seen = np.zeros(len(rows), np.int64); unknown = 0
     for d in ids:
         i = want.get(d)
         if i is None: unknown += 1
         else: seen[i] += 1
-    return dict(units='rows', total=len(rows), dup=int((seen > 1).sum()), missing=int((seen == 0).sum()), unknown=unknown,
-                once=bool((seen == 1).all() and not unknown))
+    return dict(units='rows', total=len(rows), dup=int((seen > 1).sum()), missing=int((seen == 0).sum()),
+                unknown=unknown, once=bool((seen == 1).all() and not unknown))
 
 def doc_coverage(ids,           # segments `[file, doc, epoch, offset, length]` delivered
                  root,          # the token root
                  epoch:int=1,   # the epoch checked
                  ) -> dict:
-    "How the segments `[file, doc, epoch, offset, length]` of `epoch` cover every non-empty document of `root`: documents with tokens delivered twice (`dup`) or never (`missing`)."
+    "How the segments of `epoch` cover each non-empty document of `root`: tokens twice (`dup`) or never (`missing`)."
     pieces = defaultdict(list)
     for f, d, e, off, n in ids:
         if e == epoch: pieces[(f, d)].append((off, n))
@@ -308,13 +331,45 @@ def doc_coverage(ids,           # segments `[file, doc, epoch, offset, length]` 
                     over, gap, at = over or off < at, gap or off > at, max(at, off + n)
                 total, dup, missing = total + 1, dup + over, missing + (gap or at < L)
     tr.close()
-    return dict(units='documents', total=total, dup=int(dup), missing=int(missing), unknown=0, once=not dup and not missing)
+    return dict(units='documents', total=total, dup=int(dup), missing=int(missing), unknown=0,
+                once=not dup and not missing)
 
 # %% ../../nbs/bench/17_bench_peers.ipynb #c40f56eb
 def _coverage(peer, ids, data, ended=True) -> dict:
-    c = doc_coverage(ids, data['root']) if peer.startswith('ours') else row_coverage(ids, np.load(Path(data['plain'])/'rows.npy'))
+    c = (doc_coverage(ids, data['root']) if peer.startswith('ours') else
+         row_coverage(ids, np.load(Path(data['plain'])/'rows.npy')))
     return dict(c, ended=ended)
 
+def _speed_ranks(base, tag, W, epoch, repeats, work, r, out):
+    "Speed on `W` ranks, into `r`: their tokens/s added, their peak and starting memory."
+    sp = launch([dict(base, tag=f'{tag}_speed', rank=k, world=W, mode='speed', n=epoch // W - 1, repeats=repeats)
+                 for k in range(W)], work)
+    r[f'tokens_per_s_{W}'] = sum(x['tokens_per_s'] for x in sp)
+    r[f'peak_mib_{W}'] = max(x['peak_mib'] for x in sp); r[f'rss0_mib_{W}'] = max(x['rss0_mib'] for x in sp)
+    if out: out(f"  {base['peer']}: {W} rank(s): {r[f'tokens_per_s_{W}'] / 1e6:.1f}M tokens/s, "
+                f"peak RSS {r[f'peak_mib_{W}']:.0f} MiB")
+
+def _resume_ranks(base, tag, W, epoch, work, r):
+    "Half an epoch on `W` ranks, the states saved, then a resume from them, into `r`: the same next batches?"
+    run = launch([dict(base, tag=tag, rank=k, world=W, mode='run', n=epoch // (2 * W),
+                       save=str(work/f'{tag}_r{k}.state')) for k in range(W)], work)
+    r[f'peak_mib_{W}'] = max([r[f'peak_mib_{W}']] + [x['peak_mib'] for x in run])
+    r[f'state_bytes_{W}'] = max(x['state_bytes'] for x in run)
+    res = launch([dict(base, tag=f'{tag}_resume', rank=k, world=W, mode='run', n=0,
+                       states=[str(work/f'{tag}_r{k}.state')]) for k in range(W)], work)
+    r[f'resume_s_{W}'] = max(x['first_s'] for x in res)
+    r[f'exact_{W}'] = all(a['next'] == b['next'] for a, b in zip(run, res))
+
+def _rescale(peer, data, base, tag, W, epoch, work) -> dict:
+    "The same half epoch again on `W` ranks, naming what it delivers (outside the timed run), finished by 1 rank."
+    run = launch([dict(base, tag=f'{tag}_ids', rank=k, world=W, mode='run', n=epoch // (2 * W), ids=True,
+                       save=str(work/f'{tag}_ids_r{k}.state')) for k in range(W)], work)
+    dr = launch([dict(base, tag=f'{tag}_to1', rank=0, world=1, mode='drain', n=8 * epoch,
+                      states=[str(work/f'{tag}_ids_r{k}.state') for k in range(W)])], work)[0]
+    if 'unsupported' in dr: return dict(supported=False, error=dr['unsupported'])
+    return dict(supported=True, **_coverage(peer, [i for x in run for i in x['ids']] + dr['ids'], data, dr['ended']))
+
+# %% ../../nbs/bench/17_bench_peers.ipynb #8a7d5360
 def bench_peer(peer,                 # a name from `PEERS`
                data,                 # what `peer_data` returned
                B:int=8, T:int=2048,  # rows per batch, tokens per input row
@@ -324,7 +379,7 @@ def bench_peer(peer,                 # a name from `PEERS`
                next_batches:int=4,   # batches compared after a resume
                work=None,            # a folder for states and results (default: a new temporary one)
                out=print) -> dict:
-    "One loader measured: tokens/s on 1 and 2 ranks (the best of `repeats` epochs), peak RSS, state size, resume time and exactness, and exactly-once when 2 ranks' half epoch is finished by 1 rank."
+    "One loader measured: tokens/s on 1 and 2 ranks, peak RSS, state size, resume time and exactness, exactly-once."
     work = Path(work or tempfile.mkdtemp(prefix=f'peers_{peer}_')); work.mkdir(parents=True, exist_ok=True)
     epoch = data['rows'] // B
     base = dict(peer=peer, data=data, B=B, T=T, seed=seed, window=window, next=next_batches)
@@ -335,47 +390,30 @@ def bench_peer(peer,                 # a name from `PEERS`
     for W in (1, 2):
         if peer == 'perdoc' and W > 1: continue
         tag = f'{peer}_w{W}'
-        save = peer != 'perdoc'
-        sp = launch([dict(base, tag=f'{tag}_speed', rank=k, world=W, mode='speed', n=epoch // W - 1, repeats=repeats) for k in range(W)], work)
-        r[f'tokens_per_s_{W}'] = sum(x['tokens_per_s'] for x in sp)
-        r[f'peak_mib_{W}'] = max(x['peak_mib'] for x in sp); r[f'rss0_mib_{W}'] = max(x['rss0_mib'] for x in sp)
-        if out: out(f"  {peer}: {W} rank(s): {r[f'tokens_per_s_{W}'] / 1e6:.1f}M tokens/s, peak RSS {r[f'peak_mib_{W}']:.0f} MiB")
-        if not save: continue
-        run = launch([dict(base, tag=tag, rank=k, world=W, mode='run', n=epoch // (2 * W), save=str(work/f'{tag}_r{k}.state'))
-                      for k in range(W)], work)
-        r[f'peak_mib_{W}'] = max([r[f'peak_mib_{W}']] + [x['peak_mib'] for x in run])
-        r[f'state_bytes_{W}'] = max(x['state_bytes'] for x in run)
-        res = launch([dict(base, tag=f'{tag}_resume', rank=k, world=W, mode='run', n=0, states=[str(work/f'{tag}_r{k}.state')])
-                      for k in range(W)], work)
-        r[f'resume_s_{W}'] = max(x['first_s'] for x in res)
-        r[f'exact_{W}'] = all(a['next'] == b['next'] for a, b in zip(run, res))
-        if W == 2:    # the same half epoch again, naming what it delivers (outside the timed run), finished by 1 rank
-            run = launch([dict(base, tag=f'{tag}_ids', rank=k, world=W, mode='run', n=epoch // (2 * W), ids=True,
-                               save=str(work/f'{tag}_ids_r{k}.state')) for k in range(W)], work)
-            dr = launch([dict(base, tag=f'{tag}_to1', rank=0, world=1, mode='drain', n=8 * epoch,
-                              states=[str(work/f'{tag}_ids_r{k}.state') for k in range(W)])], work)[0]
-            if 'unsupported' in dr: r['rescale'] = dict(supported=False, error=dr['unsupported'])
-            else:
-                r['rescale'] = dict(supported=True, **_coverage(peer, [i for x in run for i in x['ids']] + dr['ids'], data, dr['ended']))
-        if out: out(f"  {peer}: {W} rank(s): state {r[f'state_bytes_{W}']:,} bytes, resume {r[f'resume_s_{W}']:.2f}s, exact {r[f'exact_{W}']}"
-                    + (f", 2->1 ranks: {r['rescale']}" if W == 2 else ''))
+        _speed_ranks(base, tag, W, epoch, repeats, work, r, out)
+        if peer == 'perdoc': continue     # no state to save
+        _resume_ranks(base, tag, W, epoch, work, r)
+        if W == 2: r['rescale'] = _rescale(peer, data, base, tag, W, epoch, work)
+        if out: out(f"  {peer}: {W} rank(s): state {r[f'state_bytes_{W}']:,} bytes, resume {r[f'resume_s_{W}']:.2f}s, "
+                    f"exact {r[f'exact_{W}']}" + (f", 2->1 ranks: {r['rescale']}" if W == 2 else ''))
     return r
 
 # %% ../../nbs/bench/17_bench_peers.ipynb #8c700cbd
 PEER_NAMES = {'mosaic': "Mosaic streaming (MDSWriter)", 'litdata': "LitData (optimize, TokensLoader)",
-              'torchdata': "torchdata StatefulDataLoader (.npy rows)", 'perdoc': "fms-fsdp-style per document (ours, stand-in)",
-              'ours-concat': "StreamingLoader concat", 'ours-pad': "StreamingLoader pad", 'ours-bestfit': "StreamingLoader bestfit"}
+              'torchdata': "torchdata StatefulDataLoader (.npy rows)",
+              'perdoc': "fms-fsdp-style per document (ours, stand-in)", 'ours-concat': "StreamingLoader concat",
+              'ours-pad': "StreamingLoader pad", 'ours-bestfit': "StreamingLoader bestfit"}
 
-REFERENCE = 'ours-concat'   # the loader every other one is compared with: rows of concatenated tokens, as the peers deliver
+REFERENCE = 'ours-concat'   # the loader every other one is compared with: rows of concatenated tokens, as peers deliver
 
-def bench_peers(peers=None,          # names from `PEERS` (default: all; those not installed are skipped); `REFERENCE` is always run
+def bench_peers(peers=None,          # names from `PEERS` (default: all; not installed: skipped); `REFERENCE` always
                 B:int=8, T:int=2048,  # rows per batch, tokens per input row
                 seed:int=0,           # of the data and the loaders
                 window:int=1000,      # our loader's shuffle window (documents)
                 path=None,            # where the data goes (default: `peer_bench/` in the cache)
                 datasets=None,        # `{name: (files, documents per file)}` (default: `PEER_DATASETS`)
                 out=print) -> dict:
-    "Every loader measured by `bench_peer` on the same tokens, each in its own format, with `REFERENCE` among them; the machine's load before and after."
+    "Every loader measured by `bench_peer` on the same tokens, each in its own format; the load before and after."
     names = list(PEERS) if peers is None else list(dict.fromkeys(peers))
     bad = [p for p in names if p not in PEERS]
     if bad: raise ValueError(f"unknown peer(s) {bad}: expected some of {list(PEERS)}")
@@ -388,8 +426,8 @@ def bench_peers(peers=None,          # names from `PEERS` (default: all; those n
             if p in skipped: continue
             if out: out(f"{p}:")
             results.append(bench_peer(p, data, B, T, seed, window, work=Path(work)/p, out=out))
-    return dict(B=B, T=T, window=window, rows=data['rows'], tokens=data['rows'] * (T + 1), results=results, skipped=skipped,
-                load=(load0, os.getloadavg()), cpus=os.cpu_count())
+    return dict(B=B, T=T, window=window, rows=data['rows'], tokens=data['rows'] * (T + 1), results=results,
+                skipped=skipped, load=(load0, os.getloadavg()), cpus=os.cpu_count())
 
 # %% ../../nbs/bench/17_bench_peers.ipynb #b2a014f8
 def _once(c) -> str:
@@ -402,19 +440,22 @@ def _fmt(v, f) -> str: return '—' if v is None else f.format(v)
 
 def peer_table(r,   # what `bench_peers` returned
                ) -> str:
-    "`bench_peers`' result as a markdown table; the ratio column divides each loader's tokens/s on 1 rank by `REFERENCE`'s."
-    lines = [f"| loader | tokens/s, 1 rank | / {REFERENCE} | tokens/s, 2 ranks | peak RSS (MiB) | state (bytes) | resume (s) | exact resume (1 / 2 ranks) | one epoch, exactly once | 2 ranks -> 1, exactly once |",
+    "`bench_peers`' result as a markdown table; the ratio column is each loader's tokens/s on 1 rank over REFERENCE's."
+    lines = [f"| loader | tokens/s, 1 rank | / {REFERENCE} | tokens/s, 2 ranks | peak RSS (MiB) | state (bytes) | "
+             "resume (s) | exact resume (1 / 2 ranks) | one epoch, exactly once | 2 ranks -> 1, exactly once |",
              "|---|---:|---:|---:|---:|---:|---:|---|---|---|"]
     yes = lambda v: '—' if v is None else 'yes' if v else 'NO'
     ref = next((x.get('tokens_per_s_1') for x in r['results'] if x['peer'] == REFERENCE), None)
     for x in r['results']:
         g = x.get
         ratio = g('tokens_per_s_1') / ref if ref and g('tokens_per_s_1') is not None else None
-        lines.append(f"| {PEER_NAMES[x['peer']]} | {_fmt(g('tokens_per_s_1'), '{:,.0f}')} | {_fmt(ratio, '{:.2f}x')} | {_fmt(g('tokens_per_s_2'), '{:,.0f}')} | "
-                     f"{_fmt(g('peak_mib_1'), '{:.0f}')} | {_fmt(g('state_bytes_1'), '{:,}')} | {_fmt(g('resume_s_1'), '{:.2f}')} | "
+        lines.append(f"| {PEER_NAMES[x['peer']]} | {_fmt(g('tokens_per_s_1'), '{:,.0f}')} | {_fmt(ratio, '{:.2f}x')} | "
+                     f"{_fmt(g('tokens_per_s_2'), '{:,.0f}')} | {_fmt(g('peak_mib_1'), '{:.0f}')} | "
+                     f"{_fmt(g('state_bytes_1'), '{:,}')} | {_fmt(g('resume_s_1'), '{:.2f}')} | "
                      f"{yes(g('exact_1'))} / {yes(g('exact_2'))} | {_once(g('epoch'))} | {_once(g('rescale'))} |")
     return '\n'.join(lines)
 
+# %% ../../nbs/bench/17_bench_peers.ipynb #9393a15b
 def peer_plot(r,            # what `bench_peers` returned
               path=None):   # where the PNG goes (default: none, the figure is returned)
     "Delivered tokens/s on 1 and 2 ranks, and the state's size, per loader."
@@ -422,13 +463,17 @@ def peer_plot(r,            # what `bench_peers` returned
     xs = r['results']; names = [PEER_NAMES[x['peer']] for x in xs]; y = np.arange(len(xs))
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 0.45 * len(xs) + 1.2), sharey=True)
     for k, (W, c) in enumerate(((1, 'C0'), (2, 'C1'))):
-        a.barh(y + 0.2 * (1 - 2 * k), [(x.get(f'tokens_per_s_{W}') or 0) / 1e6 for x in xs], 0.4, color=c, label=f'{W} rank{"s" * (W > 1)}')
+        a.barh(y + 0.2 * (1 - 2 * k), [(x.get(f'tokens_per_s_{W}') or 0) / 1e6 for x in xs], 0.4, color=c,
+               label=f'{W} rank{"s" * (W > 1)}')
     a.set_yticks(y, names); a.invert_yaxis(); a.set_xlabel('delivered tokens/s (millions)'); a.legend(loc='lower right')
-    b.barh(y, [x.get('state_bytes_1') or 0 for x in xs], 0.5, color='C2'); b.set_xscale('log'); b.set_xlabel('checkpoint state (bytes, log)')
-    fig.suptitle(f"B={r['B']}, T={r['T']}, {r['tokens'] / 1e6:.1f}M tokens, {r['cpus']} cores", fontsize=10); fig.tight_layout()
+    b.barh(y, [x.get('state_bytes_1') or 0 for x in xs], 0.5, color='C2'); b.set_xscale('log')
+    b.set_xlabel('checkpoint state (bytes, log)')
+    fig.suptitle(f"B={r['B']}, T={r['T']}, {r['tokens'] / 1e6:.1f}M tokens, {r['cpus']} cores", fontsize=10)
+    fig.tight_layout()
     if path is not None: fig.savefig(path, dpi=100); plt.close(fig)
     return fig
 
+# %% ../../nbs/bench/17_bench_peers.ipynb #b964e262
 @call_parse
 def bench_peers_cli(batch_size:int=8,    # rows per batch
                     seq_len:int=2048,    # tokens per input row
@@ -437,9 +482,11 @@ def bench_peers_cli(batch_size:int=8,    # rows per batch
                     peers:str=None,      # comma-separated names (default: all installed)
                     plot:str=None,       # also write the plot to this PNG
                     json_out:str=None):  # also write the raw results to this JSON file
-    "Measure the pre-tokenized loader against Mosaic streaming, LitData and torchdata (the `bench` extra) on the same tokens."
+    """Measure the pre-tokenized loader against Mosaic streaming, LitData and torchdata (the `bench` extra) on the
+    same tokens."""
     try:
-        check_int('batch_size', batch_size, 1); check_int('seq_len', seq_len, 1); check_int('seed', seed, 0); check_int('shuffle_window', shuffle_window, 0)
+        check_int('batch_size', batch_size, 1); check_int('seq_len', seq_len, 1); check_int('seed', seed, 0)
+        check_int('shuffle_window', shuffle_window, 0)
         names = None if peers is None else [p.strip() for p in peers.split(',') if p.strip()]
         r = bench_peers(names, batch_size, seq_len, seed, shuffle_window)
     except ValueError as e:

@@ -15,9 +15,8 @@ import pyarrow as pa
 import torch
 from fastcore.script import call_parse
 from ..core import check_int, get_base_dir, load_average, load_line
-from ..tokens.arrow import TokenRoot, write_counts, write_token_file
+from ..tokens import TokenRoot, write_counts, write_token_file, PACKS, StreamingLoader, TokenStream
 from ..text.lengths import fineweb_like_lengths
-from ..tokens.streaming import PACKS, StreamingLoader, TokenStream
 
 # %% ../../nbs/bench/16_bench_stream.ipynb #315b594b
 BENCH_DATASETS = {'web': (4, 3000), 'code': (2, 3000), 'books': (1, 2000)}   # files, documents per file
@@ -51,7 +50,8 @@ def bench_root(path=None,            # where the root goes (default: `stream_ben
 def per_document_rows(root,          # a token root
                       B:int, T:int,  # rows per batch, tokens per input row (rows hold T + 1)
                       batches:int):  # batches to make
-    "fms-fsdp's way, as a baseline: every file in order, one `get_batch(i)` and `to_pylist()` per document, a Python list cut into rows of T + 1; yields `[B, T+1]` int64 tensors."
+    """fms-fsdp's way, as a baseline: every file in order, one `get_batch(i)` and `to_pylist()` per document, a
+    Python list cut into rows of T + 1; yields `[B, T+1]` int64 tensors."""
     tr, n, buf, made = TokenRoot(root), B * (T + 1), [], 0
     while True:
         for ds in tr.datasets:
@@ -70,7 +70,7 @@ class SimpleLoader(StreamingLoader):
     stream_class = TokenStream
 
 def _resume(root, B, T, pack, kw, ld, b):
-    "Save the state after batch `b` of `ld`; time a new loader's resume from it; check its first batch against `ld`'s next."
+    "Save the state after batch `b` of `ld`; time a new loader's resume from it; check its first batch is `ld`'s next."
     state, want = json.loads(json.dumps(b.state)), next(ld).rows.copy()
     ld.close()
     t0 = time.perf_counter()
@@ -80,6 +80,22 @@ def _resume(root, B, T, pack, kw, ld, b):
     ld2.close()
     return dict(state_bytes=len(json.dumps(state)), resume_s=dt, resumed_exactly=bool(np.array_equal(got, want)))
 
+# %% ../../nbs/bench/16_bench_stream.ipynb #253cbd87
+def _time_readers(root, B, T, batches, repeats, loaders) -> tuple:
+    """The baseline and each of `loaders`, `batches` batches each, taking turns for `repeats` rounds: the best seconds
+    per batch of each and each loader's last batch."""
+    last = {k: next(ld) for k, ld in loaders.items()}                # fills the shuffle windows, outside the clock
+    best = dict.fromkeys(['base', *loaders], math.inf)               # seconds per batch
+    for _ in range(repeats):                                         # turns, so that each reader meets the same load
+        t0 = time.perf_counter(); n = sum(1 for _ in per_document_rows(root, B, T, batches))
+        best['base'] = min(best['base'], (time.perf_counter() - t0) / n)
+        for k, ld in loaders.items():
+            t0 = time.perf_counter()
+            for _ in range(batches): last[k] = next(ld)
+            best[k] = min(best[k], (time.perf_counter() - t0) / batches)
+    return best, last
+
+# %% ../../nbs/bench/16_bench_stream.ipynb #57235626
 def bench_stream(root=None,                  # a token root (default: `bench_root()`, written once)
                  B:int=8, T:int=2048,        # rows per batch, tokens per input row
                  batches:int=200,            # timed batches per reader and round
@@ -90,51 +106,51 @@ def bench_stream(root=None,                  # a token root (default: `bench_roo
                  repeats:int=3,              # rounds; the best of each reader's counts
                  simple:bool=True,           # also time `SimpleLoader` (the stages one document at a time)
                  out=print) -> dict:
-    "Delivered tokens/s of the per-document baseline and of `StreamingLoader` in each packing mode (the best of `repeats` rounds, the readers taking turns in each); state size and resume time."
+    """Delivered tokens/s of the per-document baseline and of `StreamingLoader` in each packing mode (the best of
+    `repeats` rounds, the readers taking turns in each); state size and resume time."""
     if root is None: root, weights = bench_root(seed=seed, out=out), weights or {'web': 2, 'code': 1, 'books': 1}
     kw = dict(weights=weights, shuffle_window=shuffle_window, bos_token=1, eos_token=2, seed=seed, prefetch=prefetch)
     loaders = {(pack, 'fast'): StreamingLoader(root, T, B, pack=pack, **kw) for pack in PACKS}
     if simple: loaders.update({(pack, 'simple'): SimpleLoader(root, T, B, pack=pack, **kw) for pack in PACKS})
-    last = {k: next(ld) for k, ld in loaders.items()}                # fills the shuffle windows, outside the clock
-    best = dict.fromkeys(['base', *loaders], math.inf)               # seconds per batch
-    for _ in range(repeats):                                         # turns, so that each reader meets the same load
-        t0 = time.perf_counter(); n = sum(1 for _ in per_document_rows(root, B, T, batches))
-        best['base'] = min(best['base'], (time.perf_counter() - t0) / n)
-        for k, ld in loaders.items():
-            t0 = time.perf_counter()
-            for _ in range(batches): last[k] = next(ld)
-            best[k] = min(best[k], (time.perf_counter() - t0) / batches)
+    best, last = _time_readers(root, B, T, batches, repeats, loaders)
     same = all(np.array_equal(last[(p, 'fast')].rows, last[(p, 'simple')].rows) for p in PACKS) if simple else None
     pad = {k: ld.stream.packer.metrics_state() for k, ld in loaders.items()}   # padding over all the batches made
-    runs = [dict(pack=pack, stages=stages, tokens_per_s=B * T / best[(pack, stages)], ms_per_batch=1e3 * best[(pack, stages)],
-                 speedup=best['base'] / best[(pack, stages)], pad_pct=100 * pad[(pack, stages)]['padded'] / pad[(pack, stages)]['emitted'],
-                 **(_resume(root, B, T, pack, kw, loaders[(pack, stages)], last[(pack, stages)]) if stages == 'fast' else {}))
-            for pack, stages in loaders]
+    runs = [dict(pack=pack, stages=stages, tokens_per_s=B * T / best[k], ms_per_batch=1e3 * best[k],
+                 speedup=best['base'] / best[k], pad_pct=100 * pad[k]['padded'] / pad[k]['emitted'],
+                 **(_resume(root, B, T, pack, kw, loaders[k], last[k]) if stages == 'fast' else {}))
+            for k in loaders for pack, stages in [k]]
     for ld in loaders.values(): ld.close()
     tr = TokenRoot(root)
-    return dict(B=B, T=T, batches=batches, baseline_tokens_per_s=B * T / best['base'], runs=runs, simple_same_rows=same,
-                datasets={d: sum(i.tokens for i in fs) for d, fs in tr.files.items()}, docs=sum(i.docs for fs in tr.files.values() for i in fs),
-                weights=weights or 'by size', shuffle_window=shuffle_window, prefetch=prefetch, repeats=repeats)
+    return dict(B=B, T=T, batches=batches, baseline_tokens_per_s=B * T / best['base'], runs=runs,
+                simple_same_rows=same, datasets={d: sum(i.tokens for i in fs) for d, fs in tr.files.items()},
+                docs=sum(i.docs for fs in tr.files.values() for i in fs), weights=weights or 'by size',
+                shuffle_window=shuffle_window, prefetch=prefetch, repeats=repeats)
 
 # %% ../../nbs/bench/16_bench_stream.ipynb #beebf4aa
 def format_bench_stream(r,   # what `bench_stream` returned
                         ) -> str:
     "`bench_stream`'s result as a table."
     toks = ', '.join(f"{d} {t / 1e6:.1f}M" for d, t in r['datasets'].items())
-    lines = [f"B={r['B']} T={r['T']}: best of {r['repeats']} x {r['batches']} batches; {r['docs']:,} documents ({toks} tokens), "
-             f"weights {r['weights']}, shuffle window {r['shuffle_window']:,} per dataset, BOS+EOS, prefetch {r['prefetch']}",
-             f"{'reader':<34}{'tokens/s':>10}{'ms/batch':>10}{'speedup':>9}{'pad %':>7}{'not pad/s':>11}{'state':>10}{'resume':>9}",
-             f"{'per document (get_batch+to_pylist)':<34}{r['baseline_tokens_per_s'] / 1e6:>9.1f}M{1e3 * r['B'] * r['T'] / r['baseline_tokens_per_s']:>10.2f}"
-             f"{1:>8.1f}x{0:>7.1f}{r['baseline_tokens_per_s'] / 1e6:>10.1f}M"]
+    base = r['baseline_tokens_per_s']
+    lines = [f"B={r['B']} T={r['T']}: best of {r['repeats']} x {r['batches']} batches; {r['docs']:,} documents ({toks} "
+             f"tokens), weights {r['weights']}, shuffle window {r['shuffle_window']:,} per dataset, BOS+EOS, prefetch "
+             f"{r['prefetch']}",
+             f"{'reader':<34}{'tokens/s':>10}{'ms/batch':>10}{'speedup':>9}{'pad %':>7}{'not pad/s':>11}{'state':>10}"
+             f"{'resume':>9}",
+             f"{'per document (get_batch+to_pylist)':<34}{base / 1e6:>9.1f}M{1e3 * r['B'] * r['T'] / base:>10.2f}"
+             f"{1:>8.1f}x{0:>7.1f}{base / 1e6:>10.1f}M"]
     for x in r['runs']:
         name = ('StreamingLoader ' if x['stages'] == 'fast' else '  simple TokenStream ') + repr(x['pack'])
         lines.append(f"{name:<34}{x['tokens_per_s'] / 1e6:>9.1f}M{x['ms_per_batch']:>10.2f}{x['speedup']:>8.1f}x"
                      f"{x['pad_pct']:>7.1f}{x['tokens_per_s'] * (1 - x['pad_pct'] / 100) / 1e6:>10.1f}M" +
                      (f"{x['state_bytes'] / 1024:>7.0f} KiB{x['resume_s']:>8.2f}s" if 'state_bytes' in x else ''))
-    lines.append(f"resumed exactly: {all(x['resumed_exactly'] for x in r['runs'] if 'resumed_exactly' in x)} (the batch after the saved state, rebuilt from it)" +
-                 ('' if r['simple_same_rows'] is None else f"; simple TokenStream's last rows the same: {r['simple_same_rows']}"))
+    lines.append(f"resumed exactly: {all(x['resumed_exactly'] for x in r['runs'] if 'resumed_exactly' in x)} (the "
+                 "batch after the saved state, rebuilt from it)" +
+                 ('' if r['simple_same_rows'] is None else
+                  f"; simple TokenStream's last rows the same: {r['simple_same_rows']}"))
     return '\n'.join(lines)
 
+# %% ../../nbs/bench/16_bench_stream.ipynb #f1863092
 @call_parse
 def bench_stream_cli(batch_size:int=8,    # rows per batch
                      seq_len:int=2048,    # tokens per input row
@@ -144,10 +160,11 @@ def bench_stream_cli(batch_size:int=8,    # rows per batch
                      prefetch:int=0,      # the loader's batches made ahead in its thread
                      repeats:int=3,       # timed runs of each reader (the best counts)
                      no_simple:bool=False):   # leave out the loader on the simple stages
-    "Benchmark the pre-tokenized loader (concat, pad, bestfit) against a per-document reader (and against itself on its simple stages)."
+    """Benchmark the pre-tokenized loader (concat, pad, bestfit) against a per-document reader (and against itself on
+    its simple stages)."""
     try:
-        for name, v, lo in (('batch_size', batch_size, 1), ('seq_len', seq_len, 1), ('batches', batches, 1), ('seed', seed, 0),
-                            ('prefetch', prefetch, 0), ('repeats', repeats, 1)):
+        for name, v, lo in (('batch_size', batch_size, 1), ('seq_len', seq_len, 1), ('batches', batches, 1),
+                            ('seed', seed, 0), ('prefetch', prefetch, 0), ('repeats', repeats, 1)):
             check_int(name, v, lo)
         if root is not None and not Path(root).is_dir(): raise ValueError(f"root={root!r} is not a folder of datasets")
     except ValueError as e:
@@ -175,14 +192,17 @@ def stage_costs(root=None,           # a token root (default: `bench_root()`)
                 seed:int=0,           # of the synthetic data and the loader
                 simple:bool=False,    # time `SimpleLoader` (the stages one document at a time) instead
                 repeats:int=5) -> dict:   # runs of each measurement (the best counts)
-    "CPU microseconds per piece of the biggest dataset's source, of it with its cut and shuffle window (`feed`), of `pull` (mixer and framing, all datasets); per batch of the packer alone and of `next(loader)`."
+    """CPU microseconds per piece of the biggest dataset's source, of it with its cut and shuffle window (`feed`), of
+    `pull` (mixer and framing, all datasets); per batch of the packer alone and of `next(loader)`."""
     weights = {'web': 2, 'code': 1, 'books': 1} if root is None else None
     root = bench_root(seed=seed, out=None) if root is None else Path(root)
-    with (SimpleLoader if simple else StreamingLoader)(root, T, B, pack=pack, weights=weights, bos_token=1, eos_token=2, seed=seed, prefetch=0) as ld:
+    cls = SimpleLoader if simple else StreamingLoader
+    with cls(root, T, B, pack=pack, weights=weights, bos_token=1, eos_token=2, seed=seed, prefetch=0) as ld:
         next(ld)
         s = ld.stream
         big = max(range(len(s.names)), key=lambda i: s.sources[i].total)
-        out = dict(source=_cpu_us(lambda: next(s.sources[big]), 40 * n, repeats), feed=_cpu_us(lambda: next(s.mixer.ups[big]), 40 * n, repeats))
+        out = dict(source=_cpu_us(lambda: next(s.sources[big]), 40 * n, repeats),
+                   feed=_cpu_us(lambda: next(s.mixer.ups[big]), 40 * n, repeats))
         out['pull'] = _cpu_us(s.pull, 2 * n, repeats) / 16
         pulls = iter([s.pull() for _ in range(repeats * n * 3 // 4 + 10)])   # enough for the packer's batches below
         out['pack'] = _cpu_us(lambda: s.packer.next_batch(B, lambda: next(pulls)), n // 2, repeats)
