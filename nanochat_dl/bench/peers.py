@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from fastcore.script import call_parse
 from ..core import check_int, get_base_dir
-from ..tokens.arrow import TokenRoot
+from ..tokens import TokenRoot
 from ..tokens.streaming import PACKS, StreamingLoader, open_epochs
 from .stream import bench_root, per_document_rows
 

@@ -15,7 +15,7 @@ import pyarrow as pa
 import torch
 from fastcore.script import call_parse
 from ..core import check_int, get_base_dir, load_average, load_line
-from ..tokens.arrow import TokenRoot, write_counts, write_token_file
+from ..tokens import TokenRoot, write_counts, write_token_file
 from ..pipe.packing import fineweb_like_lengths
 from ..tokens.streaming import PACKS, StreamingLoader, TokenStream
 
