@@ -1449,6 +1449,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                          'nanochat_dl.tokens.meta._version': ('tokens/meta.html#_version', 'nanochat_dl/tokens/meta.py'),
                                          'nanochat_dl.tokens.meta.check_dataset_name': ( 'tokens/meta.html#check_dataset_name',
                                                                                          'nanochat_dl/tokens/meta.py'),
+                                         'nanochat_dl.tokens.meta.check_listed': ( 'tokens/meta.html#check_listed',
+                                                                                   'nanochat_dl/tokens/meta.py'),
                                          'nanochat_dl.tokens.meta.check_overlap': ( 'tokens/meta.html#check_overlap',
                                                                                     'nanochat_dl/tokens/meta.py'),
                                          'nanochat_dl.tokens.meta.check_verify': ( 'tokens/meta.html#check_verify',

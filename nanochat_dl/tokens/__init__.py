@@ -18,6 +18,7 @@ _WHERE = {
     'what_changed': '.files',
     'write_token_file': '.files',
     'check_dataset_name': '.meta',
+    'check_listed': '.meta',
     'check_overlap': '.meta',
     'check_verify': '.meta',
     'COUNTS_FILE': '.meta',

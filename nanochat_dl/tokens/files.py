@@ -129,7 +129,7 @@ def _os_error(path, e) -> OSError:
     return OSError(e.errno, f"{path}: cannot map it: {os.strerror(e.errno)}{hint}")
 
 def _open_ipc(path, column):
-    "`(memory map, IPC reader)` of token file `path`; a non-regular file or bad bytes: `ValueError`; OS errors: `OSError`."
+    "`(memory map, IPC reader)` of `path`; a non-regular file or bad bytes: `ValueError`; OS errors: `OSError`."
     try: check_regular(path, 'a token file')
     except FileNotFoundError: raise FileNotFoundError(f"token file {path} does not exist") from None
     try: m = pa.memory_map(str(path))
@@ -213,7 +213,8 @@ class TokenFile:
     def ntokens(self) -> int: return int(self.lens.sum())
     def __enter__(self): return self
     def __exit__(self, *exc): self.close()
-    def __repr__(self): return f"TokenFile({self.path.name}, {len(self)} documents, {self.ntokens} tokens, {self.dtype})"
+    def __repr__(self):
+        return f"TokenFile({self.path.name}, {len(self)} documents, {self.ntokens} tokens, {self.dtype})"
 
 # %% ../../nbs/tokens/11_files.ipynb #278c2235
 @patch
@@ -261,7 +262,7 @@ def _check(self:TokenFile, i, a):
 @patch
 def check(self:TokenFile):
     "Refuse the file (a `ValueError` naming it and what changed) if its size or mtime is not what it was when mapped."
-    with self._lock:                                 # (closed: as it was then; its descriptor may be another file's now)
+    with self._lock:                                 # (closed: as it was then; the descriptor may be another's)
         now = self._at_close if self._flat is None else file_identity(os.fstat(self._fd))
     if now is not None and now[:self._n_id] != self.identity[:self._n_id]: raise _changed(self.path, self.identity, now)
 
@@ -269,7 +270,7 @@ def check(self:TokenFile):
 def read(self:TokenFile, i,       # the document
          check:bool=True,         # check the file after reading (False: the caller calls `check()` before using them)
          ) -> np.ndarray:
-    "Document `i`'s ids copied out of the file (`pread`, not the map): a file rewritten in place is an error, no SIGBUS."
+    "Document `i`'s ids copied out by `pread`, not the map: a file rewritten in place is an error, not a SIGBUS."
     if not 0 <= i < len(self.lens): raise IndexError(f"{self.path}: no document {i}, the file has {len(self.lens)}")
     if not self.mapped: return self.doc(i)                       # (copied out of the file when it was opened)
     k = self.dtype.itemsize

@@ -9,7 +9,7 @@ __all__ = ['META', 'COUNTS_FILE', 'COUNTS_HEADER', 'MANIFEST', 'MANIFEST_FORMAT'
            'counts_files', 'read_counts', 'read_counts_files', 'write_meta', 'write_counts', 'counts_target',
            'nested_in', 'update_counts', 'tokenizer_record', 'describe_tokenizer', 'read_manifest', 'parse_manifest',
            'update_manifest', 'sha256_of_file', 'file_record', 'file_sha256', 'rebuild_command', 'check_verify',
-           'verify_dataset']
+           'check_listed', 'verify_dataset']
 
 # %% ../../nbs/tokens/11a_meta.ipynb #1ad18c0c
 import contextlib, csv, hashlib, io, json, os, shlex, tempfile, threading
@@ -38,7 +38,8 @@ def check_dataset_name(name,              # a dataset's name: a folder's '/'-sep
     if not ok:
         raise ValueError(f"dataset {name!r} is invalid: expected a folder {'' if hidden else 'name or '}path under the "
                          "token root ('/'-separated, relative, no empty, '.' or '..' parts, "
-                         f"{'' if hidden else 'none hidden, '}not under {META}/), such as 'web' or 'lang=en/dataset=wiki'")
+                         f"{'' if hidden else 'none hidden, '}not under {META}/), such as 'web' or "
+                         "'lang=en/dataset=wiki'")
     return name
 
 def check_overlap(names):
@@ -243,12 +244,14 @@ def tokenizer_record(tokenizer,   # a `Tokenizer`, or anything with `get_vocab_s
 
 def describe_tokenizer(fp) -> str:
     "A tokenizer fingerprint in words, for messages: `vocab 300, bos 256, sha 0a0a...`."
-    return f"vocab {fp.get('vocab_size')}, bos {fp.get('bos_id')}, sha {fp.get('sha')}" if isinstance(fp, dict) else repr(fp)
+    if not isinstance(fp, dict): return repr(fp)
+    return f"vocab {fp.get('vocab_size')}, bos {fp.get('bos_id')}, sha {fp.get('sha')}"
 
 # %% ../../nbs/tokens/11a_meta.ipynb #3147a368
 def _manifest_error(p, what):
     return ValueError(f"{p}: {what}; expected a manifest as `nanochat-dl tokenize` writes it (format "
-                      f"{MANIFEST_FORMAT!r}): delete it and re-run `nanochat-dl tokenize` for each dataset to write a new one")
+                      f"{MANIFEST_FORMAT!r}): delete it and re-run `nanochat-dl tokenize` for each dataset to write "
+                      "a new one")
 
 RECORD_KEYS = {'bytes': int, 'sha256': str, 'tail_sha256': str, 'documents': int, 'tokens': int}   # of a file's record
 
@@ -346,7 +349,8 @@ def rebuild_command(root,                # the token root
                     ) -> str:
     "The `nanochat-dl tokenize` command that makes `dataset` again, from what its manifest entry records."
     src = (entry or {}).get('source') or {}
-    cmd = ['nanochat-dl', 'tokenize', '--data-dir', src.get('data_dir', 'SRC'), '--out', str(root), '--dataset', dataset]
+    cmd = ['nanochat-dl', 'tokenize', '--data-dir', src.get('data_dir', 'SRC'), '--out', str(root),
+           '--dataset', dataset]
     if tokenizer_dir or src.get('tokenizer_dir'): cmd += ['--tokenizer-dir', tokenizer_dir or src['tokenizer_dir']]
     if src:                            # a record without split or keep_empty is older: all shards, empties kept
         if src.get('split', 'all') != 'train': cmd += ['--split', src.get('split', 'all')]
@@ -361,25 +365,36 @@ def check_verify(verify) -> str:
         raise ValueError(f"verify={verify!r} is invalid: expected 'quick', 'full' (or True) or 'off' (or False)")
     return v
 
+# %% ../../nbs/tokens/11a_meta.ipynb #9244ae5c
+def check_listed(root,       # the token root (a path or a URI), for the rebuild command
+                 dataset,    # the dataset
+                 entry,      # its manifest entry
+                 have,       # its files as found (on disk, or in a store's listing)
+                 at,         # `at(dataset, file)`: where a file is, for messages
+                 mp,         # the manifest's name, for messages
+                 where=''):  # where a listed file is missing from (' from the store'), for messages
+    "Refuse a file the manifest `entry` lists that is not in `have`, and one in `have` that it does not list."
+    listed = entry['files']
+    for f in sorted(set(listed) - set(have)):
+        raise ValueError(f"{at(dataset, f)} is listed in {mp} but missing{where}; rebuild it with "
+                         f"{rebuild_command(root, dataset, entry)}")
+    for f in sorted(set(have) - set(listed)):
+        raise ValueError(f"{at(dataset, f)} is not listed in {mp}: remove it, or rebuild the dataset with "
+                         f"{rebuild_command(root, dataset, entry, overwrite=True)} (which removes files that no source "
+                         "shard makes)")
+
 # %% ../../nbs/tokens/11a_meta.ipynb #c49d1d51
 def verify_dataset(root,             # the token root
                    dataset,          # a dataset the manifest lists
-                   verify='quick',   # 'quick': sha256 once per file version (`file_sha256`); 'full' (or True): again; 'off'
+                   verify='quick',   # 'quick': sha256 once per file version; 'full' (or True): every byte; 'off'
                    manifest=None):   # the manifest, if already read
     "Check `dataset`'s files against the manifest: none missing, none extra, none changed (a `ValueError` if not)."
     root, v = Path(root), check_verify(verify)
     m = read_manifest(root) if manifest is None else manifest
     e, mp = m['datasets'][dataset], root/META/MANIFEST
     if v == 'off': return
-    have, listed = set(dataset_files(root, dataset, e['files'])), e['files']
-    for f in sorted(set(listed) - have):
-        raise ValueError(f"{root/dataset/f} is listed in {mp} but missing; rebuild it with "
-                         f"{rebuild_command(root, dataset, e)}")
-    for f in sorted(have - set(listed)):
-        raise ValueError(f"{root/dataset/f} is not listed in {mp}: remove it, or rebuild the dataset with "
-                         f"{rebuild_command(root, dataset, e, overwrite=True)} (which removes files that no source "
-                         "shard makes)")
-    for f, r in sorted(listed.items()):
+    check_listed(root, dataset, e, dataset_files(root, dataset, e['files']), lambda d, f: root/d/f, mp)
+    for f, r in sorted(e['files'].items()):
         p = root/dataset/f
         size, why = p.stat().st_size, None
         if size != r['bytes']: why = f"{size} bytes, the manifest records {r['bytes']}"

@@ -15,10 +15,10 @@ from fastcore.basics import patch
 from ..core import check_int, location
 from ..io.remote import Cancelled, FileCache, cache_metrics, is_local
 from .files import TOKENS, TokenFile, file_identity, what_changed
-from .meta import (MANIFEST, META, FileInfo, check_dataset_name, check_overlap, check_verify,
-                                     dataset_files, datasets_of, describe_tokenizer, file_sha256, list_datasets,
-                                     parse_manifest, read_counts, read_counts_files, read_manifest, rebuild_command,
-                                     skipped_note, verify_dataset)
+from .meta import (MANIFEST, META, FileInfo, check_dataset_name, check_listed, check_overlap,
+                                     check_verify, dataset_files, datasets_of, describe_tokenizer, file_sha256,
+                                     list_datasets, parse_manifest, read_counts, read_counts_files, read_manifest,
+                                     rebuild_command, skipped_note, verify_dataset)
 
 # %% ../../nbs/tokens/11b_root.ipynb #94e07916
 def _as_fingerprint(tokenizer) -> dict:
@@ -64,7 +64,7 @@ class TokenRoot:
                  datasets=None,          # dataset names to use (default: every dataset folder)
                  column=TOKENS,          # the token column
                  max_open:int|None=None, # token files kept mapped (None: `default_max_open()`)
-                 tokenizer=None,         # a tokenizer or fingerprint: refused unless the manifest's; bounds the ids read
+                 tokenizer=None,         # a tokenizer or fingerprint: must be the manifest's; bounds the ids read
                  verify='quick',         # against the manifest: 'quick' (sha256 once per file version), 'full', 'off'
                  cache_dir=None,         # a URI root's local copies (default: one folder per root under the base dir)
                  cache_size=None,        # bytes those copies may take (None: no cap)
@@ -230,7 +230,8 @@ def _tokens_differ(path, said, holds, by='the file holds'):
 
 def _stale(path, holds, said, meta) -> ValueError:
     return ValueError(f"{path} holds {holds} documents, but the counts file says {said}: the counts are stale; "
-                      f"rewrite them (re-run `nanochat-dl tokenize`) or delete {meta}/*counts*.csv to count from the files")
+                      f"rewrite them (re-run `nanochat-dl tokenize`) or delete {meta}/*counts*.csv to count from the "
+                      "files")
 
 # %% ../../nbs/tokens/11b_root.ipynb #aae6ab79
 @patch
@@ -343,15 +344,9 @@ def _fits(self:TokenRoot) -> int:
 def _check_listing(self:TokenRoot, ds, have, entry, verify):
     "A URI root's files of `ds` against the manifest, from the listing: none missing, none extra, sizes as recorded."
     if verify == 'off': return                   # (the copies are checked against the recorded sha256 as they arrive)
-    mp, listed = self._at(META, MANIFEST), entry['files']
-    for f in sorted(set(listed) - set(have)):
-        raise ValueError(f"{self._at(ds, f)} is listed in {mp} but missing from the store; rebuild it with "
-                         f"{rebuild_command(self.root, ds, entry)}")
-    for f in sorted(set(have) - set(listed)):
-        raise ValueError(f"{self._at(ds, f)} is not listed in {mp}: remove it, or rebuild the dataset with "
-                         f"{rebuild_command(self.root, ds, entry, overwrite=True)} (which removes files that no "
-                         "source shard makes)")
-    for f, r in sorted(listed.items()):
+    mp = self._at(META, MANIFEST)
+    check_listed(self.root, ds, entry, have, self._at, mp, ' from the store')
+    for f, r in sorted(entry['files'].items()):
         n = self.cache.files[f"{ds}/{f}"]
         if n != r['bytes']:
             raise ValueError(f"{self._at(ds, f)} changed since {mp} recorded it ({n} bytes in the store, the manifest "
@@ -361,7 +356,7 @@ def _check_listing(self:TokenRoot, ds, have, entry, verify):
 # %% ../../nbs/tokens/11b_root.ipynb #3f562267
 @patch
 def _local(self:TokenRoot, ds, f) -> Path:
-    "The checked local copy of `f` of `ds`, pinned until `_shut`: fetched if needed, checked once, fetched again if bad."
+    "The checked local copy of `f` of `ds`, pinned until `_shut`: fetched, checked once, fetched again if bad."
     rel, cache = f"{ds}/{f}", self._live_cache()
     p = cache.pin(rel)
     r = ((self.manifest or {}).get('datasets', {}).get(ds) or {}).get('files', {}).get(f)

@@ -119,8 +119,8 @@ def _prepare(data_dir, out, dataset, tokenizer_dir, workers, rank, world_size, s
     else: shards, cache = _source_shards(data_dir, split), None
     where = str(uri).rstrip('/') if cache is not None else str(shards[0].parent.absolute())
     try:
-        p = _prepare_rest(root, dataset, shards, cache, where, workers, rank, world, split, text_column, overwrite, wait,
-                          tokenizer_dir)
+        p = _prepare_rest(root, dataset, shards, cache, where, workers, rank, world, split, text_column, overwrite,
+                          wait, tokenizer_dir)
         p.utf8_errors, p.keep_empty = utf8_errors, bool(keep_empty)
         p.source['keep_empty'] = p.keep_empty         # with the split: what the manifest's rebuild hint repeats
         return p
@@ -169,7 +169,7 @@ def _extras_error(where, extras, data_dir) -> ValueError:
 def _sidecar(root, dataset, name) -> Path: return Path(root)/META/'.records'/dataset/f"{name}.json"
 
 def _record_of(p, name) -> dict:
-    "The newest record of token file `name`: a finished shard's sidecar, else the manifest's entry (with its tokenizer)."
+    "The newest record of token file `name`: a finished shard's sidecar, else the manifest's (with its tokenizer)."
     try: return json.loads(_sidecar(p.root, p.dataset, name).read_text())
     except (FileNotFoundError, ValueError): pass
     e = (p.manifest or {}).get('datasets', {}).get(p.dataset) or {}
@@ -208,7 +208,7 @@ def _forget(p, name):
     drop_temps(p.root/p.dataset/name)
 
 def _run_lock(p):
-    "This rank's hold on its dataset (`folder_lock` of `ROOT/meta/.locks/<dataset>/rank-<r>`): a second run waits, fails."
+    "This rank's hold on its dataset (a `folder_lock` under `ROOT/meta/.locks/`): a second run waits, then fails."
     from contextlib import ExitStack
     d, hold = p.root/META/'.locks'/p.dataset/f'rank-{p.rank}', ExitStack()
     d.mkdir(parents=True, exist_ok=True)
@@ -216,7 +216,7 @@ def _run_lock(p):
     except ValueError as e:   # busy for `core.LOCK_WAIT_S` seconds: the message names the holder's pid
         raise ValueError(f"another `tokenize` of dataset {p.dataset!r} (rank {p.rank}) into {p.root} is running: "
                          f"{e}") from None
-    try: p.manifest = read_manifest(p.root); _check_target(p)   # as they are now: a run waited for may have changed them
+    try: p.manifest = read_manifest(p.root); _check_target(p)   # as now: a run waited for may have changed them
     except BaseException: hold.close(); raise
     return hold
 
@@ -296,7 +296,7 @@ def _barrier(p):
     if p.world > 1 and dist.is_available() and dist.is_initialized(): dist.barrier()
 
 def _await_records(p, recs, say, poll=0.2) -> dict:
-    "Rank 0: every shard's valid record, waiting for other ranks' sidecars until `p.wait` seconds pass without a new one."
+    "Rank 0: every shard's valid record, waiting for other ranks' until `p.wait` seconds pass without a new one."
     recs, waiting, deadline = dict(recs), False, time.monotonic() + p.wait
     while True:
         for i, src in enumerate(p.shards):
@@ -346,7 +346,7 @@ def tokenize(data_dir=None,        # parquet text shards (else $NANOCHAT_DL_DATA
              progress=True,        # a progress bar in documents
              verbose=True,         # print what is done
              stage_dir=None,       # for a URI `out`: the local folder files are written in before upload
-             cache_dir=None,       # for a URI `data_dir`: the shards' local copies (this rank's fetched before it starts)
+             cache_dir=None,       # for a URI `data_dir`: the shards' local copies (this rank's fetched first)
              cache_size=None,      # for a URI `data_dir`: bytes those copies may take (None: no cap)
              utf8_errors='strict', # 'strict': text that is not UTF-8 fails its shard, naming the row; 'replace': U+FFFD
              keep_empty=False,     # keep texts that encode to no token as 0-token documents (default: dropped, counted)
@@ -385,7 +385,7 @@ def _upload(p, names, force=()):
 # %% ../../nbs/tokens/11d_tokenize.ipynb #c407d390
 def _prepare_uri(data_dir, out, dataset, tokenizer_dir, workers, rank, world_size, split, text_column, overwrite, wait,
                  stage_dir=None, cache_dir=None, cache_size=None, utf8_errors='strict', keep_empty=False):
-    "`_prepare` for a URI `out`: the staging root primed with the store's meta; extra `.arrow` files in the store refused."
+    "`_prepare` for a URI `out`: the staging root primed with the store's meta; extra files in the store refused."
     out = str(out).rstrip('/')
     fs, base = open_uri(out)
     stage = Path(stage_dir).expanduser().absolute() if stage_dir is not None else _stage_dir(out)
@@ -397,7 +397,8 @@ def _prepare_uri(data_dir, out, dataset, tokenizer_dir, workers, rank, world_siz
                  wait, cache_dir, cache_size, utf8_errors, keep_empty, have)
     p.uri, p.fs, p.base = out, fs, base
     made = {s.stem + '.arrow' for s in p.shards}
-    p.stored = {f.path: f.size for f in retry(lambda: list_files(f"{base}/{dataset}", '.arrow', fs=fs), f"{out}/{dataset}")}
+    ls = lambda: list_files(f"{base}/{dataset}", '.arrow', fs=fs)
+    p.stored = {f.path: f.size for f in retry(ls, f"{out}/{dataset}")}
     p.remote_extras = sorted(f for f in p.stored if f not in made)
     if p.remote_extras and not overwrite:
         if p.cache is not None: p.cache.close()
@@ -405,7 +406,7 @@ def _prepare_uri(data_dir, out, dataset, tokenizer_dir, workers, rank, world_siz
     return p
 
 def _execute_uri(p, progress=True, say=print) -> TokenizeResult:
-    "`_execute` into the staging root, then the uploads: this rank's files; on rank 0 the rest, the counts, the manifest."
+    "`_execute` into the staging root, then the uploads: this rank's files, then on rank 0 the rest and the meta files."
     res = _execute(p, progress, say)
     _upload(p, res.done + res.skipped, force=set(res.done))
     if res.manifest is None: return res
@@ -414,7 +415,8 @@ def _execute_uri(p, progress=True, say=print) -> TokenizeResult:
     _upload(p, sorted(read_manifest(p.root)['datasets'][p.dataset]['files']))
     for f in p.remote_extras:
         retry(lambda: p.fs.delete_file(f"{p.base}/{p.dataset}/{f}"), f"{p.uri}/{p.dataset}/{f}"); p.stored.pop(f, None)
-    for name in (COUNTS_FILE, MANIFEST): upload_file(p.fs, p.root/META/name, f"{p.base}/{META}/{name}", f"{p.uri}/{META}/{name}")
+    for name in (COUNTS_FILE, MANIFEST):
+        upload_file(p.fs, p.root/META/name, f"{p.base}/{META}/{name}", f"{p.uri}/{META}/{name}")
     say(f"uploaded to {p.uri}: {p.dataset}/ ({len(p.stored)} files), {META}/{COUNTS_FILE}, {META}/{MANIFEST}")
     return res._replace(manifest=f"{p.uri}/{META}/{MANIFEST}")
 
@@ -447,7 +449,7 @@ def tokenize_cli(data_dir:str=None,       # parquet text shards (else $NANOCHAT_
                  utf8_errors:str='strict', # strict (text that is not UTF-8 fails its shard) or replace (U+FFFD)
                  keep_empty:bool=False,   # keep texts of no token as 0-token documents (else dropped, counted)
                 ) -> int:
-    "Tokenize parquet shards into fms-fsdp's arrow layout; exit code 2 for bad arguments, 1 for failures, 130 on Ctrl-C."
+    "Tokenize parquet shards into fms-fsdp's arrow layout; exit 2 for bad arguments, 1 for failures, 130 on Ctrl-C."
     err = lambda msg: print(f"nanochat-dl tokenize: error: {msg}", file=sys.stderr)
     uri = out is not None and not is_local(out)
     args = (data_dir, out, dataset, tokenizer_dir, Workers, rank, world_size, split, text_column, overwrite, wait)

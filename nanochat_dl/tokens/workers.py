@@ -134,7 +134,8 @@ def run_tasks(tasks,                # `[(src, dst)]`: parquet shards and the tok
                 w, m = answers.get()
                 if m is None:                                   # a worker ended
                     live -= 1; rc = w.proc.wait()
-                    if not w.ready: raise RuntimeError(f"a tokenize worker failed to start (exit code {rc}): {w.stderr()}")
+                    if not w.ready:
+                        raise RuntimeError(f"a tokenize worker failed to start (exit code {rc}): {w.stderr()}")
                     if w.task is None: continue                 # its input was closed: done
                     out[w.task[1].name] = f"{w.task[0]}: the worker tokenizing it died (exit code {rc}): {w.stderr()}"
                     if todo: pool.append(_Worker(tokenizer_dir, cwd, answers)); live += 1   # a death costs one shard
