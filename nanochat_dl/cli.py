@@ -39,7 +39,7 @@ COMMANDS = {
     'sample':          ('nanochat_dl.text.dataset',    'sample_cli',          'write the offline sample shards (no download)'),
     'download':        ('nanochat_dl.text.dataset',    'download_cli',        'download parquet shards in parallel'),
     'train-tokenizer': ('nanochat_dl.text.tokenizer',  'train_tokenizer_cli', 'train a BPE tokenizer on the local train shards'),
-    'tokenize':        ('nanochat_dl.tokens.tokenize',   'tokenize_cli',        'tokenize parquet shards into arrow token files (fms-fsdp layout) with counts and manifest'),
+    'tokenize':        ('nanochat_dl.tokens.tokenizing', 'tokenize_cli',        'tokenize parquet shards into arrow token files (fms-fsdp layout) with counts and manifest'),
     'bench-pack':      ('nanochat_dl.bench.loaders',      'bench_pack_cli',      'benchmark reference vs fast best-fit packing'),
     'demo':            ('nanochat_dl.bench.demo',       'demo_cli',            'the main job: sample data, tokenizer, stream batches, check resume'),
     'bench':           ('nanochat_dl.bench.loaders',      'bench_cli',           'benchmark the loaders against the reference'),
