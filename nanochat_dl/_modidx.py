@@ -2146,6 +2146,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                              'nanochat_dl/tokens/tokenizing.py'),
                                                'nanochat_dl.tokens.tokenizing._still_valid': ( 'tokens/tokenize.html#_still_valid',
                                                                                                'nanochat_dl/tokens/tokenizing.py'),
+                                               'nanochat_dl.tokens.tokenizing._take_all': ( 'tokens/tokenize.html#_take_all',
+                                                                                            'nanochat_dl/tokens/tokenizing.py'),
                                                'nanochat_dl.tokens.tokenizing._upload': ( 'tokens/tokenize.html#_upload',
                                                                                           'nanochat_dl/tokens/tokenizing.py'),
                                                'nanochat_dl.tokens.tokenizing._uri_shards': ( 'tokens/tokenize.html#_uri_shards',

@@ -29,12 +29,15 @@ def _check_split(split):
     if split not in SPLIT_CHOICES:
         raise ValueError(f"split {split!r} is invalid: expected one of {', '.join(SPLIT_CHOICES)}")
 
+def _take_all(e) -> ValueError:
+    return ValueError(f"{e}; pass split='all' (--split all) to take every shard")
+
 def _source_shards(data_dir, split) -> list:
     "The local parquet shards of `split` of `data_dir` (else the data dir)."
     _check_split(split)
     if split != 'all':
         try: return split_files(split, data_dir)
-        except ValueError as e: raise ValueError(f"{e}; pass split='all' (--split all) to take every shard") from None
+        except ValueError as e: raise _take_all(e) from None
     d = get_data_dir(data_dir)
     files = list_parquet_files(d)
     if not files: raise FileNotFoundError(f"no .parquet shards in {d}: download shards (`nanochat-dl download`) or "
@@ -46,7 +49,7 @@ def _uri_shards(uri, split, cache_dir, cache_size, rank, world) -> tuple:
     _check_split(split)
     if split != 'all':
         try: files, cache = split_shards(split, uri, cache_dir, cache_size)
-        except ValueError as e: raise ValueError(f"{e}; pass split='all' (--split all) to take every shard") from None
+        except ValueError as e: raise _take_all(e) from None
     else:
         cache = FileCache(uri, cache_dir, cache_size, suffix='.parquet')
         files = [cache.path(r) for r in sorted(r for r in cache.files if '/' not in r)]
