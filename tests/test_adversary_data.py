@@ -6,7 +6,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from nanochat_dl.tokens.arrow import TokenRoot, write_token_file
+from nanochat_dl.tokens import TokenRoot, write_token_file
 from nanochat_dl.tokens.streaming import StreamingLoader, TokenStream
 
 

@@ -11,7 +11,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from s3util import moto, proxy, use_proxy   # noqa: F401 (fixtures)
 from test_s3_loaders import KW, objects, token_root
 
-from nanochat_dl.tokens.arrow import TokenRoot
+from nanochat_dl.tokens import TokenRoot
 from nanochat_dl.io.cache import FileCache
 from nanochat_dl.tokens.streaming import StreamingLoader
 

@@ -7,7 +7,7 @@ import numpy as np
 import pyarrow as pa
 from hypothesis import given, settings, strategies as st
 
-from nanochat_dl.tokens.arrow import TAIL_BYTES, TokenFile, TokenWriter, file_record, tail_sha256, write_token_file
+from nanochat_dl.tokens import TAIL_BYTES, TokenFile, TokenWriter, file_record, tail_sha256, write_token_file
 
 LONG = st.builds(lambda n, k: ((np.arange(n, dtype=np.uint64) * k) % 2**32).tolist(), st.integers(1000, 30_000), st.integers(1, 2**32 - 1))
 DOCS = st.lists(st.lists(st.integers(0, 2**32 - 1), max_size=40) | LONG, max_size=30)   # long ones push files past TAIL_BYTES
@@ -44,7 +44,7 @@ def test_compressed_files_read_by_copy(tmp_path_factory, docs, codec):
 # ---------------------------------------------------------------- token ids out of range
 
 import pytest
-from nanochat_dl.tokens.arrow import TokenRoot
+from nanochat_dl.tokens import TokenRoot
 
 
 def _typed_file(path, docs, typ):

@@ -6,7 +6,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from nanochat_dl.tokens.arrow import TokenRoot, file_record, update_manifest, verify_dataset, write_counts, write_token_file
+from nanochat_dl.tokens import TokenRoot, file_record, update_manifest, verify_dataset, write_counts, write_token_file
 from nanochat_dl.tokens.streaming import StreamingLoader
 
 
@@ -63,10 +63,10 @@ def test_without_a_manifest_a_state_saved_before_a_change_is_refused(tmp_path, m
 def test_an_unchanged_file_is_hashed_once(tmp_path, monkeypatch):
     monkeypatch.setenv('NANOCHAT_DL_BASE_DIR', str(tmp_path/'cache'))
     root = big_root(tmp_path/'root')
-    import nanochat_dl.tokens.arrow as arrow
+    import nanochat_dl.tokens.meta as meta
     calls = []
-    real = arrow.sha256_of_file
-    monkeypatch.setattr(arrow, 'sha256_of_file', lambda p: calls.append(p) or real(p))
+    real = meta.sha256_of_file
+    monkeypatch.setattr(meta, 'sha256_of_file', lambda p: calls.append(p) or real(p))
     for _ in range(3): TokenRoot(root).close()
     assert len(calls) == 1                                         # once, then from the hash cache
     verify_dataset(root, 'web', 'full')                            # 'full' hashes again, whatever is cached

@@ -290,7 +290,7 @@ def test_a_hand_edited_at_batch_is_named(env, clean_env, tmp_path):
     state of other data or another tokenizer) is refused with an error that names resume_state_dict['at_batch'] and
     what was expected; a list there is not taken for every rank's states."""
     from nanochat_dl.tokens.streaming import StreamingLoader
-    from nanochat_dl.tokens.arrow import write_token_file
+    from nanochat_dl.tokens import write_token_file
     with dropin(env['tok'], 2, 32, 'train', data_dir=env['toy'], **KW) as dl:
         s = json.loads(json.dumps([next(dl) for _ in range(4)][-1][2]))
     at = s['at_batch']

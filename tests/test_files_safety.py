@@ -70,7 +70,7 @@ def test_cache_cleaning_does_not_wait_on_a_fifo(tmp_path):
 
 import numpy as np
 
-from nanochat_dl.tokens.arrow import write_counts, write_token_file
+from nanochat_dl.tokens import write_counts, write_token_file
 
 
 def small_root(path, n_files=3, docs=3, counts=True, ds='web'):
@@ -104,7 +104,7 @@ def test_a_fifo_named_arrow_is_refused_by_name_not_opened(tmp_path, counts):
 
 
 def test_a_symlink_to_a_token_file_is_data_a_symlink_to_a_device_is_not(tmp_path):
-    from nanochat_dl.tokens.arrow import TokenRoot
+    from nanochat_dl.tokens import TokenRoot
     root = small_root(tmp_path/'root', counts=False)
     write_token_file(tmp_path/'elsewhere.arrow', [[7, 8, 9]])
     (root/'web'/'linked.arrow').symlink_to(tmp_path/'elsewhere.arrow')
@@ -132,7 +132,7 @@ def test_an_os_error_is_not_blamed_on_the_data(tmp_path):
     "EMFILE while mapping a token file is an OSError naming the file and the limit, never 'not an Arrow IPC file'."
     root = small_root(tmp_path/'root', n_files=1)
     probe = """import resource, sys, os
-from nanochat_dl.tokens.arrow import TokenFile
+from nanochat_dl.tokens import TokenFile
 n = len(os.listdir('/proc/self/fd'))
 resource.setrlimit(resource.RLIMIT_NOFILE, (n + 8, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
 held = []
@@ -146,7 +146,7 @@ except Exception as e: print(type(e).__name__, e)
 
 
 def test_a_counts_file_that_is_not_utf8_is_named_with_its_line(tmp_path):
-    from nanochat_dl.tokens.arrow import TokenRoot
+    from nanochat_dl.tokens import TokenRoot
     root = small_root(tmp_path/'root')
     p = root/'meta'/'combined_counts.csv'
     lines = p.read_bytes().split(b'\n')
@@ -237,5 +237,5 @@ def test_a_fifo_named_parquet_in_a_shard_folder_is_refused_by_name(tmp_path):
 def test_a_fifo_as_the_manifest_is_refused_by_name(tmp_path):
     root = small_root(tmp_path/'root')
     os.mkfifo(root/'meta'/'manifest.json')
-    refused_by_name("from nanochat_dl.tokens.arrow import TokenRoot; TokenRoot(sys.argv[1])", root, root/'meta'/'manifest.json', 20,
+    refused_by_name("from nanochat_dl.tokens import TokenRoot; TokenRoot(sys.argv[1])", root, root/'meta'/'manifest.json', 20,
                     'TokenRoot hung on a FIFO named manifest.json')

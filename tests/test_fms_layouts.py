@@ -6,7 +6,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from nanochat_dl.tokens.arrow import write_counts, write_token_file
+from nanochat_dl.tokens import write_counts, write_token_file
 from nanochat_dl.tokens.streaming import StreamingLoader
 
 KW = dict(n_logical_shards=4, shuffle_window=3, prefetch=0, bos_token=1, rank=0, world_size=1)
@@ -56,7 +56,7 @@ def test_a_wrong_document_count_is_still_refused(tmp_path):
 
 def test_rows_go_into_the_roots_own_counts_file_whatever_its_name(tmp_path):
     # fms-fsdp reads the first *counts*.csv its folder listing gives: a second file beside the root's own broke it
-    from nanochat_dl.tokens.arrow import counts_files, read_counts, update_counts
+    from nanochat_dl.tokens import counts_files, read_counts, update_counts
     root, c = fms_root(tmp_path/'root')
     (root/'meta'/'combined_counts.csv').rename(root/'meta'/'file_counts.csv')
     update_counts(root, 'code', {'x.arrow': (4, 40)})
@@ -96,7 +96,7 @@ def delivered(ld, until_epoch=3):
 
 
 def test_nested_dataset_names_are_listed_and_read_each_once_per_epoch(tmp_path):
-    from nanochat_dl.tokens.arrow import list_datasets, TokenRoot
+    from nanochat_dl.tokens import list_datasets, TokenRoot
     root, c = nested_root(tmp_path/'root')
     assert list_datasets(root) == sorted(NESTED)
     with TokenRoot(root) as tr:
@@ -147,7 +147,7 @@ def test_nested_names_resume_and_explicit_parents(tmp_path):
 
 def test_a_flat_root_keeps_its_names(tmp_path):
     # a top folder holding token files itself is one dataset, with every file below it, as before
-    from nanochat_dl.tokens.arrow import list_datasets, dataset_files
+    from nanochat_dl.tokens import list_datasets, dataset_files
     write_token_file(tmp_path/'web'/'a.arrow', [[1, 2]])
     write_token_file(tmp_path/'web'/'2024'/'b.arrow', [[3]])
     write_token_file(tmp_path/'code'/'x.arrow', [[4]])
@@ -169,7 +169,7 @@ def hidden_root(path, counts=True):
 
 
 def test_hidden_files_listed_in_the_counts_file_are_data(tmp_path):
-    from nanochat_dl.tokens.arrow import TokenRoot
+    from nanochat_dl.tokens import TokenRoot
     root = hidden_root(tmp_path/'root')
     with TokenRoot(root) as tr:
         assert [i.file for i in tr.files['web']] == ['.b.arrow', '.old/c.arrow', 'a.arrow']
@@ -182,7 +182,7 @@ def test_hidden_files_listed_in_the_counts_file_are_data(tmp_path):
 
 
 def test_hidden_files_without_a_counts_file_are_skipped_and_said(tmp_path):
-    from nanochat_dl.tokens.arrow import TokenRoot
+    from nanochat_dl.tokens import TokenRoot
     root = hidden_root(tmp_path/'root', counts=False)
     with TokenRoot(root) as tr:
         assert [i.file for i in tr.files['web']] == ['a.arrow']
@@ -283,7 +283,7 @@ def test_dropped_documents_count_as_read_across_a_rescale(tmp_path):
 
 
 def test_nested_names_in_the_manifest_are_verified(tmp_path):
-    from nanochat_dl.tokens.arrow import TokenRoot, file_record, update_manifest, verify_dataset
+    from nanochat_dl.tokens import TokenRoot, file_record, update_manifest, verify_dataset
     root, c = nested_root(tmp_path/'root')
     for ds in NESTED: update_manifest(root, ds, {f: file_record(root/ds/f) for d, f in c if d == ds})
     with TokenRoot(root) as tr: assert sorted(tr.manifest['datasets']) == sorted(NESTED)

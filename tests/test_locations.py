@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from nanochat_dl.tokens.arrow import tokenize
+from nanochat_dl.tokens import tokenize
 from nanochat_dl.cli import main
 from nanochat_dl.text.loader import PackedLoader
 from nanochat_dl.tokens.streaming import StreamingLoader

@@ -12,7 +12,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from s3util import moto, proxy, until, use_proxy   # noqa: F401 (fixtures)
 from test_s3_loaders import KW, PKW, objects, text, token_root   # noqa: F401 (text: a fixture)
 
-from nanochat_dl.tokens.arrow import TokenFile, TokenRoot
+from nanochat_dl.tokens import TokenFile, TokenRoot
 from nanochat_dl.io.cache import FileCache
 from nanochat_dl.tokens.streaming import StreamingLoader
 

@@ -15,7 +15,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from s3util import FaultProxy, MotoServer, moto, proxy, s3_env, until, use_proxy   # noqa: F401 (moto, proxy: fixtures)
 
-from nanochat_dl.tokens.arrow import TokenRoot, file_record, update_counts, update_manifest, write_token_file
+from nanochat_dl.tokens import TokenRoot, file_record, update_counts, update_manifest, write_token_file
 from nanochat_dl.io.retry import FetchError
 from nanochat_dl.tokens.streaming import StreamingLoader
 
@@ -425,7 +425,7 @@ def listing(moto, bucket, prefix):
 
 def test_tokenize_to_s3(text, moto, bucket, tmp_path):
     "`tokenize --out s3://...` puts in the bucket the files a local `--out` gets, byte for byte; the loader reads them back."
-    from nanochat_dl.tokens.arrow import tokenize
+    from nanochat_dl.tokens import tokenize
     from nanochat_dl.cli import main
     shards, tok = text
     tok_dir = shards.parent/'tok'
@@ -453,7 +453,7 @@ def test_tokenize_to_s3(text, moto, bucket, tmp_path):
 
 def test_tokenize_nested_dataset_names_to_s3(text, moto, bucket, tmp_path):
     "`tokenize --out s3://... --dataset lang=en/dataset=x` puts the objects a local `--out` gets, under the nested name; the loader reads them by that name's weight; a name overlapping one of the bucket's datasets is refused before any work."
-    from nanochat_dl.tokens.arrow import tokenize
+    from nanochat_dl.tokens import tokenize
     shards = text[0]
     tok_dir, uri, kw = shards.parent/'tok', f's3://{bucket}/tok', dict(workers=1, progress=False, verbose=False)
     moto.put(bucket, {})
@@ -478,7 +478,7 @@ def read_json(p): return json.loads(Path(p).read_text())
 
 def test_tokenize_to_s3_never_shows_half_a_file(text, moto, bucket, proxy, tmp_path):
     "Uploads cut by resets and 503s are retried; one the store refuses (403) fails the run: no manifest, no partial object, nothing hidden left over."
-    from nanochat_dl.tokens.arrow import tokenize
+    from nanochat_dl.tokens import tokenize
     from nanochat_dl.io.retry import FetchError
     shards, tok = text
     moto.put(bucket, {})
@@ -513,7 +513,7 @@ def test_dropin_reads_a_bucket(text, s3text, tmp_path, monkeypatch):
 
 def test_tokenize_from_s3_shards(text, s3text, moto, tmp_path):
     "`tokenize --data-dir s3://...` reads the shards through the cache: the token files are those of the local shards, the manifest names the URI."
-    from nanochat_dl.tokens.arrow import read_manifest, tokenize
+    from nanochat_dl.tokens import read_manifest, tokenize
     from nanochat_dl.cli import main
     shards, tok = text
     tokenize(shards, tmp_path/'local', 'toy', shards.parent/'tok', workers=1, split='all', progress=False, verbose=False)

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from nanochat_dl.tokens.arrow import TokenRoot, write_counts, write_token_file
+from nanochat_dl.tokens import TokenRoot, write_counts, write_token_file
 from nanochat_dl.text.lengths import fineweb_like_lengths
 from nanochat_dl.tokens.streaming import StreamingLoader, sealed
 from test_streaming import toy_root

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from nanochat_dl.tokens.arrow import write_counts, write_token_file
+from nanochat_dl.tokens import write_counts, write_token_file
 from nanochat_dl.tokens.streaming import StreamingLoader, open_epochs, sealed
 
 pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")
@@ -77,7 +77,7 @@ def test_a_huge_parked_list_is_refused_at_once(tmp_path, kw):
         within(15, lambda: mk(1, 2).load_state_dict([st]))
 
 
-from nanochat_dl.tokens.arrow import TokenRoot
+from nanochat_dl.tokens import TokenRoot
 from nanochat_dl.tokens.streaming import owned_shards, shard_starts
 from test_stream_epochs_end import Ledger, assert_tiles_to
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pyarrow as pa, pyarrow.parquet as pq
 import pytest
 
-from nanochat_dl.tokens.arrow import TokenRoot, _run_tasks, read_manifest, tokenize
+from nanochat_dl.tokens import TokenRoot, run_tasks, read_manifest, tokenize
 from nanochat_dl.cli import main
 from nanochat_dl.text.sample import make_sample_shards
 from nanochat_dl.text.tokenizer import Tokenizer, train_tokenizer
@@ -114,7 +114,7 @@ def test_rank_0_gives_up_naming_what_is_missing(corpus, tmp_path):
 
 GLOO = """
 import sys, time, torch.distributed as dist
-from nanochat_dl.tokens.arrow import tokenize
+from nanochat_dl.tokens import tokenize
 dist.init_process_group('gloo')
 if dist.get_rank() == 1: time.sleep(3)     # rank 0 finishes first; without the barrier its 1 ms wait would give up
 res = tokenize(sys.argv[1], sys.argv[2], 'web', sys.argv[3], workers=1, split='all',
@@ -183,7 +183,7 @@ def test_a_worker_killed_mid_shard_fails_that_shard_alone(corpus, tmp_path):
             pids = _children('_serve_tokenize'); assert len(pids) == 1, pids
             os.kill(pids[0], signal.SIGKILL); killed.append(pids[0])
     tasks = [(tmp_path / 'big.parquet', tmp_path / 'out' / 'big.arrow'), (tmp_path / 'small.parquet', tmp_path / 'out' / 'small.arrow')]
-    out = _run_tasks(tasks, corpus / 'tok', workers=1, on_progress=on_progress)
+    out = run_tasks(tasks, corpus / 'tok', workers=1, on_progress=on_progress)
     assert out['big.arrow'].startswith(f"{tmp_path}/big.parquet: the worker tokenizing it died (exit code -9): "), out['big.arrow']
     assert out['small.arrow']['documents'] == pq.ParquetFile(tmp_path / 'small.parquet').metadata.num_rows   # the replacement worker did the next shard
     assert sorted(os.listdir(tmp_path / 'out'))[-1] == 'small.arrow' and not (tmp_path / 'out' / 'big.arrow').exists()
@@ -193,7 +193,7 @@ def test_a_worker_killed_mid_shard_fails_that_shard_alone(corpus, tmp_path):
 def test_a_worker_that_cannot_start_stops_the_run(corpus, tmp_path):
     with pytest.raises(RuntimeError, match=r"^a tokenize worker failed to start \(exit code 1\): .*FileNotFoundError: no tokenizer directory at "
                                            + str(tmp_path / 'gone')):
-        _run_tasks([(corpus / 'src' / 'shard_00000.parquet', tmp_path / 'a.arrow')], tmp_path / 'gone', workers=2)
+        run_tasks([(corpus / 'src' / 'shard_00000.parquet', tmp_path / 'a.arrow')], tmp_path / 'gone', workers=2)
     assert list(tmp_path.iterdir()) == []
 
 
@@ -227,7 +227,7 @@ def test_rank0_writes_counts_and_manifest_under_the_folder_lock(corpus, tmp_path
 def test_text_that_is_not_utf8(corpus, tmp_path, capsys):
     """A shard with a row that is not UTF-8: the shard fails naming its row and the option that reads it, the others are
     written; `--utf8-errors replace` (`utf8_errors='replace'`) tokenizes it with U+FFFD for the undecodable bytes."""
-    from nanochat_dl.tokens.arrow import TokenFile
+    from nanochat_dl.tokens import TokenFile
     src = tmp_path / 'src'; src.mkdir()
     bad = pa.array([b'alpha beta', b'caf\xe9 au lait', b'gamma'], pa.binary()).view(pa.string())
     pq.write_table(pa.table({'text': bad}), src / 'shard_00000.parquet')
@@ -356,7 +356,7 @@ def _shards(src, texts):
 
 def test_a_source_edited_in_place_at_the_same_size_is_done_again(corpus, tmp_path):
     "Finished work is keyed on the source shard's content (sha256), not its name and size; a record without that key is redone."
-    from nanochat_dl.tokens.arrow import TokenFile
+    from nanochat_dl.tokens import TokenFile
     tok, kw = Tokenizer.load(corpus / 'tok'), dict(workers=1, split='all', progress=False, verbose=False)
     texts = [['alpha beta gamma', 'delta epsilon'], ['zeta eta theta', 'iota kappa']]
     _shards(tmp_path / 'src', texts)
@@ -385,7 +385,7 @@ def test_a_source_edited_in_place_at_the_same_size_is_done_again(corpus, tmp_pat
 def test_the_default_is_the_train_split_and_val_goes_apart(corpus, tmp_path):
     """`tokenize` with its defaults takes the train split: files only from the first N-1 shards, none of the val shard's
     documents in them; the val shard goes into the same root as its own dataset, and a loader reads either by its weight."""
-    from nanochat_dl.tokens.arrow import TokenFile, read_counts
+    from nanochat_dl.tokens import TokenFile, read_counts
     from nanochat_dl.tokens.streaming import StreamingLoader
     root, tok = tmp_path / 'root', Tokenizer.load(corpus / 'tok')
     texts = {s.stem: pq.read_table(s).column('text').to_pylist() for s in sorted((corpus / 'src').glob('*.parquet'))}
@@ -412,13 +412,13 @@ def test_the_default_is_the_train_split_and_val_goes_apart(corpus, tmp_path):
 
 def test_the_split_default_rebuilds_old_manifests_as_they_were(corpus, tmp_path):
     "A manifest's source record without a split was written when the default was 'all': its rebuild hint says `--split all`."
-    from nanochat_dl.tokens.arrow import _rebuild
+    from nanochat_dl.tokens import rebuild_command
     rec = lambda **kw: dict(source=dict(data_dir='/s', tokenizer_dir='/t', **kw))
     base = f"`nanochat-dl tokenize --data-dir /s --out {tmp_path} --dataset web --tokenizer-dir /t"
-    assert _rebuild(tmp_path, 'web', rec(split='train', keep_empty=False)) == base + '`'
-    assert _rebuild(tmp_path, 'web', rec(split='val', keep_empty=False)) == base + ' --split val`'
-    assert _rebuild(tmp_path, 'web', rec(split='all', keep_empty=True)) == base + ' --split all --keep-empty`'
-    assert _rebuild(tmp_path, 'web', rec()) == base + ' --split all --keep-empty`'           # written before either option
+    assert rebuild_command(tmp_path, 'web', rec(split='train', keep_empty=False)) == base + '`'
+    assert rebuild_command(tmp_path, 'web', rec(split='val', keep_empty=False)) == base + ' --split val`'
+    assert rebuild_command(tmp_path, 'web', rec(split='all', keep_empty=True)) == base + ' --split all --keep-empty`'
+    assert rebuild_command(tmp_path, 'web', rec()) == base + ' --split all --keep-empty`'           # written before either option
 
 
 EMPTY = [['alpha beta', '', 'gamma', ''], ['', 'delta'], ['epsilon zeta', 'eta'], ['theta', '']]   # shard 2 has none
@@ -427,7 +427,7 @@ EMPTY = [['alpha beta', '', 'gamma', ''], ['', 'delta'], ['epsilon zeta', 'eta']
 def test_empty_documents_are_dropped_and_counted_or_kept(corpus, tmp_path, capsys):
     """Texts that encode to no token are dropped by default, counted in the result, the summary and the records;
     `keep_empty=True` writes the old files byte for byte; a rerun with the other setting redoes the shards it changes."""
-    from nanochat_dl.tokens.arrow import TokenFile, write_token_file
+    from nanochat_dl.tokens import TokenFile, write_token_file
     tok, kw = Tokenizer.load(corpus / 'tok'), dict(workers=2, split='all', progress=False)
     _shards(tmp_path / 'src', EMPTY)
     res = tokenize(tmp_path / 'src', tmp_path / 'drop', 'web', corpus / 'tok', **kw)
@@ -490,7 +490,7 @@ def test_nested_dataset_names_as_the_loaders_read_them(corpus, tmp_path, capsys)
     counts rows and a manifest entry under that name; two such datasets in one root are listed so and streamed by
     their names' weights, each document of each dataset once per epoch, whole; a name that overlaps a dataset of the
     root (one a folder of the other), or with a hidden part, is refused naming both."""
-    from nanochat_dl.tokens.arrow import TokenFile, list_datasets, read_counts
+    from nanochat_dl.tokens import TokenFile, list_datasets, read_counts
     from nanochat_dl.tokens.streaming import StreamingLoader
     root, kw = tmp_path / 'root', dict(workers=1, progress=False, verbose=False)
     tokenize(corpus / 'src', root, CC, corpus / 'tok', **kw)                               # the train shards

@@ -24,7 +24,8 @@ from fastcore.basics import patch
 from ..core import check_int, get_dist_info, on_drop
 from ..pipe.stages import Stage, Doc, ShuffleBuffer, check_state, mix64, mix64s
 from pathlib import Path
-from .arrow import TokenRoot, file_sha256
+from .meta import file_sha256
+from .root import TokenRoot
 from ..io.fetch import giving_up_on
 from ..pipe.packing import HELD, MAX_WAIT, Packer, FlatDocs, Segment, PackedBatch, position_ids, cu_seqlens, PackerBase
 from ..pipe.transfer import DeviceTransfer, TrainingTriple, resolve_device
