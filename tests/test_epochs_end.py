@@ -66,7 +66,8 @@ def test_epoch_e_is_whole_before_epoch_e_plus_2(env, strategy):
 
 
 # --- the packer alone: any lengths, buffers, age limits, pulls; resumed (bit for bit) at any batch, twice -------------------
-from nanochat_dl.pipe.packing import GUARDED as PACKER_GUARDED, HELD, Packer
+from nanochat_dl.pipe.bestfit import GUARDED as PACKER_GUARDED, Packer
+from nanochat_dl.pipe.packing import HELD
 
 
 class CyclePull:
@@ -194,7 +195,8 @@ def test_bestfit_crop_has_no_age_limit():
 def test_entered_huge_run_refused_without_expanding():
     "A hand-edited `entered` with a huge count is refused by its total before the runs are expanded (no memory blow-up)."
     import resource
-    from nanochat_dl.pipe.packing import Packer, entered_rows
+    from nanochat_dl.pipe.bestfit import Packer
+    from nanochat_dl.pipe.packing import entered_rows
     docs = [np.array([1] + [5] * (n - 1)) for n in (3, 40, 7, 20)]
     p = Packer(16, 4, 'bestfit-pad', bos_id=1, epoch_of=lambda k: k[0])
     cnt = iter(range(10 ** 6))
@@ -217,7 +219,7 @@ def test_entered_huge_run_refused_without_expanding():
 @pytest.mark.parametrize('bad', ['x', None, 1.0, -1.5, [0]])
 def test_packer_state_with_a_bad_offset_names_the_offset(bad):
     "A hand-edited offset in `Packer.load_state_dict`'s buffer is refused as an offset (not as a miscount of `entered`, nor a TypeError)."
-    from nanochat_dl.pipe.packing import Packer
+    from nanochat_dl.pipe.bestfit import Packer
     docs = [np.array([1] + [5] * (n - 1)) for n in (3, 40, 7, 20)]
     cnt = iter(range(10 ** 6))
     def pull():
@@ -251,7 +253,7 @@ def test_a_held_entry_at_a_wrong_offset_is_named_as_saved(env):
 def test_max_wait_is_a_loader_setting(env):
     "`PackedLoader(max_wait=...)` reaches the packer and its config; a resume needs the same (an older state, without it, has its strategy's default)."
     from nanochat_dl.text.loader import _checksum
-    from nanochat_dl.pipe.packing import MAX_WAIT
+    from nanochat_dl.pipe.bestfit import MAX_WAIT
     kw = dict(files=env['files'], **KW, buffer_size=16)
     for strategy, mw, want in [('bestfit-pad', 'auto', MAX_WAIT), ('bestfit-split', None, None), ('bestfit-pad', 3, 3), ('bestfit-crop', 'auto', None)]:
         with PackedLoader(env['tok'], **kw, strategy=strategy, max_wait=mw) as ld:

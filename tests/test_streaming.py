@@ -12,7 +12,7 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from nanochat_dl.tokens.arrow import TokenRoot, write_counts, write_token_file
-from nanochat_dl.pipe.packing import fineweb_like_lengths
+from nanochat_dl.pipe.lengths import fineweb_like_lengths
 from nanochat_dl.pipe.stages import ShuffleBuffer, Stage, Doc
 from nanochat_dl.tokens.streaming import (PACKS, DocKey, FastTokenStream, Framing, Permutation, StreamingDataset, StreamingLoader, TokenStream,
                                    owned_shards, shard_key, stream_config)

@@ -17,12 +17,14 @@ from fastcore.script import call_parse
 from ..core import get_data_dir, human_bytes, check_int, load_average, load_line
 from ..text.shards import RowGroupReader, RowGroupTexts, split_files
 from ..text.tokenizer import get_tokenizer
-from ..pipe.packing import Packer, ReferencePacker, STRATEGIES, percent, fineweb_like_lengths
+from ..pipe.bestfit import Packer
+from ..pipe.packing import ReferencePacker, STRATEGIES, percent
+from ..pipe.lengths import fineweb_like_lengths
 from ..text.loader import PackedLoader, LoaderBatch, RowGroupSource, reference_loader, slice_runs, UNIT_DOCS, UNIT_MAX
 from ..text.encode import make_encoder
 from ..dataloader import tokenizing_distributed_data_loader_with_state_bos_bestfit
 from .demo import _digest, _ensure_shards, _ensure_tokenizer
-from ..pipe.packing import calibrate_lognormal
+from ..pipe.lengths import calibrate_lognormal
 
 # %% ../../nbs/bench/15_bench.ipynb #0443f9f4
 class SyntheticStream:

@@ -16,7 +16,7 @@ import torch
 from fastcore.script import call_parse
 from ..core import check_int, get_base_dir, load_average, load_line
 from ..tokens.arrow import TokenRoot, write_counts, write_token_file
-from ..pipe.packing import fineweb_like_lengths
+from ..pipe.lengths import fineweb_like_lengths
 from ..tokens.streaming import PACKS, StreamingLoader, TokenStream
 
 # %% ../../nbs/bench/16_bench_stream.ipynb #315b594b

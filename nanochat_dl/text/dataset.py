@@ -27,7 +27,7 @@ from urllib3.util import Retry
 from tqdm import tqdm
 from fastcore.script import call_parse
 from ..core import LOCK_FILE, check_int, check_regular, folder_lock, get_data_dir, human_bytes, usable_folder
-from ..pipe.packing import fineweb_like_lengths
+from ..pipe.lengths import fineweb_like_lengths
 
 # %% ../../nbs/text/02_dataset.ipynb #3db2fe88
 @dataclass(frozen=True)

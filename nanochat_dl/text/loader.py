@@ -23,9 +23,10 @@ from fastcore.basics import patch
 from .shards import RowGroupReader, RowGroupTexts, Slice, split_files, split_shards, read_documents, nanochat_state, open_shard_bytes, row_group_plan
 from ..io.remote import cache_metrics, pin_copies, unpin_copies
 from ..pipe.stages import Stage, Doc
-from ..pipe.packing import (Packer, ReferencePacker, PackedBatch, FlatDocs, STRATEGIES, GUARDED, HELD,
-                                 position_ids, cu_seqlens, entered_runs, entered_rows)
-from ..pipe.packing import MAX_WAIT
+from ..pipe.bestfit import Packer, GUARDED
+from ..pipe.packing import (ReferencePacker, PackedBatch, FlatDocs, STRATEGIES, HELD, entered_runs, entered_rows)
+from ..pipe.masks import position_ids, cu_seqlens
+from ..pipe.bestfit import MAX_WAIT
 from ..pipe.transfer import DeviceTransfer, SingleBufferTransfer, TrainingTriple, resolve_device
 from .tokenizer import tokenizer_fingerprint
 from .encode import Request, make_encoder, check_timeout
