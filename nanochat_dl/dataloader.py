@@ -156,7 +156,7 @@ def tokenizing_distributed_data_loader_with_state_bos_bestfit(
     "nanochat's loader by name and signature: yields `(inputs, targets, state_dict)` forever, token for token nanochat's batches; `state_dict` resumes exactly, at its batch."
     data_dir, saved, resume_state_dict = _dropin_data_dir(data_dir), resume_state_dict, None   # resumed below
     loader = PackedLoader(tokenizer, B, T, split, data_dir, tokenizer_threads=tokenizer_threads, tokenizer_batch_size=tokenizer_batch_size,
-                          device=device, resume_state_dict=resume_state_dict, buffer_size=buffer_size,
+                          device=device, resume_state_dict=resume_state_dict, pack_buffer=buffer_size,
                           cache_dir=cache_dir, cache_size=cache_size, views=True)   # nanochat's reused buffers
     try: start = _dropin_resume(loader, saved)
     except BaseException: loader.close(); raise

@@ -11,7 +11,8 @@ import torch
 
 from nanochat_dl.dataloader import (tokenizing_distributed_data_loader_with_state_bos_bestfit as dropin,
                                     tokenizing_distributed_data_loader_bos_bestfit as dropin_pairs)
-from nanochat_dl.text.loader import PackedLoader, reference_loader
+from nanochat_dl.text.loader import PackedLoader
+from nanochat_dl.text.stages import reference_loader
 from nanochat_dl.testing import write_toy_shards
 from toytext import toy_text_env, words
 

@@ -20,7 +20,8 @@ from ..text.tokenizer import get_tokenizer
 from ..pipe.bestfit import Packer
 from ..pipe.packing import ReferencePacker, STRATEGIES, percent
 from ..pipe.lengths import fineweb_like_lengths
-from ..text.loader import PackedLoader, LoaderBatch, RowGroupSource, reference_loader, slice_runs, UNIT_DOCS, UNIT_MAX
+from ..text.loader import PackedLoader, LoaderBatch
+from ..text.stages import RowGroupSource, reference_loader, slice_runs, UNIT_DOCS, UNIT_MAX
 from ..text.encode import make_encoder
 from ..dataloader import tokenizing_distributed_data_loader_with_state_bos_bestfit
 from .demo import _digest, _ensure_shards, _ensure_tokenizer
