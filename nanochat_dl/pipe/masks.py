@@ -38,6 +38,7 @@ def position_ids(batch,       # a `PackedBatch`
     pos = cols - np.maximum.accumulate(np.where(starts, cols, 0), axis=1)
     return pos if full else pos[:, :-1]
 
+# %% ../../nbs/pipe/06c_masks.ipynb #d864a07b
 class CuSeqlens(NamedTuple):
     cu_seqlens: np.ndarray  # int32 [max_seqs + 1]: segment starts in the flattened batch, then the total length repeated
     n_seqs: int             # how many segments are real
@@ -47,7 +48,8 @@ def cu_seqlens(batch,       # a `PackedBatch`
                max_seqs,    # the fixed number of sequences the result has room for
                full=False,  # over the whole rows (B*(T+1)) instead of the inputs (B*T)
               ) -> CuSeqlens:
-    "Segment boundaries over the flattened inputs (`B*T`; `B*(T+1)` with `full`), padded to a fixed `max_seqs + 1` entries."
+    "Segment boundaries over the flattened inputs (`B*T`."
+    # `B*(T+1)` with `full`), padded to a fixed `max_seqs + 1` entries.
     max_seqs = check_int('max_seqs', max_seqs, 1)
     starts = segment_starts(batch)
     if not full: starts = starts[:, :-1]

@@ -35,6 +35,7 @@ class Segment(NamedTuple):
     @property
     def cropped(self) -> bool: return self.dropped > 0
 
+# %% ../../nbs/pipe/06_packing.ipynb #f1c7d38c
 class PackedBatch:
     "B rows of T+1 tokens, what was written where, and what it cost."
     def __init__(self, rows,    # int64 [B, T+1]: the token ids
@@ -45,7 +46,8 @@ class PackedBatch:
         self.metrics = metrics    # per-batch and cumulative counts, see `PackerBase.metrics_doc`
     @property
     def segments(self) -> list:
-        "Per row, its `Segment`s from left to right (the fast packer records plain tuples; they become `Segment`s when asked for)."
+        "Per row, its `Segment`s from left to right (the fast packer records plain tuples."
+        # they become `Segment`s when asked for).
         if self._plain:
             self._segs = [[s if type(s) is Segment else Segment._make(s) for s in row] for row in self._segs]
             self._plain = False
@@ -61,7 +63,8 @@ class PackedBatch:
 
 # %% ../../nbs/pipe/06_packing.ipynb #6c5b8ec2
 class FlatDocs(Sequence):
-    "Documents stored end to end in one 1-D array, `lens[i]` tokens each, as a tokenizer worker returns them; indexing gives views."
+    "Documents stored end to end in one 1-D array, `lens[i]` tokens each, as a tokenizer worker returns them."
+    # indexing gives views.
     def __init__(self, lens,  # tokens in each document, in order
                  flat):       # all their tokens end to end, a 1-D array (a list is converted)
         self.lens, self.flat = np.asarray(lens, dtype=np.int64).reshape(-1), np.asarray(flat)   # (an array stays as it is)
@@ -222,7 +225,8 @@ def load_metrics_state(self:PackerBase, state):
 # %% ../../nbs/pipe/06_packing.ipynb #34d84d03
 @patch
 def state_dict(self:PackerBase) -> dict:
-    "All it takes to continue exactly: buffer addresses in order, when each entered, counters, and the settings they need."
+    "All it takes to continue exactly."
+    # buffer addresses in order, when each entered, counters, and the settings they need.
     return dict(strategy=self.strategy, T=self.T, buffer_size=self.buffer_size, buffer=self.buffer_state(),
                 entered=entered_runs(self.entered_rows()), metrics=self.metrics_state())
 
@@ -386,7 +390,8 @@ class ListPull:
 def batch_colours(batch,     # a `PackedBatch`
                   n=20,      # colours to choose from
                  ) -> list:
-    "Per row, a colour index per segment: one per document, never that of its left neighbour in a row (when it can be helped)."
+    "Per row, a colour index per segment."
+    # one per document, never that of its left neighbour in a row (when it can be helped).
     of, rows = {}, []
     for segs in batch.segments:
         left, row = None, []
@@ -418,7 +423,9 @@ def show_batch(batch,          # a `PackedBatch`
                max_tail=0.2,   # widest cropped tail drawn, as a share of the row
                legend=False,   # the picture's key below it (`batch_legend`)
               ):
-    "Draw a `PackedBatch`: rows as bars, one colour per document (neighbours differ), BOS ticks, grey padding, cropped tails right of the row."
+    "Draw a `PackedBatch`."
+    # rows as bars, one colour per document (neighbours differ), BOS ticks, grey padding, cropped tails right of the
+    # row.
     import matplotlib.pyplot as plt
     from matplotlib.patches import Rectangle
     rows, B = batch.rows, len(batch.rows)

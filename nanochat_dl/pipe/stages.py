@@ -46,7 +46,8 @@ def _path(p) -> str:
     return p + ''.join(f"[{k!r}]" for k in reversed(keys))
 
 def check_state(state, where='state') -> dict:
-    "`state` if it is plain JSON-able data (dicts with str keys, lists, str, int, float, bool, None); else a `TypeError` naming the path of the first offender."
+    "`state` if it is plain JSON-able data (dicts with str keys, lists, str, int, float, bool, None)."
+    # else a `TypeError` naming the path of the first offender.
     todo, fast = [(state, where)], (int, str)           # an int or str item needs no more look (nor a path): a million take a second
     while todo:
         x, path = todo.pop()
@@ -129,7 +130,8 @@ class _Swap(NamedTuple):   # a journal entry: slots `a` and `b` trade places
     b: int
 
 class ShuffleBuffer(Stage):
-    "Hand out documents from a random slot of a window of `window` documents, refilled from `upstream`; state: the window's addresses and a draw counter."
+    "Hand out documents from a random slot of a window of `window` documents, refilled from `upstream`."
+    # state: the window's addresses and a draw counter.
     def __init__(self, upstream,        # the stage whose items (with an `.address`) are shuffled
                  window:int=10_000,     # documents held; 0 passes items through unchanged
                  seed:int=0,            # with `stream`, decides every draw
@@ -149,7 +151,9 @@ class ShuffleBuffer(Stage):
 # %% ../../nbs/pipe/05_stages.ipynb #ep0a1d01
 @patch
 def draw(self:ShuffleBuffer, pull):  # `() -> item`, raising StopIteration at the end: what fills the window (the upstream's next, or a faster path to it)
-    "Fill the window from `pull` (a window holding more than its slots, after a rescale, draws without refilling), then hand out a random slot (of the oldest epoch, with `epoch_of`)."
+    "Fill the window from `pull`."
+    # (a window holding more than its slots, after a rescale, draws without refilling), then hand out a random slot (of
+    # the oldest epoch, with `epoch_of`).
     buf, eo = self.buf, self.epoch_of
     while len(buf) < self.window and not self.done:
         try: x = pull()
@@ -210,7 +214,8 @@ def restore(self:ShuffleBuffer, items):
 # %% ../../nbs/pipe/05_stages.ipynb #ep0a1d03
 @patch
 def snapshot(self:ShuffleBuffer):
-    "The state as it is now, in O(1): the last copy of the window and how many changes since; `state_of` reads it later."
+    "The state as it is now, in O(1): the last copy of the window and how many changes since."
+    # `state_of` reads it later.
     return self._copy, self._log, len(self._log), self.drawn
 
 @patch
@@ -249,7 +254,8 @@ def load_state_dict(self:ShuffleBuffer, state):
 
 # %% ../../nbs/pipe/05_stages.ipynb #f5d26138
 class Pipeline(Stage):
-    "Named stages, source first (each built on the one before); yields the last stage's items; state: `{name: stage state}`."
+    "Named stages, source first (each built on the one before); yields the last stage's items."
+    # state: `{name: stage state}`.
     def __init__(self, **stages):
         if not stages: raise ValueError("a Pipeline needs at least one stage")
         self.stages = stages
@@ -271,7 +277,8 @@ def resume_check(build,            # () -> a fresh pipeline (a Stage)
                  at=None,          # the item counts after which to resume (default: every one of 0..steps-1)
                  key=lambda item: item.address,   # what of an item is compared
                  horizon:int=20) -> int:          # items compared after each resume
-    "Check that `build()` resumes exactly from its state after each of `at` items; returns the number of points checked."
+    "Check that `build()` resumes exactly from its state after each of `at` items."
+    # returns the number of points checked.
     full = build()
     states, items = [json.loads(json.dumps(check_state(full.state_dict())))], []
     for _ in range(steps + horizon):

@@ -238,7 +238,8 @@ class EncodeStage(Stage):
         self.send_s = self.wait_s = self.cpu_s = 0.0   # time planning and sending, waiting for answers, this thread's CPU
 
     def _unit(self) -> list:
-        "The next message's slices, each with the source's state after it: whole row groups of >= `UNIT_DOCS` documents."
+        "The next message's slices, each with the source's state after it."
+        # whole row groups of >= `UNIT_DOCS` documents.
         src, out, n = self.upstream, [], 0   # (or `UNIT_MAX`)
         while True:
             s = next(src)
