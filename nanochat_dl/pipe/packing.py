@@ -19,10 +19,13 @@ from ..core import check_int
 STRATEGIES = {
     'bestfit-crop':      "nanochat's rule: the largest document that fits; when none fits, crop the shortest",
     'bestfit-longfirst': "an over-long document takes the next row alone (cropped to T+1); the rest as bestfit-crop",
-    'bestfit-pad':       "as bestfit-longfirst, but when no document fits, the rest of the row is padded instead of cropping",
-    'bestfit-split':     "an over-long document is cut into pieces of at most T+1 tokens, each starting with BOS; then bestfit-crop",
+    'bestfit-pad':       "as bestfit-longfirst, but when no document fits, the rest of the row is padded instead of "
+                         "cropping",
+    'bestfit-split':     "an over-long document is cut into pieces of at most T+1 tokens, each starting with BOS; "
+                         "then bestfit-crop",
     'greedy':            "documents in arrival order; the one that does not fit is cropped at the row end (baseline)",
-    'concat':            "documents in arrival order, continued across rows: nothing lost, rows need not start with BOS (baseline)",
+    'concat':            "documents in arrival order, continued across rows: nothing lost, rows need not start with "
+                         "BOS (baseline)",
 }
 
 class Segment(NamedTuple):
@@ -331,7 +334,8 @@ def piece(self:ReferencePacker, doc,   # a whole document, as it was pulled
           offset=0,    # where the buffer entry starts in it (always 0 here)
          ) -> np.ndarray:
     "The tokens of the buffer entry for `doc`: the whole document (this rule never splits one)."
-    if offset != 0: raise ValueError(f"offset={offset!r}: strategy 'bestfit-crop' buffers whole documents only (offset 0)")
+    if offset != 0: raise ValueError(f"offset={offset!r}: strategy 'bestfit-crop' buffers whole documents only "
+                                     f"(offset 0)")
     return np.asarray(doc, dtype=np.int64)
 
 @patch
@@ -359,7 +363,8 @@ def restore(self:ReferencePacker, items,      # `(tokens, key, offset)` triples 
     buf = []
     for doc, key, offset in items:
         if offset != 0:
-            raise ValueError(f"document {key!r}: offset={offset!r}, but strategy 'bestfit-crop' buffers whole documents only (offset 0)")
+            raise ValueError(f"document {key!r}: offset={offset!r}, but strategy 'bestfit-crop' buffers whole "
+                             f"documents only (offset 0)")
         self._check_doc(doc, key)
         buf.append((doc, key))
     self.buffer, self.buffered_tokens, self.entered = buf, sum(len(d) for d, _ in buf), entered
@@ -377,7 +382,8 @@ class ListPull:
     def __call__(self):
         if self.pos >= len(self.docs):
             if not self.cycle or not self.docs:
-                raise RuntimeError(f"ListPull ran out after {len(self.docs)} documents: a packer needs an endless stream "
+                raise RuntimeError(f"ListPull ran out after {len(self.docs)} documents: a packer needs an endless "
+                                   f"stream "
                                    "(use cycle=True, or more documents)")
             self.pos, self.epoch = 0, self.epoch + 1
         i = self.pos
@@ -411,7 +417,8 @@ def batch_legend(ax, bos=True):   # the axes of a `show_batch` picture; bos: whe
     h = [Patch(facecolor='tab:blue', label='a colour: one document (neighbours differ)')]
     if bos: h.append(Line2D([], [], color='black', lw=1.2, label='a tick: a BOS token, where a document starts'))
     h += [Patch(facecolor='0.85', hatch='xx', edgecolor='0.6', label='grey: padding'),
-          Patch(facecolor='tab:blue', alpha=.35, hatch='///', edgecolor='none', label='faded, right of T+1: tokens cropped')]
+          Patch(facecolor='tab:blue', alpha=.35, hatch='///', edgecolor='none', label='faded, right of T+1: tokens '
+                                                                                      'cropped')]
     ax.legend(handles=h, loc='upper center', bbox_to_anchor=(0.5, -0.28), ncol=2, fontsize=7, frameon=False)
 
 # %% ../../nbs/pipe/06_packing.ipynb #1e1d88ad

@@ -53,13 +53,15 @@ def check_state(state, where='state') -> dict:
         x, path = todo.pop()
         if isinstance(x, dict):
             for k, v in x.items():
-                if not isinstance(k, str): raise TypeError(f"{_path(path)} has key {k!r} of type {type(k).__name__}: state keys must be str")
+                if not isinstance(k, str): raise TypeError(f"{_path(path)} has key {k!r} of type {type(k).__name__}: "
+                                                           f"state keys must be str")
                 if type(v) not in fast: todo.append((v, (path, k)))
         elif isinstance(x, (list, tuple)):                  # (a list of ints or strs, as a state's addresses are, is not pushed)
             todo.extend((v, (path, i)) for i, v in enumerate(x)
                         if type(v) not in fast and not (type(v) is list and all(type(u) in fast for u in v)))
         elif not isinstance(x, _PLAIN) or (isinstance(x, float) and not math.isfinite(x)):
-            raise TypeError(f"{_path(path)} is {type(x).__module__}.{type(x).__name__} {str(x)[:60]}: expected plain JSON data "
+            raise TypeError(f"{_path(path)} is {type(x).__module__}.{type(x).__name__} {str(x)[:60]}: expected plain "
+                            f"JSON data "
                             "(dict, list, str, int, finite float, bool, None)")
     return state
 
@@ -84,15 +86,18 @@ class ListSource(Stage):
     def state_dict(self) -> dict: return dict(epoch=self.epoch, next=self.i, n=len(self.docs))
     def load_state_dict(self, state):
         if state.get('n') != len(self.docs):
-            raise ValueError(f"state['n']={state.get('n')!r}: it was saved over another list; this source has {len(self.docs)} documents")
+            raise ValueError(f"state['n']={state.get('n')!r}: it was saved over another list; this source has "
+                             f"{len(self.docs)} documents")
         self.epoch, self.i = check_int("state['epoch']", state['epoch'], 1), check_int("state['next']", state['next'], 0)
-        if self.i > len(self.docs): raise ValueError(f"state['next']={self.i} is past the last of {len(self.docs)} documents")
+        if self.i > len(self.docs): raise ValueError(f"state['next']={self.i} is past the last of {len(self.docs)} "
+                                                     f"documents")
         return self
     def fetch(self, addresses) -> list:
         out = []
         for a in addresses:
             e, i = a
-            if not 0 <= i < len(self.docs): raise ValueError(f"address {tuple(a)!r}: no document {i} in a list of {len(self.docs)}")
+            if not 0 <= i < len(self.docs): raise ValueError(f"address {tuple(a)!r}: no document {i} in a list of "
+                                                             f"{len(self.docs)}")
             out.append(Doc((e, i), self.docs[i]))
         return out
 
@@ -243,10 +248,13 @@ def state_dict(self:ShuffleBuffer) -> dict: return self.state_of(self.snapshot()
 def load_state_dict(self:ShuffleBuffer, state):
     for k in ('window', 'seed', 'stream'):
         if state.get(k) != getattr(self, k):
-            raise ValueError(f"shuffle state has {k}={state.get(k)!r}, this buffer has {k}={getattr(self, k)!r}: exact resume needs the same")
+            raise ValueError(f"shuffle state has {k}={state.get(k)!r}, this buffer has {k}={getattr(self, k)!r}: "
+                             f"exact resume needs the same")
     addrs = [_key(a) for a in state['addresses']]
-    if len(addrs) > self.window: raise ValueError(f"shuffle state holds {len(addrs)} addresses for a window of {self.window}")
-    if len(set(addrs)) != len(addrs): raise ValueError("shuffle state holds an address twice: that document would be delivered twice")
+    if len(addrs) > self.window: raise ValueError(f"shuffle state holds {len(addrs)} addresses for a window of "
+                                                  f"{self.window}")
+    if len(set(addrs)) != len(addrs): raise ValueError("shuffle state holds an address twice: that document would be "
+                                                       "delivered twice")
     self.drawn, self.done = check_int("shuffle state['drawn']", state['drawn'], 0), False
     self.restore(self.upstream.fetch(addrs) if addrs else [])
     return self

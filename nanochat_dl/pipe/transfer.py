@@ -23,7 +23,8 @@ def resolve_device(device='auto',  # 'auto', 'cpu', 'cuda', 'cuda:N' or a `torch
         return torch.device('cuda', torch.cuda.current_device()) if torch.cuda.is_available() else torch.device('cpu')
     try: dev = torch.device(device)
     except (RuntimeError, TypeError, ValueError):
-        raise ValueError(f"device={device!r} is not a device: expected 'auto', 'cpu', 'cuda', 'cuda:N' or a torch.device") from None
+        raise ValueError(f"device={device!r} is not a device: expected 'auto', 'cpu', 'cuda', 'cuda:N' or a "
+                         f"torch.device") from None
     if dev.type == 'cpu': return torch.device('cpu')
     if dev.type != 'cuda': raise ValueError(f"device={device!r} is not supported: expected a 'cpu' or 'cuda' device")
     if not torch.cuda.is_available():
@@ -48,11 +49,13 @@ def _as_rows(rows, B, T) -> torch.Tensor:
         try: return torch.from_numpy(rows)
         except TypeError: return torch.from_numpy(rows.astype(np.int64))      # unsigned types older torch lacks
     if not isinstance(rows, torch.Tensor):
-        raise TypeError(f"rows must be a torch.Tensor or numpy.ndarray of shape (B, T+1) = {want}, got {type(rows).__name__}")
+        raise TypeError(f"rows must be a torch.Tensor or numpy.ndarray of shape (B, T+1) = {want}, got "
+                        f"{type(rows).__name__}")
     if tuple(rows.shape) != want: raise ValueError(f"rows must have shape (B, T+1) = {want}, got {tuple(rows.shape)}")
     if rows.dtype.is_floating_point or rows.dtype.is_complex or rows.dtype == torch.bool:
         raise TypeError(f"rows must hold integer token ids (e.g. torch.long), got {rows.dtype}")
-    if rows.device.type != 'cpu': raise ValueError(f"rows must be on the host (cpu) to be transferred, got a tensor on {rows.device}")
+    if rows.device.type != 'cpu': raise ValueError(f"rows must be on the host (cpu) to be transferred, got a tensor "
+                                                   f"on {rows.device}")
     return rows
 
 

@@ -171,7 +171,8 @@ def _check(self:PackedLoader, tokenizer, kw, prefetch, **flags):
     if pad is not None:
         vocab = int(tokenizer.get_vocab_size())
         if isinstance(pad, bool) or not isinstance(pad, (int, np.integer)) or not 0 <= pad < vocab:
-            raise ValueError(f"pad_token={pad!r} is invalid: expected a token id in [0, {vocab}) (the tokenizer's vocabulary)")
+            raise ValueError(f"pad_token={pad!r} is invalid: expected a token id in [0, {vocab}) (the tokenizer's "
+                             f"vocabulary)")
 
 @patch
 def _open(self:PackedLoader, files, split, data_dir, cache_dir, cache_size, refresh):
@@ -278,15 +279,18 @@ def _resume(self:PackedLoader, sd):
     if isinstance(sd, (list, tuple)):   # every rank's state: see "Resuming at another world size"
         bad = next((i for i, s in enumerate(sd) if not isinstance(s, dict)), None)
         if bad is not None:
-            raise TypeError(f"resume_state_dict[{bad}] must be a dict (the state one rank saved), got {type(sd[bad]).__name__}")
+            raise TypeError(f"resume_state_dict[{bad}] must be a dict (the state one rank saved), got "
+                            f"{type(sd[bad]).__name__}")
         return resume_many(self, list(sd))
     if not isinstance(sd, dict):
         raise TypeError("resume_state_dict must be a dict (a batch's state, or nanochat's {pq_idx, rg_idx, epoch}), "
                         f"got {type(sd).__name__}")
     if 'format' not in sd: return self._resume_nanochat(sd)
     if sd['format'] in OLD_FORMATS:
-        raise ValueError(f"resume_state_dict has format {sd['format']!r}, written by an earlier version of this loader, which "
-                         f"reads {STATE_FORMAT!r} (the states of its stages: source, encode, pack, batch, transfer); {APPROX}")
+        raise ValueError(f"resume_state_dict has format {sd['format']!r}, written by an earlier version of this "
+                         f"loader, which "
+                         f"reads {STATE_FORMAT!r} (the states of its stages: source, encode, pack, batch, transfer); "
+                         f"{APPROX}")
     if sd['format'] != STATE_FORMAT:
         raise ValueError(f"resume_state_dict has format {sd['format']!r:.60}: this version reads {STATE_FORMAT!r}")
     check_loader_state(sd, self.config, self.fingerprint, self.reader, tuple(self.packer.metrics_state()))   # all, first
@@ -298,9 +302,11 @@ def _resume_nanochat(self:PackedLoader, sd):
     "Continue as nanochat would from its `{pq_idx, rg_idx, epoch}`: at the next row group, with an empty buffer."
     cfg = self.config
     if set(sd) - set(NANOCHAT_KEYS) or not {'pq_idx', 'rg_idx'} <= set(sd):
-        raise ValueError(f"resume_state_dict lacks 'format' (its keys: {sorted(map(str, sd))[:12]}): expected a state from "
+        raise ValueError(f"resume_state_dict lacks 'format' (its keys: {sorted(map(str, sd))[:12]}): expected a state "
+                         f"from "
                          "this loader (with 'format') or nanochat's {'pq_idx', 'rg_idx', 'epoch'} alone")
-    if cfg['shuffle']: raise ValueError("a nanochat state {pq_idx, rg_idx, epoch} can only be continued with shuffle=False")
+    if cfg['shuffle']: raise ValueError("a nanochat state {pq_idx, rg_idx, epoch} can only be continued with "
+                                        "shuffle=False")
     for k, lo, hi in (('pq_idx', 0, len(self.files)), ('rg_idx', 0, None), ('epoch', 1, MAX_EPOCHS)):
         if k in sd: field_int(sd[k], (k,), lo, hi)
     old = self.source.reader
@@ -333,7 +339,8 @@ def _get(self:PackedLoader) -> _Produced:
         try: item = self._q.get(timeout=0.1)
         except queue.Empty:
             if self._closed: raise RuntimeError("this loader was closed while waiting for a batch")
-            if not thread.is_alive(): raise RuntimeError("the loader's background thread stopped without a batch or an error")
+            if not thread.is_alive(): raise RuntimeError("the loader's background thread stopped without a batch or "
+                                                         "an error")
             continue
         if isinstance(item, Failure):
             if self._closed: raise RuntimeError("this loader was closed while waiting for a batch")

@@ -29,37 +29,44 @@ _MAY_DIFFER = ('B', 'buffer_size')   # settings a rescaled run may change beside
 # %% ../../nbs/text/09b_rescale.ipynb #fd1a2c0f
 def _check_list(states, cfg) -> tuple:
     "The list of every rank's state, checked as one run's at one step: `(W, index of each rank, steps)`."
-    if not states: raise ValueError("resume_state_dict is an empty list: expected the states of every rank of a run, saved at the same step")
+    if not states: raise ValueError("resume_state_dict is an empty list: expected the states of every rank of a run, "
+                                    "saved at the same step")
     for i, sd in enumerate(states):
         if sd.get('format') != STATE_FORMAT or not isinstance(sd.get('config'), dict) or not isinstance(sd.get('stages'), dict):
-            raise ValueError(f"resume_state_dict[{i}] is not a state of this loader (format {sd.get('format')!r:.60}): a list resumes only "
+            raise ValueError(f"resume_state_dict[{i}] is not a state of this loader (format "
+                             f"{sd.get('format')!r:.60}): a list resumes only "
                              f"from states in format {STATE_FORMAT!r}, one per rank")
     W = states[0]['config'].get('world_size')
     for i, sd in enumerate(states):
         c = sd['config']
         if not same_value(c.get('world_size'), W):
-            raise ValueError(f"resume_state_dict mixes runs of different world sizes: entry 0 has world_size={W!r:.40}, entry {i} "
+            raise ValueError(f"resume_state_dict mixes runs of different world sizes: entry 0 has "
+                             f"world_size={W!r:.40}, entry {i} "
                              f"{c.get('world_size')!r:.40}: expected the states of every rank of one run")
         diff = [k for k in CONFIG_KEYS if k != 'rank' and not same_value(c.get(k), states[0]['config'].get(k))]
-        if diff: raise ValueError(f"resume_state_dict mixes states of different runs: entry {i} has {diff[0]}={c.get(diff[0])!r:.40}, "
+        if diff: raise ValueError(f"resume_state_dict mixes states of different runs: entry {i} has "
+                                  f"{diff[0]}={c.get(diff[0])!r:.40}, "
                                   f"entry 0 {states[0]['config'].get(diff[0])!r:.40}")
     W = field_int(W, (0, 'config', 'world_size'), 1)
     at = {}
     for i, sd in enumerate(states):
         r = field_int(sd['config'].get('rank'), (i, 'config', 'rank'), 0, W)
-        if r in at: raise ValueError(f"resume_state_dict holds two states of rank {r} (entries {at[r]} and {i}): expected one state per rank of {W}")
+        if r in at: raise ValueError(f"resume_state_dict holds two states of rank {r} (entries {at[r]} and {i}): "
+                                     f"expected one state per rank of {W}")
         at[r] = i
         for k in _MAY_DIFFER:   # the old run's, taken as they are by a rescale: checked here
             if k in sd['config']: field_int(sd['config'][k], (i, 'config', k), 1)
     if len(at) < W:   # (the first few missing: `W` may be any int)
         missing = list(itertools.islice((r for r in range(W) if r not in at), 8))
-        raise ValueError(f"resume_state_dict lacks the state of rank {', '.join(map(str, missing))}{', ...' if W - len(at) > 8 else ''} of {W} "
+        raise ValueError(f"resume_state_dict lacks the state of rank "
+                         f"{', '.join(map(str, missing))}{', ...' if W - len(at) > 8 else ''} of {W} "
                          f"(it holds {len(states)}): expected one state per rank, all saved at the same step")
     steps = [field_int(field_dict(field_dict(sd['stages'], (i, 'stages'), STAGE_NAMES)['batch'], (i, 'stages', 'batch'), ('step',))['step'],
                      (i, 'stages', 'batch', 'step')) for i, sd in enumerate(states)]
     odd = next((i for i, s in enumerate(steps) if not same_value(s, steps[0])), None)
     if odd is not None:
-        raise ValueError(f"resume_state_dict mixes states of different steps: entry 0 was saved after batch {steps[0]!r:.20}, entry {odd} "
+        raise ValueError(f"resume_state_dict mixes states of different steps: entry 0 was saved after batch "
+                         f"{steps[0]!r:.20}, entry {odd} "
                          f"after batch {steps[odd]!r:.20}: expected the states every rank saved at the same step")
     return W, at, steps
 
@@ -84,7 +91,8 @@ def resume_many(ld,     # the loader to resume: a `PackedLoader` that has handed
         if same: continue
         columns.update(_old_columns(sd, plan, W))
         for x in zip(*(sd['stages']['pack']['buffer'][c] for c in BUFFER_COLUMNS)):
-            if x in entries: raise ValueError(f"resume_state_dict: the buffers of ranks {entries[x]} and {r} both hold document {x[:4]} "
+            if x in entries: raise ValueError(f"resume_state_dict: the buffers of ranks {entries[x]} and {r} both "
+                                              f"hold document {x[:4]} "
                                               f"(offset {x[4]}): the states come from different runs")
             entries[x] = r
     j, W2 = cfg['rank'], cfg['world_size']

@@ -128,7 +128,8 @@ class ColumnPlan:
     "The split's row groups as logical shards: column `c` holds row group `c` of every file, in reading order."
     def __init__(self, reader:RowGroupReader):   # its files, footers and shuffle settings define the order
         if reader.balanced:
-            raise ValueError("ColumnPlan needs nanochat's striding (row group g to rank g % world_size), not balanced=True")
+            raise ValueError("ColumnPlan needs nanochat's striding (row group g to rank g % world_size), not "
+                             "balanced=True")
         self.reader, self._cache = reader, {}
     def _epoch(self, e):
         got = self._cache.get(e)

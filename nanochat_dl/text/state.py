@@ -65,17 +65,21 @@ def _check_data(theirs, mine, files):
     "A state's data fingerprint against this loader's."
     # the same shard names and sizes, then the same footer of every shard (the changed one named).
     if not isinstance(theirs, dict) or {k: theirs.get(k) for k in _DATA_KEYS} != {k: mine[k] for k in _DATA_KEYS}:
-        raise ValueError(f"resume_state_dict['fingerprint']: saved over different data: {_describe_data(theirs)}; this loader reads "
+        raise ValueError(f"resume_state_dict['fingerprint']: saved over different data: {_describe_data(theirs)}; "
+                         f"this loader reads "
                          f"{_describe_data(mine)}: exact resume needs the same shards (names and sizes); {APPROX}")
     old, new = theirs.get('footers'), mine['footers']
     if not isinstance(old, str) or len(old) != len(new):
-        raise ValueError(f"resume_state_dict['fingerprint']['data']['footers'] is {old!r:.60}: expected a string of 8 hex digits for "
+        raise ValueError(f"resume_state_dict['fingerprint']['data']['footers'] is {old!r:.60}: expected a string of 8 "
+                         f"hex digits for "
                          f"each of the {len(files)} shards")
     changed = [Path(files[i]).name for i in range(len(files)) if old[8 * i:8 * i + 8] != new[8 * i:8 * i + 8]]
     if changed:
         more = f" (and {len(changed) - 1} more: {', '.join(changed[1:4])}{', ...' if len(changed) > 4 else ''})" if len(changed) > 1 else ''
-        raise ValueError(f"resume_state_dict['fingerprint']: shard {changed[0]} changed since the state was saved (same name and size, "
-                         f"another parquet footer){more}: its row groups, their sizes or statistics differ, so its documents may not be "
+        raise ValueError(f"resume_state_dict['fingerprint']: shard {changed[0]} changed since the state was saved "
+                         f"(same name and size, "
+                         f"another parquet footer){more}: its row groups, their sizes or statistics differ, so its "
+                         f"documents may not be "
                          f"the ones the state points to; exact resume needs the same shards; {APPROX}")
 
 # %% ../../nbs/text/09a_state.ipynb #0087c29d
@@ -118,7 +122,8 @@ def field_dict(v, path, keys, optional=()) -> dict:
     if not isinstance(v, dict): raise TypeError(f"{field_name(path)} must be a dict, got {type(v).__name__}")
     missing, unknown = [k for k in keys if k not in v], [k for k in v if k not in keys and k not in optional]
     if missing: raise ValueError(f"{field_name(path)} lacks {missing}: expected the keys {list(keys)}")
-    if unknown: raise ValueError(f"{field_name(path)} has unknown keys {unknown[:5]!r:.200}: expected only {list(keys + optional)}")
+    if unknown: raise ValueError(f"{field_name(path)} has unknown keys {unknown[:5]!r:.200}: expected only "
+                                 f"{list(keys + optional)}")
     return v
 
 def field_int(v, path, lo=0, hi=None) -> int:
@@ -131,9 +136,11 @@ def same_value(a, b) -> bool: return type(a) is type(b) and a == b
 def _check_columns(cols, ranges) -> int:
     "The buffer's five columns: lists of equal length of ints in `ranges[column]`; their length."
     for c in BUFFER_COLUMNS:
-        if not isinstance(cols[c], list): raise TypeError(f"{field_name(_BUF + (c,))} must be a list, got {type(cols[c]).__name__}")
+        if not isinstance(cols[c], list): raise TypeError(f"{field_name(_BUF + (c,))} must be a list, got "
+                                                          f"{type(cols[c]).__name__}")
     lens = {c: len(cols[c]) for c in BUFFER_COLUMNS}
-    if len(set(lens.values())) > 1: raise ValueError(f"{field_name(_BUF)} has columns of different lengths {lens}: expected one value per entry in each")
+    if len(set(lens.values())) > 1: raise ValueError(f"{field_name(_BUF)} has columns of different lengths {lens}: "
+                                                     f"expected one value per entry in each")
     for c in BUFFER_COLUMNS:
         col, (lo, hi) = cols[c], ranges[c]
         if not (all(type(v) is int for v in col) and (not col or (min(col) >= lo and max(col) < hi))):   # the fast path; then the culprit
@@ -154,8 +161,10 @@ def _check_buffer(cols, cfg, reader, cursor, elastic=None):
     docs = len(set(zip(*(cols[c] for c in BUFFER_COLUMNS[:4])))) if split else n
     align = elastic['align'] if elastic else None   # entries of earlier epochs came from other ranks, or from columns caught up
     if docs > most and align is None:
-        raise ValueError(f"{field_name(_BUF)} holds {docs} documents{f' (in {n} pieces)' if split else ''}: a loader with "
-                         f"buffer_size={cfg['buffer_size']} and tokenizer_batch_size={cfg['tokenizer_batch_size']} holds at most {most}")
+        raise ValueError(f"{field_name(_BUF)} holds {docs} documents{f' (in {n} pieces)' if split else ''}: a loader "
+                         f"with "
+                         f"buffer_size={cfg['buffer_size']} and tokenizer_batch_size={cfg['tokenizer_batch_size']} "
+                         f"holds at most {most}")
     seen, prev, name, held = {}, None, lambda f: Path(reader.files[f]).name, {}
     for i, (e, f, g, r, o) in enumerate(zip(*(cols[c] for c in BUFFER_COLUMNS))):
         key, at = (e, f, g, r), f"{field_name(_BUF)}: entry {i}"
@@ -168,25 +177,30 @@ def _check_buffer(cols, cfg, reader, cursor, elastic=None):
         j = seen.setdefault((key, o) if split else key, i)
         if j != i:
             if split or o == cols['offset'][j]: raise ValueError(f"{at} duplicates entry {j} ({key}, offset {o})")
-            raise ValueError(f"{at} repeats the document of entry {j} ({key}): under strategy {strategy!r} a document has one entry")
+            raise ValueError(f"{at} repeats the document of entry {j} ({key}): under strategy {strategy!r} a document "
+                             f"has one entry")
         if not (o == 0 or o == HELD or (split and o >= C and (o - C) % T == 0) or strategy == 'concat'):
             raise ValueError(f"{at} ({key}) has offset={o0}{f' (held aside: a piece at {o})' if o0 < -1 else ''}, "
                              f"where strategy {strategy!r} starts no piece "
                              f"(expected 0{f', or {C} + k*{T}' if split else ''})")
         place = reader._place(e, f, g)
         if place is None:
-            raise ValueError(f"{at} ({key}): rank {reader.rank} of {reader.world_size} reads no row group {g} of {name(f)} in epoch {e}")
+            raise ValueError(f"{at} ({key}): rank {reader.rank} of {reader.world_size} reads no row group {g} of "
+                             f"{name(f)} in epoch {e}")
         rows = reader._rows(f)[g]
         if r >= rows: raise ValueError(f"{at} has row={r}, but row group {g} of {name(f)} has {rows} rows")
         if align is not None and e < align:
             col, plan = elastic['columns'].get(g), elastic['plan']
             if col is not None and plan.key((e, f, g, r)) >= plan.key(col):
-                raise ValueError(f"{at} ({key}) is not before its column's cursor {col}: a buffered document has been read already")
+                raise ValueError(f"{at} ({key}) is not before its column's cursor {col}: a buffered document has been "
+                                 f"read already")
             continue
         pos = (place, r)
-        if pos >= cursor: raise ValueError(f"{at} ({key}) is not before the reader's cursor: a buffered document has been read already")
+        if pos >= cursor: raise ValueError(f"{at} ({key}) is not before the reader's cursor: a buffered document has "
+                                           f"been read already")
         if prev is not None and (pos, o) <= prev:
-            raise ValueError(f"{at} ({key}, offset {o}) comes before entry {i - 1} in reading order: the buffer keeps documents in the order they were read")
+            raise ValueError(f"{at} ({key}, offset {o}) comes before entry {i - 1} in reading order: the buffer keeps "
+                             f"documents in the order they were read")
         prev = (pos, o)
 
 # %% ../../nbs/text/09a_state.ipynb #022a8d5d
@@ -204,7 +218,8 @@ def _check_ages(pack, cfg):
         prev = field_int(x[1], P + ('entered', i, 1), prev, rows + 1)
     n = sum(1 for o in offs if o >= 0)
     if total != n:
-        raise ValueError(f"{field_name(P + ('entered',))} counts {total} entries: expected one per buffered entry not held ({n})")
+        raise ValueError(f"{field_name(P + ('entered',))} counts {total} entries: expected one per buffered entry not "
+                         f"held ({n})")
 
 # %% ../../nbs/text/09a_state.ipynb #f8e19709
 def _check_source(src, cfg, reader, present, sd) -> tuple:
@@ -218,10 +233,12 @@ def _check_source(src, cfg, reader, present, sd) -> tuple:
     field_int(e, S + ('cursor', 'epoch'), 1, MAX_EPOCHS)
     if 'elastic' in src: _check_elastic(src['elastic'], S + ('elastic',), reader, (e, f, g, r))
     if not same_value(rd['batch_size'], cfg['tokenizer_batch_size']):
-        raise ValueError(f"{field_name(S + ('cursor', 'batch_size'))}={rd['batch_size']!r:.60}: expected {cfg['tokenizer_batch_size']} (tokenizer_batch_size)")
+        raise ValueError(f"{field_name(S + ('cursor', 'batch_size'))}={rd['batch_size']!r:.60}: expected "
+                         f"{cfg['tokenizer_batch_size']} (tokenizer_batch_size)")
     cursor, last = (reader._place(e, f, g), r), src['last']
     if last is None:
-        if present: raise ValueError(f"resume_state_dict has {', '.join(map(repr, present))}, but {field_name(S + ('last',))} is None: "
+        if present: raise ValueError(f"resume_state_dict has {', '.join(map(repr, present))}, but "
+                                     f"{field_name(S + ('last',))} is None: "
                                      "they name the same slice, the last one packed")
         return cursor
     L = S + ('last',)
@@ -231,12 +248,15 @@ def _check_source(src, cfg, reader, present, sd) -> tuple:
     pg = field_int(last['rg_idx'], L + ('rg_idx',), 0, len(reader._rows(pf)))
     place = reader._place(pe, pf, pg)
     if place is None or (place, 0) >= cursor:
-        raise ValueError(f"{field_name(L)}: row group {pg} of file {pf} in epoch {pe} is not a row group this rank read before the "
+        raise ValueError(f"{field_name(L)}: row group {pg} of file {pf} in epoch {pe} is not a row group this rank "
+                         f"read before the "
                          "reader's cursor: it names the row group of the last slice packed")
-    if not present: raise ValueError(f"resume_state_dict lacks 'pq_idx', 'rg_idx' and 'epoch', which copy {field_name(L)}")
+    if not present: raise ValueError(f"resume_state_dict lacks 'pq_idx', 'rg_idx' and 'epoch', which copy "
+                                     f"{field_name(L)}")
     for k in NANOCHAT_KEYS:
         if not same_value(sd[k], last[k]):
-            raise ValueError(f"resume_state_dict[{k!r}]={sd[k]!r:.60} but {field_name(L + (k,))}={last[k]!r}: they name the same slice, the last one packed")
+            raise ValueError(f"resume_state_dict[{k!r}]={sd[k]!r:.60} but {field_name(L + (k,))}={last[k]!r}: they "
+                             f"name the same slice, the last one packed")
     return cursor
 
 # %% ../../nbs/text/09a_state.ipynb #3883acac
@@ -246,21 +266,24 @@ def check_loader_state(sd, cfg, fingerprint, reader, counters):
     present = [k for k in NANOCHAT_KEYS if k in sd]
     if present and len(present) < 3:
         raise ValueError(f"resume_state_dict has {', '.join(map(repr, present))} but not "
-                         f"{', '.join(repr(k) for k in NANOCHAT_KEYS if k not in sd)}: a loader's state has the three or none")
+                         f"{', '.join(repr(k) for k in NANOCHAT_KEYS if k not in sd)}: a loader's state has the three "
+                         f"or none")
     field_dict(sd, (), _STATE_KEYS + tuple(present))
     for k in present: field_int(sd[k], (k,), 1 if k == 'epoch' else 0)
     fp = field_dict(sd['fingerprint'], ('fingerprint',), ('data', 'tokenizer'))
     _check_data(field_dict(fp['data'], ('fingerprint', 'data'), _DATA_KEYS + ('footers',)), fingerprint['data'], reader.files)
     tok = field_dict(fp['tokenizer'], ('fingerprint', 'tokenizer'), tuple(fingerprint['tokenizer']))
     if not all(same_value(tok[k], v) for k, v in fingerprint['tokenizer'].items()):
-        raise ValueError(f"resume_state_dict['fingerprint']: saved with a different tokenizer ({_describe_tok(tok)}); this loader "
+        raise ValueError(f"resume_state_dict['fingerprint']: saved with a different tokenizer ({_describe_tok(tok)}); "
+                         f"this loader "
                          f"has {_describe_tok(fingerprint['tokenizer'])}: exact resume needs the same tokenizer")
     theirs = field_dict(sd['config'], ('config',), CONFIG_KEYS, optional=('max_wait',))
     if 'max_wait' not in theirs:   # a state from before the setting: made with its strategy's default
         theirs = dict(theirs, max_wait=MAX_WAIT if cfg['strategy'] in GUARDED else None)
     for k in CONFIG_KEYS + ('max_wait',):
         if not same_value(theirs[k], cfg[k]):
-            raise ValueError(f"resume_state_dict['config']: saved by a loader with {k}={theirs[k]!r:.60}, but this loader has {k}={cfg[k]!r}: "
+            raise ValueError(f"resume_state_dict['config']: saved by a loader with {k}={theirs[k]!r:.60}, but this "
+                             f"loader has {k}={cfg[k]!r}: "
                              f"exact resume needs the same {k} (each rank resumes from its own state)"
                              + ("; to resume at another world size, pass the list of every rank's state" if k in ('rank', 'world_size') else ''))
     st = field_dict(sd['stages'], ('stages',), STAGE_NAMES)
@@ -273,7 +296,8 @@ def check_loader_state(sd, cfg, fingerprint, reader, counters):
     _check_buffer(pack['buffer'], cfg, reader, cursor, el and dict(align=el['align'], columns={v[2]: v for v in el['columns']}, plan=ColumnPlan(reader)))
     _check_ages(pack, cfg)
     if not isinstance(sd['checksum'], str) or sd['checksum'] != state_checksum(sd):
-        raise ValueError(f"resume_state_dict['checksum'] does not match the state's contents: the state was changed after the loader handed "
+        raise ValueError(f"resume_state_dict['checksum'] does not match the state's contents: the state was changed "
+                         f"after the loader handed "
                          f"it out, and exact resume needs it as it was; {APPROX}")
 
 # %% ../../nbs/text/09a_state.ipynb #a27d2082
@@ -282,27 +306,34 @@ def _check_elastic(el, S, reader, cursor):
     # the reader's cursor at the start of epoch `align`, and columns of this rank, each at a document, none twice.
     el, plan = field_dict(el, S, ('align', 'columns')), ColumnPlan(reader)
     align = field_int(el['align'], S + ('align',), 1)
-    if not isinstance(el['columns'], list): raise TypeError(f"{field_name(S + ('columns',))} must be a list, got {type(el['columns']).__name__}")
+    if not isinstance(el['columns'], list): raise TypeError(f"{field_name(S + ('columns',))} must be a list, got "
+                                                            f"{type(el['columns']).__name__}")
     start = next(([align, f, g, 0] for f, g in reader._epoch_plan(align) if reader._rows(f)[g]), None)
     if el['columns'] and list(cursor) != start:   # the reader waits at the start of epoch `align` while columns catch up
-        raise ValueError(f"{field_name(S)}: align={align} with columns still catching up, but the reader's cursor {list(cursor)} is not "
+        raise ValueError(f"{field_name(S)}: align={align} with columns still catching up, but the reader's cursor "
+                         f"{list(cursor)} is not "
                          f"this rank's first document of epoch {align} ({start})")
-    if cursor[0] < align: raise ValueError(f"{field_name(S)}: align={align}, but the reader's cursor {list(cursor)} is in an earlier epoch")
+    if cursor[0] < align: raise ValueError(f"{field_name(S)}: align={align}, but the reader's cursor {list(cursor)} "
+                                           f"is in an earlier epoch")
     seen = set()
     for i, v in enumerate(el['columns']):
         P = S + ('columns', i)
-        if not (isinstance(v, list) and len(v) == 4): raise ValueError(f"{field_name(P)}={v!r:.80} is invalid: expected [epoch, file, rg, row]")
+        if not (isinstance(v, list) and len(v) == 4): raise ValueError(f"{field_name(P)}={v!r:.80} is invalid: "
+                                                                       f"expected [epoch, file, rg, row]")
         e, f = field_int(v[0], P + (0,), 1, align + 1), field_int(v[1], P + (1,), 0, len(reader.files))
         g = field_int(v[2], P + (2,), 0, len(reader._rows(f)))
         field_int(v[3], P + (3,), 0, reader._rows(f)[g])
         if g % reader.world_size != reader.rank or g in seen:
-            raise ValueError(f"{field_name(P)}: column {g} is {'listed twice' if g in seen else 'not one'} of rank {reader.rank} of {reader.world_size}")
+            raise ValueError(f"{field_name(P)}: column {g} is {'listed twice' if g in seen else 'not one'} of rank "
+                             f"{reader.rank} of {reader.world_size}")
         seen.add(g)
     lack = [c for c in plan.columns() if c % reader.world_size == reader.rank and c not in seen] if el['columns'] else []
-    if lack: raise ValueError(f"{field_name(S + ('columns',))} lacks column {lack[0]} of rank {reader.rank} of {reader.world_size}: "
+    if lack: raise ValueError(f"{field_name(S + ('columns',))} lacks column {lack[0]} of rank {reader.rank} of "
+                              f"{reader.world_size}: "
                               "while columns catch up, every column of the rank is listed")
     if el['columns'] and plan.align(el['columns']) != align:
-        raise ValueError(f"{field_name(S)}: align={align}, but its columns catch up at the start of epoch {plan.align(el['columns'])}")
+        raise ValueError(f"{field_name(S)}: align={align}, but its columns catch up at the start of epoch "
+                         f"{plan.align(el['columns'])}")
 
 # %% ../../nbs/text/09a_state.ipynb #753b31ba
 def loader_state(stages,      # `{name: state}` of the chain (`pipeline_state`), the source first
