@@ -1249,6 +1249,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                         'nanochat_dl.text.state._check_data': ('text/state.html#_check_data', 'nanochat_dl/text/state.py'),
                                         'nanochat_dl.text.state._check_elastic': ( 'text/state.html#_check_elastic',
                                                                                    'nanochat_dl/text/state.py'),
+                                        'nanochat_dl.text.state._check_position': ( 'text/state.html#_check_position',
+                                                                                    'nanochat_dl/text/state.py'),
                                         'nanochat_dl.text.state._check_source': ( 'text/state.html#_check_source',
                                                                                   'nanochat_dl/text/state.py'),
                                         'nanochat_dl.text.state._describe_data': ( 'text/state.html#_describe_data',

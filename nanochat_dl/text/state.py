@@ -147,6 +147,30 @@ def _check_columns(cols, ranges) -> int:
             for i, v in enumerate(col): field_int(v, _BUF + (c, i), lo, hi)
     return lens['row']
 
+# %% ../../nbs/text/09a_state.ipynb #c4de09c4
+def _check_position(reader, i, at, key, o, cursor, elastic, prev) -> tuple:
+    "Where buffered entry `key` at offset `o` was read: before the cursor (or its column's), after `prev`."
+    (e, f, g, r), name = key, lambda f: Path(reader.files[f]).name   # (returns the new `prev`)
+    place = reader._place(e, f, g)
+    if place is None:
+        raise ValueError(f"{at} ({key}): rank {reader.rank} of {reader.world_size} reads no row group {g} of "
+                         f"{name(f)} in epoch {e}")
+    rows = reader._rows(f)[g]
+    if r >= rows: raise ValueError(f"{at} has row={r}, but row group {g} of {name(f)} has {rows} rows")
+    if elastic and e < elastic['align']:
+        col, plan = elastic['columns'].get(g), elastic['plan']
+        if col is not None and plan.key((e, f, g, r)) >= plan.key(col):
+            raise ValueError(f"{at} ({key}) is not before its column's cursor {col}: a buffered document has been "
+                             f"read already")
+        return prev
+    pos = (place, r)
+    if pos >= cursor: raise ValueError(f"{at} ({key}) is not before the reader's cursor: a buffered document has "
+                                       f"been read already")
+    if prev is not None and (pos, o) <= prev:
+        raise ValueError(f"{at} ({key}, offset {o}) comes before entry {i - 1} in reading order: the buffer keeps "
+                         f"documents in the order they were read")
+    return pos, o
+
 # %% ../../nbs/text/09a_state.ipynb #1c4339d9
 def _check_buffer(cols, cfg, reader, cursor, elastic=None):
     "Every buffered entry."
@@ -165,7 +189,7 @@ def _check_buffer(cols, cfg, reader, cursor, elastic=None):
                          f"with "
                          f"buffer_size={cfg['buffer_size']} and tokenizer_batch_size={cfg['tokenizer_batch_size']} "
                          f"holds at most {most}")
-    seen, prev, name, held = {}, None, lambda f: Path(reader.files[f]).name, {}
+    seen, prev, held = {}, None, {}
     for i, (e, f, g, r, o) in enumerate(zip(*(cols[c] for c in BUFFER_COLUMNS))):
         key, at = (e, f, g, r), f"{field_name(_BUF)}: entry {i}"
         if (o == HELD) != (held.setdefault(key, o) == HELD):
@@ -183,25 +207,7 @@ def _check_buffer(cols, cfg, reader, cursor, elastic=None):
             raise ValueError(f"{at} ({key}) has offset={o0}{f' (held aside: a piece at {o})' if o0 < -1 else ''}, "
                              f"where strategy {strategy!r} starts no piece "
                              f"(expected 0{f', or {C} + k*{T}' if split else ''})")
-        place = reader._place(e, f, g)
-        if place is None:
-            raise ValueError(f"{at} ({key}): rank {reader.rank} of {reader.world_size} reads no row group {g} of "
-                             f"{name(f)} in epoch {e}")
-        rows = reader._rows(f)[g]
-        if r >= rows: raise ValueError(f"{at} has row={r}, but row group {g} of {name(f)} has {rows} rows")
-        if align is not None and e < align:
-            col, plan = elastic['columns'].get(g), elastic['plan']
-            if col is not None and plan.key((e, f, g, r)) >= plan.key(col):
-                raise ValueError(f"{at} ({key}) is not before its column's cursor {col}: a buffered document has been "
-                                 f"read already")
-            continue
-        pos = (place, r)
-        if pos >= cursor: raise ValueError(f"{at} ({key}) is not before the reader's cursor: a buffered document has "
-                                           f"been read already")
-        if prev is not None and (pos, o) <= prev:
-            raise ValueError(f"{at} ({key}, offset {o}) comes before entry {i - 1} in reading order: the buffer keeps "
-                             f"documents in the order they were read")
-        prev = (pos, o)
+        prev = _check_position(reader, i, at, key, o, cursor, elastic, prev)
 
 # %% ../../nbs/text/09a_state.ipynb #022a8d5d
 def _check_ages(pack, cfg):
