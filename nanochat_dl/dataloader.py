@@ -35,7 +35,9 @@ def _no_nanochat_folder(out, env) -> str:
 
 def _dropin_data_dir(data_dir,   # the drop-in's `data_dir=`
                      env=None):  # environment variables to read (default: `os.environ`)
-    "What the drop-in passes to `PackedLoader` as `data_dir`: `data_dir`, else None when a `NANOCHAT_DL_*` setting names the shards, else nanochat's folder; names it on stderr, once per folder and process."
+    "What the drop-in passes to `PackedLoader` as `data_dir`."
+    # `data_dir`, else None when a `NANOCHAT_DL_*` setting names the shards, else nanochat's folder; names it on stderr,
+    # once per folder and process.
     env = os.environ if env is None else env
     if data_dir is not None: out, folder, why = data_dir, data_dir, 'data_dir='
     elif env.get('NANOCHAT_DL_DATA_DIR'): out, folder, why = None, env['NANOCHAT_DL_DATA_DIR'], '$NANOCHAT_DL_DATA_DIR'
@@ -55,7 +57,9 @@ def _dropin_data_dir(data_dir,   # the drop-in's `data_dir=`
 _NANOCHAT_KEYS = ('pq_idx', 'rg_idx', 'epoch')
 
 class NanochatStream:
-    "What the drop-in functions return: nanochat's tuples from a `PackedLoader` (kept in `.loader`), each state resuming *at* its batch; `close()` stops it."
+    "What the drop-in functions return."
+    # nanochat's tuples from a `PackedLoader` (kept in `.loader`), each state resuming *at* its batch; `close()` stops
+    # it.
     def __init__(self, loader,             # the `PackedLoader` that makes the batches
                  with_state:bool=True,     # yield `(inputs, targets, state_dict)`, or `(inputs, targets)`
                  start=None):              # the state that resumes at the loader's first batch (default: its state)
@@ -101,6 +105,7 @@ def _naming_at_batch(load, sd):
         else: raise
         raise type(e)(where + str(e)[m.end():]) from None
 
+# %% ../nbs/text/10_dataloader.ipynb #fabe51f0
 def _rank_of(cfg):
     "A state's `(rank, world_size)`, when its config holds them as ints (else the loader's checks name what is wrong)."
     who = tuple(cfg.get(k) for k in ('rank', 'world_size')) if isinstance(cfg, dict) else ()
@@ -114,7 +119,8 @@ _AFTER = ("resume_state_dict is a state of PackedLoader (as the drop-in handed o
 
 def _dropin_resume(loader,  # a `PackedLoader` that has handed out no batch
                    sd):     # the drop-in's `resume_state_dict`
-    "Resume `loader` from `sd` as nanochat's script needs (see the table above); returns the state that resumes at its first batch."
+    "Resume `loader` from `sd` as nanochat's script needs (see the table above)."
+    # returns the state that resumes at its first batch.
     if sd is None: return loader.state_dict()
     if isinstance(sd, (list, tuple)):   # every rank's states: exact (at another world size, rescaled)
         states = [_exact(s, f'resume_state_dict[{i}]') for i, s in enumerate(sd)]
@@ -153,15 +159,18 @@ def tokenizing_distributed_data_loader_with_state_bos_bestfit(
         *, data_dir=None,           # the shards: a folder or a URI (`s3://bucket/prefix`, ...); default: $NANOCHAT_DL_DATA_DIR, else nanochat's folder
         cache_dir=None,             # for a URI: the shards' local copies (default: one folder per URI under the base dir)
         cache_size=None):           # for a URI: bytes those copies may take (None: no cap)
-    "nanochat's loader by name and signature: yields `(inputs, targets, state_dict)` forever, token for token nanochat's batches; `state_dict` resumes exactly, at its batch."
+    "nanochat's loader by name and signature."
+    # yields `(inputs, targets, state_dict)` forever, token for token nanochat's batches; `state_dict` resumes exactly,
+    # at its batch.
     data_dir, saved, resume_state_dict = _dropin_data_dir(data_dir), resume_state_dict, None   # resumed below
     loader = PackedLoader(tokenizer, B, T, split, data_dir, tokenizer_threads=tokenizer_threads, tokenizer_batch_size=tokenizer_batch_size,
-                          device=device, resume_state_dict=resume_state_dict, buffer_size=buffer_size,
+                          device=device, resume_state_dict=resume_state_dict, pack_buffer=buffer_size,
                           cache_dir=cache_dir, cache_size=cache_size, views=True)   # nanochat's reused buffers
     try: start = _dropin_resume(loader, saved)
     except BaseException: loader.close(); raise
     return NanochatStream(loader, start=start)
 
+# %% ../nbs/text/10_dataloader.ipynb #7568089a
 def tokenizing_distributed_data_loader_bos_bestfit(
         tokenizer,                  # as `tokenizing_distributed_data_loader_with_state_bos_bestfit`
         B,                          # rows per batch

@@ -30,7 +30,7 @@ for _ in range(n):
     states.append(s)
 stream.close()
 # which documents this rank placed: from a loader built explicitly for this rank, checked to give the same batches
-with PackedLoader(tok, B, T, 'train', device='cpu', buffer_size=100, rank=rank, world_size=world) as ld:
+with PackedLoader(tok, B, T, 'train', device='cpu', pack_buffer=100, rank=rank, world_size=world) as ld:
     for i, b in enumerate(itertools.islice(ld, n)):
         assert hash((b.inputs.numpy().tobytes(), b.targets.numpy().tobytes())) == digests[i], f"rank {rank}: batch {i} differs"
         mine |= {tuple(s.key[1:]) for row in b.segments for s in row}

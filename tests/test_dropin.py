@@ -11,7 +11,8 @@ import torch
 
 from nanochat_dl.dataloader import (tokenizing_distributed_data_loader_with_state_bos_bestfit as dropin,
                                     tokenizing_distributed_data_loader_bos_bestfit as dropin_pairs)
-from nanochat_dl.text.loader import PackedLoader, reference_loader
+from nanochat_dl.text.loader import PackedLoader
+from nanochat_dl.text.stages import reference_loader
 from nanochat_dl.testing import write_toy_shards
 from toytext import toy_text_env, words
 
@@ -20,6 +21,7 @@ def other(f, g, r): return ' '.join([f"z{r}{g}{f}q"] * (2 + (5 * f + 7 * g + 3 *
 
 LAYOUT = [[5, 3, 4, 2], [2, 6, 1, 3], [4, 4, 5], [3, 3, 3, 2], [2, 2]]
 KW = dict(tokenizer_threads=1, tokenizer_batch_size=2, device='cpu', buffer_size=6)   # many row groups, several epochs
+PKW = {('pack_buffer' if k == 'buffer_size' else k): v for k, v in KW.items()}   # the same, in PackedLoader's names
 
 
 @pytest.fixture(scope='module')
@@ -162,14 +164,14 @@ def test_dropin_resumes_from_older_states(env, clean_env):
     with dropin(env['tok'], 2, 32, 'train', data_dir=env['toy'], **KW) as dl:
         full = [(x.clone(), y.clone(), s) for x, y, s in itertools.islice(dl, 12)]   # (the drop-in's tensors are views)
     nc = {k: full[5][2][k] for k in ('pq_idx', 'rg_idx', 'epoch')}
-    with PackedLoader(env['tok'], 2, 32, 'train', env['toy'], resume_state_dict=nc, **KW) as ld:
+    with PackedLoader(env['tok'], 2, 32, 'train', env['toy'], resume_state_dict=nc, **PKW) as ld:
         want = next(ld).inputs.clone()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter('always')
         with dropin(env['tok'], 2, 32, 'train', data_dir=env['toy'], resume_state_dict=nc, **KW) as dl:
             assert torch.equal(next(dl)[0], want) and dl.loader.resumed == 'approximate'
     assert not [w for w in caught if 'resume' in str(w.message)]
-    with PackedLoader(env['tok'], 2, 32, 'train', env['toy'], **KW) as ld:
+    with PackedLoader(env['tok'], 2, 32, 'train', env['toy'], **PKW) as ld:
         old = [b.state for b in itertools.islice(ld, 6)][-1]
     with pytest.warns(UserWarning, match='after its batch'):
         dl = dropin(env['tok'], 2, 32, 'train', data_dir=env['toy'], resume_state_dict=json.loads(json.dumps(old)),
@@ -192,7 +194,7 @@ def test_another_ranks_state_resumes_as_nanochat_would(env, clean_env):
         runs[r], ckpts[r] = nanochat_loop(env['tok'], 12, 4, data_dir=env['toy'])
     s0 = ckpts[0][8]['dataloader_state_dict']
     nc = {k: s0[k] for k in ('pq_idx', 'rg_idx', 'epoch')}
-    with PackedLoader(env['tok'], 2, 32, 'train', env['toy'], rank=1, world_size=2, resume_state_dict=nc, **KW) as ld:
+    with PackedLoader(env['tok'], 2, 32, 'train', env['toy'], rank=1, world_size=2, resume_state_dict=nc, **PKW) as ld:
         want = [(b.inputs.clone(), b.targets.clone()) for b in itertools.islice(ld, 4)]
     _as_rank(clean_env, 1, 2)
     with warnings.catch_warnings(record=True) as caught:
@@ -215,7 +217,7 @@ WORKER = """
 import json, os, sys, warnings
 import torch.distributed as dist
 sys.path.insert(0, sys.argv[3])
-from test_dropin import nanochat_loop, KW
+from test_dropin import nanochat_loop, KW, PKW
 from nanochat_dl.text.loader import PackedLoader
 from nanochat_dl.text.tokenizer import Tokenizer
 
@@ -241,7 +243,7 @@ for name in ('meta', 'meta_all'):                           # every rank loads r
     if name == 'meta':
         s0 = meta['dataloader_state_dict']
         nc = {key: s0[key] for key in ('pq_idx', 'rg_idx', 'epoch')}
-        with PackedLoader(tok, 2, 32, 'train', resume_state_dict=nc, **KW) as ld:   # nanochat's resume on this rank
+        with PackedLoader(tok, 2, 32, 'train', resume_state_dict=nc, **PKW) as ld:   # nanochat's resume on this rank
             start = ld.reader.state_dict()
             want = [next(ld).inputs.clone() for _ in range(steps - k)]
         res[name].update(nanochat=all((got[k + i][0][0] == w).all().item() for i, w in enumerate(want)), nc=nc,
@@ -304,7 +306,7 @@ def test_a_hand_edited_at_batch_is_named(env, clean_env, tmp_path):
              'no stages': (edit(lambda a: a.pop('stages')), r"lacks \['stages'\]"),
              'no pq_idx': (edit(lambda a: a.pop('pq_idx')), "not 'pq_idx'"),
              'another B': (edit(lambda a: a['config'].update(B=3)), 'B=3'),
-             "StreamingLoader's state": (stream_state, 'nanochat_dl.streaming')}
+             "StreamingLoader's state": (stream_state, 'nanochat_dl.streaming')}   # (the state format's name)
     for what, (v, expected) in cases.items():
         with pytest.raises((TypeError, ValueError), match=r"^resume_state_dict\['at_batch'\]") as e:
             dropin(env['tok'], 2, 32, 'train', data_dir=env['toy'], resume_state_dict=dict(s, at_batch=v), **KW)

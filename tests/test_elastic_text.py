@@ -15,7 +15,7 @@ from toytext import toy_text_env
 from stateedit import DELETE, edited, paths   # a state's paths, and a copy with one field edited, as the single-state sweep uses them
 
 LAYOUT = [[3, 2, 4, 1, 3, 2, 2, 3], [2, 3, 1, 4, 2, 3, 3], [4, 1, 2, 3, 2, 1, 3, 2, 2]]   # 9 columns: up to 9 ranks
-KW = dict(B=2, T=32, buffer_size=6, tokenizer_batch_size=2, device='cpu', tokenizer_threads=1, tokenize_in='threads', prefetch=0)
+KW = dict(batch_size=2, seq_len=32, pack_buffer=6, tokenizer_batch_size=2, device='cpu', tokenizer_threads=1, tokenize_in='threads', prefetch=0)
 
 
 @pytest.fixture(scope='module')
@@ -71,18 +71,18 @@ def chain(env, sizes, ks, **kw):
 @pytest.mark.parametrize('strategy', sorted(STRATEGIES))
 @pytest.mark.parametrize('sizes', [(2, 3, 2), (3, 5, 2), (8, 1), (1, 4), (8, 3, 5), (1, 9, 7), (4, 4, 2)])
 def test_chains_tile_epoch_once(env, strategy, sizes):
-    segs = chain(env, sizes, [3] * len(sizes), strategy=strategy)
+    segs = chain(env, sizes, [3] * len(sizes), pack=strategy)
     cropped = check_tiling(segs, env['lens'], strategy)
     if strategy == 'concat': assert cropped == 0                     # lossless: every token of epoch 1 placed exactly once
     if strategy == 'bestfit-pad':                                       # crops only documents longer than a row
-        assert all(n + d > KW['T'] + 1 for key, _, n, d in segs if d)
+        assert all(n + d > KW['seq_len'] + 1 for key, _, n, d in segs if d)
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(sizes=st.lists(st.integers(1, 9), min_size=2, max_size=4), ks=st.lists(st.integers(0, 12), min_size=4, max_size=4),
        strategy=st.sampled_from(sorted(STRATEGIES)), shuffle=st.booleans())
 def test_random_chains_tile_epoch_once(env, sizes, ks, strategy, shuffle):
-    segs = chain(env, sizes, ks, strategy=strategy, shuffle=shuffle, seed=3)
+    segs = chain(env, sizes, ks, pack=strategy, shuffle=shuffle, seed=3)
     check_tiling(segs, env['lens'], strategy)
 
 
@@ -141,7 +141,7 @@ def test_torchrun_2_3_2(env, tmp_path, strategy):
     if not Path(torchrun).exists(): pytest.skip('torchrun is not installed')
     script = tmp_path / 'worker.py'
     script.write_text(textwrap.dedent(WORKER))
-    kw = {**KW, 'strategy': strategy}
+    kw = {**KW, 'pack': strategy}
     menv = dict(os.environ, OMP_NUM_THREADS='1')
     menv.pop('RANK', None); menv.pop('WORLD_SIZE', None)
     segs, src = [], '-'
@@ -201,7 +201,7 @@ def test_a_rescaled_state_lacking_a_column_is_refused(env):
     """A state saved while columns catch up lists every column of its rank; one lacking a column (its checksum made anew, as
     a hand edit would) is refused naming the field, at another world size and at the same, rather than failing inside the
     rescale (KeyError) or losing that column's documents."""
-    from nanochat_dl.text.loader import _checksum
+    from nanochat_dl.text.state import state_checksum as _checksum
     _, states = run_ranks(env, 3, 1, run_ranks(env, 2, 3)[1])
     assert states[0]['stages']['source']['elastic']['columns']
     del states[0]['stages']['source']['elastic']['columns'][0]

@@ -12,7 +12,7 @@ from nanochat_dl.text.loader import PackedLoader
 from toytext import toy_text_env
 
 LAYOUT = [[3, 2, 4, 1, 3, 2], [2, 3, 1, 4, 2], [4, 1, 2, 3, 2, 1]]   # 38 documents in 6 columns
-KW = dict(B=2, T=32, tokenizer_batch_size=2, device='cpu', tokenizer_threads=1, tokenize_in='threads', prefetch=0)
+KW = dict(batch_size=2, seq_len=32, tokenizer_batch_size=2, device='cpu', tokenizer_threads=1, tokenize_in='threads', prefetch=0)
 GUARDED = ('bestfit-pad', 'bestfit-split')
 
 
@@ -51,7 +51,7 @@ class Ledger:
 def run_single(env, strategy, buffer_size, n, **kw):
     "One rank, `n` batches: the ledger, checked as it goes (every document of the rank's stream counts)."
     led = Ledger(env['lens']); s = led.stream(lambda e: env['lens'])
-    with PackedLoader(env['tok'], files=env['files'], **{**KW, **kw}, strategy=strategy, buffer_size=buffer_size) as ld:
+    with PackedLoader(env['tok'], files=env['files'], **{**KW, **kw}, pack=strategy, pack_buffer=buffer_size) as ld:
         for i in range(n):
             b = next(ld)
             led.add(s, b, strategy == 'bestfit-split', f"batch {i}")
@@ -66,7 +66,8 @@ def test_epoch_e_is_whole_before_epoch_e_plus_2(env, strategy):
 
 
 # --- the packer alone: any lengths, buffers, age limits, pulls; resumed (bit for bit) at any batch, twice -------------------
-from nanochat_dl.pipe.packing import GUARDED as PACKER_GUARDED, HELD, Packer
+from nanochat_dl.pipe.bestfit import GUARDED as PACKER_GUARDED, Packer
+from nanochat_dl.pipe.packing import HELD
 
 
 class CyclePull:
@@ -127,7 +128,7 @@ def run_chain(env, sizes, ks, strategy, buffer_size, shuffle=False):
         out = []
         for r in range(W):
             s = led.stream()
-            with PackedLoader(env['tok'], files=env['files'], **KW, strategy=strategy, buffer_size=buffer_size, shuffle=shuffle, seed=5,
+            with PackedLoader(env['tok'], files=env['files'], **KW, pack=strategy, pack_buffer=buffer_size, shuffle=shuffle, seed=5,
                               rank=r, world_size=W, resume_state_dict=states) as ld:
                 j, final = 0, i == len(sizes) - 1
                 while j < ks[i] if not final else max(s['started'], default=0) < 4:
@@ -151,7 +152,7 @@ def test_loader_epochs_end_across_rescales(env, sizes, ks, strategy, buffer_size
 @pytest.mark.parametrize('strategy,size', [('bestfit-pad', 64), ('bestfit-split', 100)])   # sizes where documents are held
 def test_resume_is_exact_across_epochs_twice(env, strategy, size):
     "A loader resumed from a batch's state (twice, across epoch boundaries, documents held aside) gives the same batches and states."
-    kw = dict(files=env['files'], **KW, strategy=strategy, buffer_size=size, copy=True)   # batches kept: tensors of their own
+    kw = dict(files=env['files'], **KW, pack=strategy, pack_buffer=size, copy=True)   # batches kept: tensors of their own
     with PackedLoader(env['tok'], **kw) as ld: full = [next(ld) for _ in range(80)]
     held = [i for i, b in enumerate(full) if min(b.state['stages']['pack']['buffer']['offset'], default=0) < 0]
     assert held, "no state held a document aside: the test would not cover it"
@@ -169,8 +170,8 @@ def test_resume_is_exact_across_epochs_twice(env, strategy, size):
 
 def test_a_state_from_before_loads(env):
     "A state saved before entry rows were kept (no `entered`) still resumes: its entries enter at the load, and epochs still end."
-    from nanochat_dl.text.loader import _checksum
-    kw = dict(files=env['files'], **KW, strategy='bestfit-split', buffer_size=16)
+    from nanochat_dl.text.state import state_checksum as _checksum
+    kw = dict(files=env['files'], **KW, pack='bestfit-split', pack_buffer=16)
     with PackedLoader(env['tok'], **kw) as ld:
         for _ in range(7): sd = next(ld).state
     sd = json.loads(json.dumps(sd))
@@ -194,7 +195,8 @@ def test_bestfit_crop_has_no_age_limit():
 def test_entered_huge_run_refused_without_expanding():
     "A hand-edited `entered` with a huge count is refused by its total before the runs are expanded (no memory blow-up)."
     import resource
-    from nanochat_dl.pipe.packing import Packer, entered_rows
+    from nanochat_dl.pipe.bestfit import Packer
+    from nanochat_dl.pipe.packing import entered_rows
     docs = [np.array([1] + [5] * (n - 1)) for n in (3, 40, 7, 20)]
     p = Packer(16, 4, 'bestfit-pad', bos_id=1, epoch_of=lambda k: k[0])
     cnt = iter(range(10 ** 6))
@@ -217,7 +219,7 @@ def test_entered_huge_run_refused_without_expanding():
 @pytest.mark.parametrize('bad', ['x', None, 1.0, -1.5, [0]])
 def test_packer_state_with_a_bad_offset_names_the_offset(bad):
     "A hand-edited offset in `Packer.load_state_dict`'s buffer is refused as an offset (not as a miscount of `entered`, nor a TypeError)."
-    from nanochat_dl.pipe.packing import Packer
+    from nanochat_dl.pipe.bestfit import Packer
     docs = [np.array([1] + [5] * (n - 1)) for n in (3, 40, 7, 20)]
     cnt = iter(range(10 ** 6))
     def pull():
@@ -233,8 +235,8 @@ def test_packer_state_with_a_bad_offset_names_the_offset(bad):
 
 def test_a_held_entry_at_a_wrong_offset_is_named_as_saved(env):
     "A hand-edited offset of an entry held aside (-2 - o, o where no piece starts) is refused quoting the offset as the state has it."
-    from nanochat_dl.text.loader import _checksum
-    kw = dict(files=env['files'], **KW, strategy='bestfit-pad', buffer_size=64)
+    from nanochat_dl.text.state import state_checksum as _checksum
+    kw = dict(files=env['files'], **KW, pack='bestfit-pad', pack_buffer=64)
     with PackedLoader(env['tok'], **kw) as ld:
         for _ in range(80):
             sd = next(ld).state
@@ -250,19 +252,19 @@ def test_a_held_entry_at_a_wrong_offset_is_named_as_saved(env):
 
 def test_max_wait_is_a_loader_setting(env):
     "`PackedLoader(max_wait=...)` reaches the packer and its config; a resume needs the same (an older state, without it, has its strategy's default)."
-    from nanochat_dl.text.loader import _checksum
-    from nanochat_dl.pipe.packing import MAX_WAIT
-    kw = dict(files=env['files'], **KW, buffer_size=16)
+    from nanochat_dl.text.state import state_checksum as _checksum
+    from nanochat_dl.pipe.bestfit import MAX_WAIT
+    kw = dict(files=env['files'], **KW, pack_buffer=16)
     for strategy, mw, want in [('bestfit-pad', 'auto', MAX_WAIT), ('bestfit-split', None, None), ('bestfit-pad', 3, 3), ('bestfit-crop', 'auto', None)]:
-        with PackedLoader(env['tok'], **kw, strategy=strategy, max_wait=mw) as ld:
+        with PackedLoader(env['tok'], **kw, pack=strategy, max_wait=mw) as ld:
             assert ld.packer.max_wait == want and ld.config['max_wait'] == want
-    with pytest.raises(ValueError, match="only the strategies"): PackedLoader(env['tok'], **kw, strategy='bestfit-crop', max_wait=5)
-    with PackedLoader(env['tok'], **kw, strategy='bestfit-pad', max_wait=3) as ld: full = [json.loads(json.dumps(next(ld).state)) for _ in range(9)]
+    with pytest.raises(ValueError, match="only the strategies"): PackedLoader(env['tok'], **kw, pack='bestfit-crop', max_wait=5)
+    with PackedLoader(env['tok'], **kw, pack='bestfit-pad', max_wait=3) as ld: full = [json.loads(json.dumps(next(ld).state)) for _ in range(9)]
     with pytest.raises(ValueError, match=r"saved by a loader with max_wait=3, but this loader has max_wait=256: exact resume needs the same max_wait"):
-        PackedLoader(env['tok'], **kw, strategy='bestfit-pad', resume_state_dict=full[4])
-    with PackedLoader(env['tok'], **kw, strategy='bestfit-pad', max_wait=3, resume_state_dict=full[4]) as ld:
+        PackedLoader(env['tok'], **kw, pack='bestfit-pad', resume_state_dict=full[4])
+    with PackedLoader(env['tok'], **kw, pack='bestfit-pad', max_wait=3, resume_state_dict=full[4]) as ld:
         assert [next(ld).state for _ in range(4)] == full[5:]
-    with PackedLoader(env['tok'], **kw, strategy='bestfit-pad') as ld: sd = json.loads(json.dumps([next(ld) for _ in range(5)][-1].state))
+    with PackedLoader(env['tok'], **kw, pack='bestfit-pad') as ld: sd = json.loads(json.dumps([next(ld) for _ in range(5)][-1].state))
     del sd['config']['max_wait']; sd['checksum'] = _checksum(sd)     # a state from before the setting
-    with PackedLoader(env['tok'], **kw, strategy='bestfit-pad', resume_state_dict=sd) as ld: assert ld.resumed == 'exact'
-    with pytest.raises(ValueError, match="max_wait"): PackedLoader(env['tok'], **kw, strategy='bestfit-pad', max_wait=None, resume_state_dict=sd)
+    with PackedLoader(env['tok'], **kw, pack='bestfit-pad', resume_state_dict=sd) as ld: assert ld.resumed == 'exact'
+    with pytest.raises(ValueError, match="max_wait"): PackedLoader(env['tok'], **kw, pack='bestfit-pad', max_wait=None, resume_state_dict=sd)

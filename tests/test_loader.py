@@ -8,7 +8,8 @@ import pytest
 import torch
 from hypothesis import HealthCheck, event, given, settings, strategies as st
 
-from nanochat_dl.text.loader import PackedLoader, reference_loader
+from nanochat_dl.text.loader import PackedLoader
+from nanochat_dl.text.stages import reference_loader
 from nanochat_dl.dataloader import tokenizing_distributed_data_loader_with_state_bos_bestfit
 from nanochat_dl.pipe.packing import STRATEGIES
 from nanochat_dl.text.reader import RowGroupReader
@@ -39,7 +40,7 @@ def test_resume_is_exact(env, strategy, B, T, buffer_size, tbs, world, shuffle, 
     """Resuming from the state of any batch (and then again from a state of the resumed loader) continues the
     uninterrupted stream bit for bit, states included."""
     rank, ws = world
-    kw = dict(files=env['toy'], B=B, T=T, strategy=strategy, buffer_size=buffer_size, tokenizer_batch_size=tbs, rank=rank,
+    kw = dict(files=env['toy'], batch_size=B, seq_len=T, pack=strategy, pack_buffer=buffer_size, tokenizer_batch_size=tbs, rank=rank,
               world_size=ws, shuffle=shuffle, seed=7, device='cpu', tokenizer_threads=1, tokenize_in='threads')
     n = cut + second + 12                                    # the uninterrupted run reaches past both resumes
     full, start = run(env['tok'], n, **kw)
@@ -230,10 +231,10 @@ def test_close_frees_a_consumer_stuck_on_a_hung_worker(env, monkeypatch):
     """A worker that stops answering (SIGSTOP here) blocks the next batch. `close()` from another thread kills the
     workers once the background thread does not stop in time, and the waiting consumer gets a clear error."""
     import signal, threading
-    from nanochat_dl.text import loader
-    monkeypatch.setattr(loader, '_JOIN_TIMEOUT', 1.0)
+    from nanochat_dl.pipe import producer
+    monkeypatch.setattr(producer, 'JOIN_TIMEOUT', 1.0)
     ld = PackedLoader(env['tok'], 4, 256, files=split_files('train', env['data']), device='cpu', tokenizer_threads=2,
-                      tokenize_in='processes', buffer_size=20)
+                      tokenize_in='processes', pack_buffer=20)
     next(ld)
     procs = list(ld.encoder._procs)
     os.kill(procs[0].pid, signal.SIGSTOP)
@@ -287,7 +288,7 @@ def test_workers_ignore_modules_in_the_current_directory(env, tmp_path, monkeypa
     _poison(run_dir, marker)
     texts = [words(f, g, r) for f in range(3) for g in range(3) for r in range(5)]
     want = [a.tolist() for a in DocEncoder(env['tok'], 1)(texts)]
-    kw = dict(files=env['toy'], device='cpu', tokenizer_threads=2, buffer_size=6, tokenizer_batch_size=4)
+    kw = dict(files=env['toy'], device='cpu', tokenizer_threads=2, pack_buffer=6, tokenizer_batch_size=4)
     with PackedLoader(env['tok'], 2, 32, tokenize_in='threads', **kw) as ld:
         ref = [b.inputs.clone() for b in itertools.islice(ld, 5)]
     monkeypatch.chdir(run_dir)
@@ -357,7 +358,7 @@ def test_a_hung_worker_is_reported_by_next(env, monkeypatch):
     from nanochat_dl.text.encode import ProcessEncoder
     monkeypatch.setattr(ProcessEncoder.close, '__defaults__', (3600.0,))
     ld = PackedLoader(env['tok'], 4, 256, files=split_files('train', env['data']), device='cpu', tokenizer_threads=2,
-                      tokenize_in='processes', buffer_size=20, worker_timeout=(3.0, 0.0))
+                      tokenize_in='processes', pack_buffer=20, worker_timeout=(3.0, 0.0))
     next(ld)
     procs = list(ld.encoder._procs)
     os.kill(procs[0].pid, signal.SIGSTOP)
@@ -414,8 +415,8 @@ def test_next_from_several_threads(env, prefetch):
     """Threads that share one loader get every batch of the single-threaded stream exactly once, each with its own
     state (`copy=True`: a batch's tensors are then its own, whoever fetched the batches after it)."""
     import threading
-    kw = dict(files=split_files('train', env['data']), B=16, T=512, device='cpu', tokenizer_threads=1, tokenize_in='threads',
-              buffer_size=50, copy=True, prefetch=prefetch)
+    kw = dict(files=split_files('train', env['data']), batch_size=16, seq_len=512, device='cpu', tokenizer_threads=1, tokenize_in='threads',
+              pack_buffer=50, copy=True, prefetch=prefetch)
     n, k = 96, 6
     with PackedLoader(env['tok'], **kw) as ld:
         want = {b.state['stages']['batch']['step']: (b.inputs.clone(), b.targets.clone(), json.dumps(b.state)) for b in itertools.islice(ld, n)}
@@ -445,7 +446,7 @@ def test_invalid_utf8_in_a_shard(env, tmp_path):
     rows = [b'first document here', b'second \xc3 broken', b'third one']
     offsets = np.cumsum([0] + [len(b) for b in rows]).astype(np.int32)
     pq.write_table(pa.table({'text': pa.Array.from_buffers(pa.string(), 3, [None, pa.py_buffer(offsets.tobytes()), pa.py_buffer(b''.join(rows))])}), p)
-    kw = dict(files=[p], device='cpu', tokenizer_threads=1, tokenize_in='threads', buffer_size=2, tokenizer_batch_size=2)
+    kw = dict(files=[p], device='cpu', tokenizer_threads=1, tokenize_in='threads', pack_buffer=2, tokenizer_batch_size=2)
     with PackedLoader(env['tok'], 1, 8, **kw) as ld:
         with pytest.raises(ValueError, match=re.escape(f"{p}: row group 0, row 1: 'text' is not valid UTF-8 (invalid continuation byte at byte 7")):
             next(ld)
@@ -476,7 +477,7 @@ def test_exact_resume_refuses_a_changed_shard_of_the_same_name_and_size(env, tmp
     used to resume into other batches without a word. It is refused, naming the shard."""
     layout = [[5, 3, 4], [2, 6, 1], [4, 4]]
     files = _plain_shards(tmp_path / 'data', layout, words)
-    kw = dict(files=files, B=2, T=32, device='cpu', tokenizer_threads=1, tokenize_in='threads', buffer_size=6, tokenizer_batch_size=4)
+    kw = dict(files=files, batch_size=2, seq_len=32, device='cpu', tokenizer_threads=1, tokenize_in='threads', pack_buffer=6, tokenizer_batch_size=4)
     with PackedLoader(env['tok'], **kw) as ld:
         sd = json.loads(json.dumps(list(itertools.islice(ld, 3))[-1].state))
     with PackedLoader(env['tok'], **kw, resume_state_dict=sd) as ld: assert ld.resumed == 'exact'
@@ -493,7 +494,7 @@ def test_exact_resume_refuses_a_changed_shard_of_the_same_name_and_size(env, tmp
 
 # -- hand-edited states: refused before any work, with the field named; or an exact resume --------------------------
 
-TOYKW = dict(B=2, T=24, buffer_size=6, tokenizer_batch_size=4, device='cpu', tokenizer_threads=1, tokenize_in='threads', prefetch=0)
+TOYKW = dict(batch_size=2, seq_len=24, pack_buffer=6, tokenizer_batch_size=4, device='cpu', tokenizer_threads=1, tokenize_in='threads', prefetch=0)
 
 
 @pytest.fixture(scope='module')
@@ -501,7 +502,7 @@ def runs(env):
     "For three strategies (whole documents, split pieces, concat remainders): 16 batches with their states, and the state at batch 9."
     out = {}
     for strategy in ('bestfit-crop', 'bestfit-split', 'concat'):
-        full, _ = run(env['tok'], 16, files=env['toy'], strategy=strategy, **TOYKW)
+        full, _ = run(env['tok'], 16, files=env['toy'], pack=strategy, **TOYKW)
         out[strategy] = (full, full[8][2])
     return out
 
@@ -509,10 +510,9 @@ def runs(env):
 class Reads:
     "Counts documents read or encoded while it is active (a refused state must cost neither)."
     def __init__(self, monkeypatch):
-        from nanochat_dl.text import encode, loader, reader, shards
+        from nanochat_dl.text import encode, stages, shards
         self.n = 0
-        for mod, name in ((loader, 'read_documents'), (shards, 'read_group'), (reader, 'read_group'),
-                          (shards, '_read_column')):
+        for mod, name in ((stages, 'read_documents'), (shards, 'read_group'), (shards, '_read_column')):
             orig = getattr(mod, name)
             def spy(*a, _orig=orig, **k): self.n += 1; return _orig(*a, **k)
             monkeypatch.setattr(mod, name, spy)
@@ -531,7 +531,7 @@ def stages_with(sd, stage, **kv):
 def refused(env, sd, strategy='bestfit-crop'):
     "The error a loader gives for state `sd` (after a JSON round trip), or None if it resumes."
     try:
-        with PackedLoader(env['tok'], files=env['toy'], strategy=strategy, **TOYKW, resume_state_dict=json.loads(json.dumps(sd))): return None
+        with PackedLoader(env['tok'], files=env['toy'], pack=strategy, **TOYKW, resume_state_dict=json.loads(json.dumps(sd))): return None
     except (ValueError, TypeError) as e: return e
 
 
@@ -660,7 +660,7 @@ def test_mutated_states_are_refused_or_resume_exactly(env, runs, monkeypatch, st
     with monkeypatch.context() as m:
         reads = Reads(m)
         try:
-            ld = PackedLoader(env['tok'], files=env['toy'], strategy=strategy, **TOYKW, resume_state_dict=json.loads(json.dumps(bad)))
+            ld = PackedLoader(env['tok'], files=env['toy'], pack=strategy, **TOYKW, resume_state_dict=json.loads(json.dumps(bad)))
         except (ValueError, TypeError) as e:
             assert 'resume_state_dict' in str(e), repr(e)
             assert reads.n == 0, f"{reads.n} reads or encodings before refusing: {e}"
@@ -685,7 +685,7 @@ def test_every_field_replaced_by_a_value_of_another_kind_is_refused_naming_it(en
             if (bad := edited(sd, path, v)) is None: continue     # the same state (the field held that value)
             if path == ('config', 'max_wait') and v is DELETE: continue   # the form of a state from before max_wait: its default, the same
             n = reads.n
-            try: PackedLoader(env['tok'], files=env['toy'], strategy='bestfit-crop', **TOYKW, resume_state_dict=bad).close()
+            try: PackedLoader(env['tok'], files=env['toy'], pack='bestfit-crop', **TOYKW, resume_state_dict=bad).close()
             except (ValueError, TypeError) as e:
                 if not FIELD.match(str(e)) or reads.n > n: wrong.append((path, v, repr(e), reads.n - n))
             except Exception as e: wrong.append((path, v, repr(e)))
@@ -706,7 +706,7 @@ def test_workers_reading_rows_give_the_batches_of_the_text_path(env, strategy):
     """Workers that read their own rows, workers sent text (the way it was), and threads: the same batches and the same
     states, on the sample shards (long documents, several epochs of the toy shards), from the start and after a resume."""
     for files, B, T, tbs, buf, n in ((split_files('train', env['data']), 4, 512, 32, 40, 25), (env['toy'], 3, 24, 4, 6, 30)):
-        kw = dict(files=files, B=B, T=T, tokenizer_batch_size=tbs, buffer_size=buf, strategy=strategy, device='cpu', tokenizer_threads=2)
+        kw = dict(files=files, batch_size=B, seq_len=T, tokenizer_batch_size=tbs, pack_buffer=buf, pack=strategy, device='cpu', tokenizer_threads=2)
         reads = _stream(env['tok'], n, tokenize_in='processes', **kw)
         texts = _stream(env['tok'], n, tokenize_in='processes', worker_reads=False, **kw)
         threads = _stream(env['tok'], n, tokenize_in='threads', **kw)
@@ -720,7 +720,7 @@ def test_no_text_is_read_in_the_training_process(env, monkeypatch):
     """With worker processes, the training process reads footers only: no row group is decoded and no text is sent, neither
     while streaming nor when a resume rebuilds the packing buffer (the workers fetch it)."""
     from nanochat_dl.text import encode, shards
-    kw = dict(files=split_files('train', env['data']), B=4, T=512, tokenizer_batch_size=32, buffer_size=40, device='cpu',
+    kw = dict(files=split_files('train', env['data']), batch_size=4, seq_len=512, tokenizer_batch_size=32, pack_buffer=40, device='cpu',
               tokenizer_threads=2, tokenize_in='processes')
     want = _stream(env['tok'], 14, **kw)
     calls = []
@@ -742,7 +742,7 @@ def test_invalid_utf8_is_named_wherever_it_is_read(env, tmp_path, tokenize_in, w
         for rows in ([b'one document', b'two documents'], [b'three', b'four \xf0\x28\x8c\x28 bad', b'five']):
             offsets = np.cumsum([0] + [len(b) for b in rows]).astype(np.int32)
             w.write_table(pa.table({'text': pa.Array.from_buffers(pa.string(), len(rows), [None, pa.py_buffer(offsets.tobytes()), pa.py_buffer(b''.join(rows))])}))
-    kw = dict(files=[p], device='cpu', tokenizer_threads=2, tokenize_in=tokenize_in, worker_reads=worker_reads, buffer_size=2, tokenizer_batch_size=2)
+    kw = dict(files=[p], device='cpu', tokenizer_threads=2, tokenize_in=tokenize_in, worker_reads=worker_reads, pack_buffer=2, tokenizer_batch_size=2)
     want = f"{p}: row group 1, row 1: 'text' is not valid UTF-8 (invalid continuation byte at byte 5: b'four \\xf0(\\x8c( bad'); pass utf8_errors='replace'"
     with PackedLoader(env['tok'], 1, 8, **kw) as ld:
         with pytest.raises(ValueError, match=re.escape(want)):
@@ -755,7 +755,7 @@ def test_invalid_utf8_is_named_wherever_it_is_read(env, tmp_path, tokenize_in, w
 def test_time_allowed_for_rows_counts_their_bytes_from_the_footer(env):
     "A message of rows to read is given `timeout[0] + timeout[1] * bytes` seconds, the bytes of text the footer gives for those rows."
     from nanochat_dl.text.encode import ProcessEncoder
-    from nanochat_dl.text.loader import RowGroupSource
+    from nanochat_dl.text.stages import RowGroupSource
     src = RowGroupSource(RowGroupReader(split_files('train', env['data']), batch_size=16))
     slices = [next(src) for _ in range(6)]
     reqs = [src.request(s.file, s.rg, range(s.lo, s.hi)) for s in slices]
@@ -778,7 +778,7 @@ def test_workers_with_file_descriptors_above_1023(env, worker_reads):
     held = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
     try:
         assert max(held) > 1024
-        kw = dict(files=env['toy'], B=2, T=16, tokenizer_batch_size=2, buffer_size=4, device='cpu', tokenizer_threads=2)
+        kw = dict(files=env['toy'], batch_size=2, seq_len=16, tokenizer_batch_size=2, pack_buffer=4, device='cpu', tokenizer_threads=2)
         procs = _stream(env['tok'], 12, tokenize_in='processes', worker_reads=worker_reads, **kw)
         threads = _stream(env['tok'], 12, tokenize_in='threads', **kw)
         assert len(procs) == len(threads) == 12
@@ -795,10 +795,10 @@ def test_close_from_another_thread_with_busy_workers(env, monkeypatch, prefetch)
     time limit): the busy workers are killed without waiting the join timeout, and the consumer gets a clear error
     (never an `OSError` from pipes closed under it)."""
     import signal, threading
-    from nanochat_dl.text import loader
-    monkeypatch.setattr(loader, '_JOIN_TIMEOUT', 3600.0)   # a close that waits for the join timeout hangs the test
+    from nanochat_dl.pipe import producer
+    monkeypatch.setattr(producer, 'JOIN_TIMEOUT', 3600.0)   # a close that waits for the join timeout hangs the test
     ld = PackedLoader(env['tok'], 4, 256, files=split_files('train', env['data']), device='cpu', tokenizer_threads=2,
-                      tokenize_in='processes', buffer_size=20, prefetch=prefetch, worker_timeout=None)
+                      tokenize_in='processes', pack_buffer=20, prefetch=prefetch, worker_timeout=None)
     procs = list(ld.encoder._procs)
     for p in procs: os.kill(p.pid, signal.SIGSTOP)
     got = {}
@@ -823,7 +823,7 @@ def test_close_from_another_thread_with_busy_workers(env, monkeypatch, prefetch)
 def test_relative_shard_paths_survive_a_chdir(env, monkeypatch, tokenize_in):
     """Shards given by paths relative to the working directory, which the training script changes after building the
     loader (as logging or config code does): the loader still reads them, the batches of absolute paths."""
-    kw = dict(B=2, T=16, tokenizer_batch_size=2, buffer_size=4, device='cpu', tokenizer_threads=1, tokenize_in=tokenize_in)
+    kw = dict(batch_size=2, seq_len=16, tokenizer_batch_size=2, pack_buffer=4, device='cpu', tokenizer_threads=1, tokenize_in=tokenize_in)
     want = _stream(env['tok'], 200, files=env['toy'], **kw)   # several epochs: every shard opened again
     monkeypatch.chdir(env['toy'][0].parent)
     with PackedLoader(env['tok'], files=[Path(p.name) for p in env['toy']], **kw) as ld:
@@ -854,7 +854,7 @@ def test_worker_count_follows_the_cpu_affinity(env):
 def test_states_handed_out_are_copies(env):
     """A batch's `state` and `state_dict()` are the caller's own: changing one (adding a field before saving it, say)
     changes neither the loader's state nor the other."""
-    with PackedLoader(env['tok'], 2, 16, files=env['toy'], device='cpu', tokenizer_threads=1, tokenize_in='threads', buffer_size=4) as ld:
+    with PackedLoader(env['tok'], 2, 16, files=env['toy'], device='cpu', tokenizer_threads=1, tokenize_in='threads', pack_buffer=4) as ld:
         start = json.dumps(ld.state_dict())
         ld.state_dict()['stages']['batch']['step'] = 99
         assert json.dumps(ld.state_dict()) == start
@@ -873,3 +873,46 @@ def test_switches_must_be_bools(env, name, value):
     before any worker starts."""
     with pytest.raises(ValueError, match=re.escape(f"{name}={value!r} is invalid: expected True or False")):
         PackedLoader(env['tok'], 2, 16, files=env['toy'], device='cpu', tokenizer_threads=1, **{name: value})
+
+
+# One vocabulary (issue 20): the streaming loader's names, the old ones deprecated, the positional order nanochat's.
+NEWKW = dict(batch_size=2, seq_len=24, pack='bestfit-pad', pack_buffer=5, pad_token=3)
+OLDKW = dict(B=2, T=24, strategy='bestfit-pad', buffer_size=5, pad_id=3)
+VKW = dict(tokenizer_batch_size=4, device='cpu', tokenizer_threads=1, tokenize_in='threads', prefetch=0)
+
+
+@pytest.mark.parametrize('old,new', [('B', 'batch_size'), ('T', 'seq_len'), ('strategy', 'pack'), ('buffer_size', 'pack_buffer'),
+                                     ('pad_id', 'pad_token')])
+def test_an_old_keyword_still_works_and_warns(env, old, new):
+    """Each old keyword gives the loader its new name gives, with a `DeprecationWarning` naming the new one; the state's
+    config keys do not change."""
+    with PackedLoader(env['tok'], files=env['toy'], **NEWKW, **VKW) as ld: want, first = ld.config, next(ld)
+    kw = {k: v for k, v in NEWKW.items() if k != new}
+    with pytest.warns(DeprecationWarning, match=rf"PackedLoader\({old}=\.\.\.\) is deprecated: use {new}=\.\.\."):
+        ld = PackedLoader(env['tok'], files=env['toy'], **kw, **{old: OLDKW[old]}, **VKW)
+    with ld:
+        got = next(ld)
+        assert ld.config == want and set(want) >= {'B', 'T', 'strategy', 'buffer_size', 'pad_id'}
+        assert torch.equal(got.inputs, first.inputs) and got.state == first.state
+    with pytest.raises(TypeError, match=f"got {old}=.* and {new}="):
+        PackedLoader(env['tok'], files=env['toy'], **NEWKW, **{old: OLDKW[old]}, **VKW)
+
+
+def test_positional_order_and_attributes(env):
+    "`PackedLoader(tok, 2, 24)` is batch_size=2, seq_len=24; `B`/`T` and `batch_size`/`seq_len` are both there."
+    with PackedLoader(env['tok'], 2, 24, files=env['toy'], **VKW) as ld:
+        assert (ld.B, ld.T, ld.batch_size, ld.seq_len) == (2, 24, 2, 24) and next(ld).inputs.shape == (2, 24)
+        assert ld.config['B'] == 2 and ld.config['T'] == 24 and ld.config['strategy'] == 'bestfit-crop'
+    with pytest.raises(TypeError, match="missing required argument 'batch_size'"): PackedLoader(env['tok'], files=env['toy'])
+    with pytest.raises(TypeError, match="unexpected keyword argument 'bogus'"): PackedLoader(env['tok'], 2, 24, bogus=1)
+
+
+@pytest.mark.parametrize('pack,strategy', [('bestfit', 'bestfit-pad'), ('concat', 'concat'), ('bestfit-split', 'bestfit-split')])
+def test_the_streaming_loaders_pack_names(env, pack, strategy):
+    "A StreamingLoader pack name with the same rule is that strategy; its 'pad' (a document per row) is refused, naming what is accepted."
+    with PackedLoader(env['tok'], 2, 24, files=env['toy'], pack=pack, **VKW) as a, \
+         PackedLoader(env['tok'], 2, 24, files=env['toy'], pack=strategy, **VKW) as b:
+        assert a.config == b.config and a.config['strategy'] == strategy
+        assert all(torch.equal(next(a).inputs, next(b).inputs) for _ in range(5))
+    with pytest.raises(ValueError, match=r"pack='pad'.*expected one of \['bestfit-crop'.*'bestfit' \(the same as 'bestfit-pad'\)"):
+        PackedLoader(env['tok'], 2, 24, files=env['toy'], pack='pad', **VKW)

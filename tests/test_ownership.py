@@ -28,7 +28,7 @@ def env(tmp_path_factory):
 
 
 def packed(env, **kw):
-    return PackedLoader(env['tok'], files=env['files'], B=3, T=32, buffer_size=6, tokenizer_batch_size=4, device='cpu',
+    return PackedLoader(env['tok'], files=env['files'], batch_size=3, seq_len=32, pack_buffer=6, tokenizer_batch_size=4, device='cpu',
                         tokenizer_threads=1, tokenize_in='threads', **kw)
 
 

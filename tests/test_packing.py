@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from nanochat_dl.pipe.packing import (STRATEGIES, Packer, ReferencePacker, ListPull, Segment, FlatDocs, cu_seqlens, position_ids,
-                                 pad_mask)
+from nanochat_dl.pipe.packing import STRATEGIES, ReferencePacker, ListPull, Segment, FlatDocs
+from nanochat_dl.pipe.bestfit import Packer
+from nanochat_dl.pipe.masks import cu_seqlens, position_ids, pad_mask
 from nanochat_dl.bench.loaders import bench_pack_cli
 
 BOS = 0

@@ -210,7 +210,7 @@ def test_hand_edited_epochs_two_apart_on_one_rank(tmp_path):
 
 # ---------------------------------------------------------------- max_wait, a setting of the loader
 
-from nanochat_dl.pipe.packing import MAX_WAIT
+from nanochat_dl.pipe.bestfit import MAX_WAIT
 
 
 def oldest_waits(r, n=300, **kw):

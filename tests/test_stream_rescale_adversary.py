@@ -137,7 +137,7 @@ def test_epochs_too_far_to_count_are_refused(tmp_path, E):
 
 def test_max_wait_takes_the_values_packed_loader_takes(tmp_path):
     "`StreamingLoader(max_wait=...)` takes what `PackedLoader` takes ('auto': the default; None; an int >= 0) and refuses the rest by name. Before: 'auto' was refused."
-    from nanochat_dl.pipe.packing import MAX_WAIT
+    from nanochat_dl.pipe.bestfit import MAX_WAIT
     r = write(tmp_path/'root', {'web': [5, 0, 7, 3, 9, 1, 0, 4] * 3})
     mk = lambda mw: StreamingLoader(r, 8, 2, rank=0, world_size=1, n_logical_shards=4, prefetch=0, pack='bestfit', max_wait=mw)
     for mw, want in (('auto', MAX_WAIT), (None, None), (0, 0), (np.int64(3), 3), (10**18, 10**18)):

@@ -46,19 +46,22 @@ def _path(p) -> str:
     return p + ''.join(f"[{k!r}]" for k in reversed(keys))
 
 def check_state(state, where='state') -> dict:
-    "`state` if it is plain JSON-able data (dicts with str keys, lists, str, int, float, bool, None); else a `TypeError` naming the path of the first offender."
+    "`state` if it is plain JSON-able data (dicts with str keys, lists, str, int, float, bool, None)."
+    # else a `TypeError` naming the path of the first offender.
     todo, fast = [(state, where)], (int, str)           # an int or str item needs no more look (nor a path): a million take a second
     while todo:
         x, path = todo.pop()
         if isinstance(x, dict):
             for k, v in x.items():
-                if not isinstance(k, str): raise TypeError(f"{_path(path)} has key {k!r} of type {type(k).__name__}: state keys must be str")
+                if not isinstance(k, str): raise TypeError(f"{_path(path)} has key {k!r} of type {type(k).__name__}: "
+                                                           f"state keys must be str")
                 if type(v) not in fast: todo.append((v, (path, k)))
         elif isinstance(x, (list, tuple)):                  # (a list of ints or strs, as a state's addresses are, is not pushed)
             todo.extend((v, (path, i)) for i, v in enumerate(x)
                         if type(v) not in fast and not (type(v) is list and all(type(u) in fast for u in v)))
         elif not isinstance(x, _PLAIN) or (isinstance(x, float) and not math.isfinite(x)):
-            raise TypeError(f"{_path(path)} is {type(x).__module__}.{type(x).__name__} {str(x)[:60]}: expected plain JSON data "
+            raise TypeError(f"{_path(path)} is {type(x).__module__}.{type(x).__name__} {str(x)[:60]}: expected plain "
+                            f"JSON data "
                             "(dict, list, str, int, finite float, bool, None)")
     return state
 
@@ -83,15 +86,18 @@ class ListSource(Stage):
     def state_dict(self) -> dict: return dict(epoch=self.epoch, next=self.i, n=len(self.docs))
     def load_state_dict(self, state):
         if state.get('n') != len(self.docs):
-            raise ValueError(f"state['n']={state.get('n')!r}: it was saved over another list; this source has {len(self.docs)} documents")
+            raise ValueError(f"state['n']={state.get('n')!r}: it was saved over another list; this source has "
+                             f"{len(self.docs)} documents")
         self.epoch, self.i = check_int("state['epoch']", state['epoch'], 1), check_int("state['next']", state['next'], 0)
-        if self.i > len(self.docs): raise ValueError(f"state['next']={self.i} is past the last of {len(self.docs)} documents")
+        if self.i > len(self.docs): raise ValueError(f"state['next']={self.i} is past the last of {len(self.docs)} "
+                                                     f"documents")
         return self
     def fetch(self, addresses) -> list:
         out = []
         for a in addresses:
             e, i = a
-            if not 0 <= i < len(self.docs): raise ValueError(f"address {tuple(a)!r}: no document {i} in a list of {len(self.docs)}")
+            if not 0 <= i < len(self.docs): raise ValueError(f"address {tuple(a)!r}: no document {i} in a list of "
+                                                             f"{len(self.docs)}")
             out.append(Doc((e, i), self.docs[i]))
         return out
 
@@ -129,7 +135,8 @@ class _Swap(NamedTuple):   # a journal entry: slots `a` and `b` trade places
     b: int
 
 class ShuffleBuffer(Stage):
-    "Hand out documents from a random slot of a window of `window` documents, refilled from `upstream`; state: the window's addresses and a draw counter."
+    "Hand out documents from a random slot of a window of `window` documents, refilled from `upstream`."
+    # state: the window's addresses and a draw counter.
     def __init__(self, upstream,        # the stage whose items (with an `.address`) are shuffled
                  window:int=10_000,     # documents held; 0 passes items through unchanged
                  seed:int=0,            # with `stream`, decides every draw
@@ -149,7 +156,9 @@ class ShuffleBuffer(Stage):
 # %% ../../nbs/pipe/05_stages.ipynb #ep0a1d01
 @patch
 def draw(self:ShuffleBuffer, pull):  # `() -> item`, raising StopIteration at the end: what fills the window (the upstream's next, or a faster path to it)
-    "Fill the window from `pull` (a window holding more than its slots, after a rescale, draws without refilling), then hand out a random slot (of the oldest epoch, with `epoch_of`)."
+    "Fill the window from `pull`."
+    # (a window holding more than its slots, after a rescale, draws without refilling), then hand out a random slot (of
+    # the oldest epoch, with `epoch_of`).
     buf, eo = self.buf, self.epoch_of
     while len(buf) < self.window and not self.done:
         try: x = pull()
@@ -210,7 +219,8 @@ def restore(self:ShuffleBuffer, items):
 # %% ../../nbs/pipe/05_stages.ipynb #ep0a1d03
 @patch
 def snapshot(self:ShuffleBuffer):
-    "The state as it is now, in O(1): the last copy of the window and how many changes since; `state_of` reads it later."
+    "The state as it is now, in O(1): the last copy of the window and how many changes since."
+    # `state_of` reads it later.
     return self._copy, self._log, len(self._log), self.drawn
 
 @patch
@@ -238,10 +248,13 @@ def state_dict(self:ShuffleBuffer) -> dict: return self.state_of(self.snapshot()
 def load_state_dict(self:ShuffleBuffer, state):
     for k in ('window', 'seed', 'stream'):
         if state.get(k) != getattr(self, k):
-            raise ValueError(f"shuffle state has {k}={state.get(k)!r}, this buffer has {k}={getattr(self, k)!r}: exact resume needs the same")
+            raise ValueError(f"shuffle state has {k}={state.get(k)!r}, this buffer has {k}={getattr(self, k)!r}: "
+                             f"exact resume needs the same")
     addrs = [_key(a) for a in state['addresses']]
-    if len(addrs) > self.window: raise ValueError(f"shuffle state holds {len(addrs)} addresses for a window of {self.window}")
-    if len(set(addrs)) != len(addrs): raise ValueError("shuffle state holds an address twice: that document would be delivered twice")
+    if len(addrs) > self.window: raise ValueError(f"shuffle state holds {len(addrs)} addresses for a window of "
+                                                  f"{self.window}")
+    if len(set(addrs)) != len(addrs): raise ValueError("shuffle state holds an address twice: that document would be "
+                                                       "delivered twice")
     self.drawn, self.done = check_int("shuffle state['drawn']", state['drawn'], 0), False
     self.restore(self.upstream.fetch(addrs) if addrs else [])
     return self
@@ -249,7 +262,8 @@ def load_state_dict(self:ShuffleBuffer, state):
 
 # %% ../../nbs/pipe/05_stages.ipynb #f5d26138
 class Pipeline(Stage):
-    "Named stages, source first (each built on the one before); yields the last stage's items; state: `{name: stage state}`."
+    "Named stages, source first (each built on the one before); yields the last stage's items."
+    # state: `{name: stage state}`.
     def __init__(self, **stages):
         if not stages: raise ValueError("a Pipeline needs at least one stage")
         self.stages = stages
@@ -271,7 +285,8 @@ def resume_check(build,            # () -> a fresh pipeline (a Stage)
                  at=None,          # the item counts after which to resume (default: every one of 0..steps-1)
                  key=lambda item: item.address,   # what of an item is compared
                  horizon:int=20) -> int:          # items compared after each resume
-    "Check that `build()` resumes exactly from its state after each of `at` items; returns the number of points checked."
+    "Check that `build()` resumes exactly from its state after each of `at` items."
+    # returns the number of points checked.
     full = build()
     states, items = [json.loads(json.dumps(check_state(full.state_dict())))], []
     for _ in range(steps + horizon):

@@ -17,12 +17,14 @@ from ..core import check_int
 # %% ../../nbs/pipe/07_transfer.ipynb #a37e616c
 def resolve_device(device='auto',  # 'auto', 'cpu', 'cuda', 'cuda:N' or a `torch.device`
                   ) -> torch.device:
-    "`'auto'` -> the current CUDA device if CUDA is available, else the CPU; `'cpu'`, `'cuda'`, `'cuda:N'` or a `torch.device` as asked, refused clearly when unusable."
+    "`'auto'` -> the current CUDA device if CUDA is available, else the CPU."
+    # `'cpu'`, `'cuda'`, `'cuda:N'` or a `torch.device` as asked, refused clearly when unusable.
     if isinstance(device, str) and device.strip().lower() == 'auto':
         return torch.device('cuda', torch.cuda.current_device()) if torch.cuda.is_available() else torch.device('cpu')
     try: dev = torch.device(device)
     except (RuntimeError, TypeError, ValueError):
-        raise ValueError(f"device={device!r} is not a device: expected 'auto', 'cpu', 'cuda', 'cuda:N' or a torch.device") from None
+        raise ValueError(f"device={device!r} is not a device: expected 'auto', 'cpu', 'cuda', 'cuda:N' or a "
+                         f"torch.device") from None
     if dev.type == 'cpu': return torch.device('cpu')
     if dev.type != 'cuda': raise ValueError(f"device={device!r} is not supported: expected a 'cpu' or 'cuda' device")
     if not torch.cuda.is_available():
@@ -47,11 +49,13 @@ def _as_rows(rows, B, T) -> torch.Tensor:
         try: return torch.from_numpy(rows)
         except TypeError: return torch.from_numpy(rows.astype(np.int64))      # unsigned types older torch lacks
     if not isinstance(rows, torch.Tensor):
-        raise TypeError(f"rows must be a torch.Tensor or numpy.ndarray of shape (B, T+1) = {want}, got {type(rows).__name__}")
+        raise TypeError(f"rows must be a torch.Tensor or numpy.ndarray of shape (B, T+1) = {want}, got "
+                        f"{type(rows).__name__}")
     if tuple(rows.shape) != want: raise ValueError(f"rows must have shape (B, T+1) = {want}, got {tuple(rows.shape)}")
     if rows.dtype.is_floating_point or rows.dtype.is_complex or rows.dtype == torch.bool:
         raise TypeError(f"rows must hold integer token ids (e.g. torch.long), got {rows.dtype}")
-    if rows.device.type != 'cpu': raise ValueError(f"rows must be on the host (cpu) to be transferred, got a tensor on {rows.device}")
+    if rows.device.type != 'cpu': raise ValueError(f"rows must be on the host (cpu) to be transferred, got a tensor "
+                                                   f"on {rows.device}")
     return rows
 
 
@@ -62,7 +66,9 @@ def _stage(dst, src):
 
 # %% ../../nbs/pipe/07_transfer.ipynb #6fadb48b
 class SingleBufferTransfer:
-    "nanochat's layout: one staging buffer `[inputs | targets]` rewritten every batch, one copy into a persistent device buffer. Reference only: it can corrupt batches when the GPU lags (see `DeviceTransfer`)."
+    "nanochat's layout: one staging buffer `[inputs | targets]` rewritten every batch."
+    # one copy into a persistent device buffer. Reference only: it can corrupt batches when the GPU lags (see
+    # `DeviceTransfer`).
     def __init__(self, B:int,         # rows per batch
                  T:int,               # tokens per row of inputs (a row of the batch has T+1)
                  device='cuda'):      # where the batches go (see `resolve_device`)
@@ -87,7 +93,10 @@ class SingleBufferTransfer:
 
 # %% ../../nbs/pipe/07_transfer.ipynb #1a7cd3ac
 class DeviceTransfer:
-    "Turn `[B, T+1]` host rows into contiguous `(inputs, targets)` `[B, T]` on `device`, tensors the caller owns: one non-blocking copy per batch out of `slots` pinned staging buffers, each guarded by an event so it is never rewritten while its copy may be in flight. `views=True`: views of `slots` reused buffers instead, valid until `slots` more batches are put."
+    "Turn `[B, T+1]` host rows into contiguous `(inputs, targets)` `[B, T]` on `device`, tensors the caller owns."
+    # one non-blocking copy per batch out of `slots` pinned staging buffers, each guarded by an event so it is never
+    # rewritten while its copy may be in flight. `views=True`: views of `slots` reused buffers instead, valid until
+    # `slots` more batches are put.
     def __init__(self, B:int,             # rows per batch
                  T:int,                   # tokens per row of inputs (a row of the batch has T+1)
                  device='cuda',           # where the batches go (see `resolve_device`)
@@ -116,28 +125,33 @@ class DeviceTransfer:
         self._events = [None] * self.slots
         self.reset_stats()
 
-    def reset_stats(self):
-        "Zero the counters reported by `stats()`."
-        self._batches = self._copies = self._bytes = self._staged = self._stalls = 0
-        self._wait_s = 0.0
+# %% ../../nbs/pipe/07_transfer.ipynb #f66c9aa9
+@patch
+def reset_stats(self:DeviceTransfer):
+    "Zero the counters reported by `stats()`."
+    self._batches = self._copies = self._bytes = self._staged = self._stalls = 0
+    self._wait_s = 0.0
 
-    def _halves(self, buf):
-        n = self.B * self.T
-        return buf[:n].view(self.B, self.T), buf[n:].view(self.B, self.T)
+@patch
+def _halves(self:DeviceTransfer, buf):
+    n = self.B * self.T
+    return buf[:n].view(self.B, self.T), buf[n:].view(self.B, self.T)
 
-    def _wait(self, s):
-        "Block until the copy that last read staging slot `s` has completed."
-        ev = self._events[s]
-        if ev is None or ev.query(): return
-        t0 = time.perf_counter()
-        ev.synchronize()
-        self._wait_s += time.perf_counter() - t0
-        self._stalls += 1
+@patch
+def _wait(self:DeviceTransfer, s):
+    "Block until the copy that last read staging slot `s` has completed."
+    ev = self._events[s]
+    if ev is None or ev.query(): return
+    t0 = time.perf_counter()
+    ev.synchronize()
+    self._wait_s += time.perf_counter() - t0
+    self._stalls += 1
 
 # %% ../../nbs/pipe/07_transfer.ipynb #c7e0a1b2
 @patch
 def put(self:DeviceTransfer, rows):  # `[B, T+1]` token ids on the host (torch or numpy integers)
-    "Stage one batch of rows `[B, T+1]` (torch or numpy integers) and return `(inputs, targets)`, each `[B, T]` on the device."
+    "Stage one batch of rows `[B, T+1]`."
+    # (torch or numpy integers) and return `(inputs, targets)`, each `[B, T]` on the device.
     rows = _as_rows(rows, self.B, self.T)
     s, n = self._batches % self.slots, 2 * self.B * self.T
     if self.cuda: self._wait(s)
@@ -165,7 +179,9 @@ def synchronize(self:DeviceTransfer):
 
 @patch
 def stats(self:DeviceTransfer) -> dict:
-    "Counters since construction or `reset_stats()`: batches, copies, bytes_copied (host to device), staged_bytes (written on the host), stalls and wait_s (host waits on a busy slot)."
+    "Counters since construction or `reset_stats()`."
+    # batches, copies, bytes_copied (host to device), staged_bytes (written on the host), stalls and wait_s (host waits
+    # on a busy slot).
     return dict(device=str(self.device), slots=self.slots, batches=self._batches, copies=self._copies,
                 bytes_copied=self._bytes, staged_bytes=self._staged, stalls=self._stalls, wait_s=self._wait_s)
 

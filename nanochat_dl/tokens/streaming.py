@@ -27,7 +27,9 @@ from pathlib import Path
 from .meta import file_sha256
 from .root import TokenRoot
 from ..io.fetch import giving_up_on
-from ..pipe.packing import HELD, MAX_WAIT, Packer, FlatDocs, Segment, PackedBatch, position_ids, cu_seqlens, PackerBase
+from ..pipe.packing import HELD, FlatDocs, Segment, PackedBatch, PackerBase
+from ..pipe.bestfit import MAX_WAIT, Packer
+from ..pipe.masks import position_ids, cu_seqlens
 from ..pipe.transfer import DeviceTransfer, TrainingTriple, resolve_device
 
 # %% ../../nbs/tokens/12_streaming.ipynb #46e7cf80
