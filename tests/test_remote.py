@@ -11,7 +11,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from s3util import FaultProxy, MotoServer, moto, proxy, s3_env, until, use_proxy, wait_port   # noqa: F401 (moto, proxy: fixtures)
 
 from nanochat_dl.io.cachedir import Flock
-from nanochat_dl.io.retry import FetchError, is_transient
+from nanochat_dl.io.retries import FetchError, is_transient
 from nanochat_dl.io.cache import FileCache
 from nanochat_dl.io.uri import RemoteFile, list_files, open_uri
 

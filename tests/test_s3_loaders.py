@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from s3util import FaultProxy, MotoServer, moto, proxy, s3_env, until, use_proxy   # noqa: F401 (moto, proxy: fixtures)
 
 from nanochat_dl.tokens import TokenRoot, file_record, update_counts, update_manifest, write_token_file
-from nanochat_dl.io.retry import FetchError
+from nanochat_dl.io.retries import FetchError
 from nanochat_dl.tokens.streaming import StreamingLoader
 
 pytest.importorskip('moto')
@@ -479,7 +479,7 @@ def read_json(p): return json.loads(Path(p).read_text())
 def test_tokenize_to_s3_never_shows_half_a_file(text, moto, bucket, proxy, tmp_path):
     "Uploads cut by resets and 503s are retried; one the store refuses (403) fails the run: no manifest, no partial object, nothing hidden left over."
     from nanochat_dl.tokens import tokenize
-    from nanochat_dl.io.retry import FetchError
+    from nanochat_dl.io.retries import FetchError
     shards, tok = text
     moto.put(bucket, {})
     proxy.add('status', path='.part', method='PUT', count=2, status=503)

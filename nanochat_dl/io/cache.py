@@ -17,7 +17,7 @@ from pathlib import Path
 from fastcore.basics import patch
 from ..core import atomic_write, check_int, file_in_the_way, file_kind, human_bytes, local_location
 from .uri import file_infos, is_local, list_files, open_uri
-from .retry import retry
+from .retries import retry
 from .fetch import Cancelled, fetch_file, new_temp, reader_gone
 from .cachedir import (INDEX, LIVE_CACHES, Flock, clean_temps, default_cache_dir, digest, etag,
                                      read_index, reserved_bytes, scan_copies, try_remove)

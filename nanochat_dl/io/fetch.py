@@ -10,7 +10,7 @@ __all__ = ['Cancelled', 'new_temp', 'tag_of', 'fetch_file', 'upload_file', 'givi
 import hashlib, os, secrets, threading, time
 from contextlib import contextmanager
 from pathlib import Path
-from .retry import FetchError, backoff_s, is_transient, retry
+from .retries import FetchError, backoff_s, is_transient, retry
 try: import fcntl                  # POSIX; the temp files' locks need it
 except ImportError: fcntl = None
 

@@ -12,7 +12,7 @@ import requests, urllib3
 from requests.adapters import HTTPAdapter
 from urllib3.util import Retry
 from ..core import human_bytes
-from .retry import backoff_s
+from .retries import backoff_s
 from .fetch import Cancelled
 from fastcore.basics import patch
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import os
 from contextlib import contextmanager
 from ..core import get_data_dir, get_dist_info, check_int
-from ..io.retry import FetchError
+from ..io.retries import FetchError
 from ..io.cache import FileCache
 from ..io.cachedir import cache_for, local_copy
 from ..io.uri import is_local

@@ -19,7 +19,7 @@ from ..text.shards import split_files, split_shards, check_utf8_errors
 from ..io.cache import FileCache
 from ..io.cachedir import default_cache_dir
 from ..io.uri import is_local, list_files, open_uri
-from ..io.retry import retry
+from ..io.retries import retry
 from ..io.fetch import upload_file
 from .meta import (COUNTS_FILE, MANIFEST, META, RECORD_KEYS, check_dataset_name, dataset_files,
                                      datasets_of, describe_tokenizer, file_sha256, list_datasets, nested_in,
