@@ -96,7 +96,7 @@ def compare_strategies(tokenizer,                 # the tokenizer all strategies
                        strategies=DEMO_STRATEGIES,  # packing strategies to run, each on the same documents
                        warmup:int=10,             # batches before the counting starts (the buffer fills up)
                        batches:int=30,            # batches counted
-                       **loader_kw,               # more `PackedLoader` arguments (data_dir, buffer_size, ...)
+                       **loader_kw,               # more `PackedLoader` arguments (data_dir, pack_buffer, ...)
                       ) -> list:
     """Each strategy on the same document stream: over `batches` batches after `warmup`, its crop, pad and waste and
     documents per row; at the end, the documents longer than a row still waiting in its buffer."""
@@ -106,7 +106,7 @@ def compare_strategies(tokenizer,                 # the tokenizer all strategies
                          "(prefetch=0), so that what waits in the buffer is read as it is at the last batch counted")
     out = []
     for s in strategies:
-        with PackedLoader(tokenizer, B, T, strategy=s, prefetch=0, **loader_kw) as ld:   # no thread packing ahead
+        with PackedLoader(tokenizer, B, T, pack=s, prefetch=0, **loader_kw) as ld:   # no thread packing ahead
             ms = [b.metrics for b in itertools.islice(ld, warmup + batches)]
             waiting = ld.packer.buffer_lengths()
         waiting = waiting[waiting > T + 1]
@@ -200,7 +200,7 @@ def run_demo(data_dir=None,        # shard folder; the sample shards are written
     B, T, steps, every, compare_batches = _check_demo(B, T, steps, every, compare, compare_batches, device)
     d = ensure_shards(data_dir, out)
     tok = ensure_tokenizer(d, tokenizer_dir, vocab_size, out)
-    kw = dict(data_dir=d, strategy=strategy, buffer_size=buffer_size, tokenizer_threads=threads, device=device)
+    kw = dict(data_dir=d, pack=strategy, pack_buffer=buffer_size, tokenizer_threads=threads, device=device)
     ms, digests, states, last, wall, dev, waiting = _stream(tok, B, T, steps, kw, out)
     out(metrics_table(ms, every))
     (ok, half, kib), m = _resume_check(tok, B, T, steps, kw, states, digests), ms[-1]
@@ -216,7 +216,7 @@ def run_demo(data_dir=None,        # shard folder; the sample shards are written
         out(f"\nthe strategies on the same documents ({B}x{T}, buffer {buffer_size}; 10 batches of warm-up, "
             f"then {compare_batches} counted):")
         res['compare'] = compare_strategies(tok, B, T, compare, 10, compare_batches, data_dir=d,
-                                            buffer_size=buffer_size, tokenizer_threads=threads, device='cpu')
+                                            pack_buffer=buffer_size, tokenizer_threads=threads, device='cpu')
         out(format_strategies(res['compare'], T))
     return res
 

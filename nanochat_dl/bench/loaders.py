@@ -162,8 +162,8 @@ def _contender(kind, tok, files, B, T, threads, buffer_size, best) -> tuple:
                                                                         buffer_size)
         ld = it.loader
     else:
-        it = ld = PackedLoader(tok, B, T, files=files, strategy=best, tokenizer_threads=threads,
-                               buffer_size=buffer_size, device='cpu')
+        it = ld = PackedLoader(tok, B, T, files=files, pack=best, tokenizer_threads=threads,
+                               pack_buffer=buffer_size, device='cpu')
     return it, ld, tt, (ld.packer if ld is not None else packer)
 
 # %% ../../nbs/bench/15_bench.ipynb #4d149c88
