@@ -93,3 +93,9 @@ def test_exported_cells_within_their_size():
             if c['cell_type'] == 'code' and src.lstrip().startswith('#| export') and len(src.splitlines()) > 40:
                 big.append(f"{nb.relative_to(ROOT)}: {src.splitlines()[1][:60]!r} ({len(src.splitlines())} lines)")
     assert not big, big
+
+def test_the_readme_lists_every_chapter_and_its_modules():
+    sys.path.insert(0, str(ROOT / 'tools'))
+    import chapters
+    assert chapters.readme_table((ROOT / 'README.md').read_text()) == chapters.table(), \
+        "README's chapter table is out of step with nbs/: run python tools/chapters.py --write"

@@ -31,7 +31,7 @@ def chapters() -> list:
 def table() -> str:
     "The README's chapter table."
     rows = [HEADER, '|---|---|---|']
-    rows += [f"| `{p}` | {', '.join(f'`{m}`' for m in mods)} | {s} |" for p, mods, s in chapters()]
+    rows += [f"| `{p}` | {', '.join(f'`{m}`' for m in mods) or '(prose only)'} | {s} |" for p, mods, s in chapters()]
     return '\n'.join(rows) + '\n'
 
 def readme_table(text) -> str:
