@@ -10,7 +10,7 @@ import pytest
 
 from nanochat_dl.tokens.arrow import TokenRoot, write_counts, write_token_file
 from nanochat_dl.pipe.packing import fineweb_like_lengths
-from nanochat_dl.tokens.streaming import StreamingLoader, sealed
+from nanochat_dl.tokens import StreamingLoader, sealed
 from test_streaming import toy_root
 
 pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")
@@ -102,7 +102,7 @@ def test_mixed_datasets_end_their_epochs(tmp_path, kw):
 
 # ---------------------------------------------------------------- across rescales: a rank handed shards of different epochs
 
-from nanochat_dl.tokens.streaming import DocKey, owned_shards, shard_starts
+from nanochat_dl.tokens import DocKey, owned_shards, shard_starts
 
 
 class Ledger:
@@ -253,7 +253,7 @@ def test_max_wait_is_part_of_the_state(small):
 
 import tempfile
 from hypothesis import HealthCheck, given, settings, strategies as st
-from nanochat_dl.tokens.streaming import PACKS, open_epochs
+from nanochat_dl.tokens import PACKS, open_epochs
 
 CHAINS = [(3, 5, 2), (1, 4, 3), (2, 1), (1,)]
 
@@ -306,7 +306,7 @@ def test_epochs_end_over_chains_hypothesis(T, data, pack, max_chunk, window, pac
 
 # ---------------------------------------------------------------- parked pieces: exact resume, rescaled again, refused when impossible
 
-from nanochat_dl.tokens.streaming import FastTokenStream, TokenStream
+from nanochat_dl.tokens import FastTokenStream, TokenStream
 
 
 @pytest.mark.parametrize('kw', DRIFT[:2])

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from nanochat_dl.tokens.arrow import write_counts, write_token_file
-from nanochat_dl.tokens.streaming import StreamingLoader, open_epochs, sealed
+from nanochat_dl.tokens import StreamingLoader, open_epochs, sealed
 
 pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")
 
@@ -78,7 +78,7 @@ def test_a_huge_parked_list_is_refused_at_once(tmp_path, kw):
 
 
 from nanochat_dl.tokens.arrow import TokenRoot
-from nanochat_dl.tokens.streaming import owned_shards, shard_starts
+from nanochat_dl.tokens import owned_shards, shard_starts
 from test_stream_epochs_end import Ledger, assert_tiles_to
 
 

@@ -19,7 +19,7 @@ import torch
 from fastcore.script import call_parse
 from ..core import check_int, get_base_dir
 from ..tokens.arrow import TokenRoot
-from ..tokens.streaming import PACKS, StreamingLoader, open_epochs
+from ..tokens import PACKS, StreamingLoader, open_epochs
 from .stream import bench_root, per_document_rows
 
 # %% ../../nbs/bench/17_bench_peers.ipynb #50d6a89f

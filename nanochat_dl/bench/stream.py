@@ -17,7 +17,7 @@ from fastcore.script import call_parse
 from ..core import check_int, get_base_dir, load_average, load_line
 from ..tokens.arrow import TokenRoot, write_counts, write_token_file
 from ..pipe.packing import fineweb_like_lengths
-from ..tokens.streaming import PACKS, StreamingLoader, TokenStream
+from ..tokens import PACKS, StreamingLoader, TokenStream
 
 # %% ../../nbs/bench/16_bench_stream.ipynb #315b594b
 BENCH_DATASETS = {'web': (4, 3000), 'code': (2, 3000), 'books': (1, 2000)}   # files, documents per file
