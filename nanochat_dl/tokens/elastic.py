@@ -7,7 +7,7 @@ of an epoch is still delivered exactly once."""
 # %% auto #0
 __all__ = ['CHECKPOINT_FORMAT', 'loader_state_path', 'save_loader_states', 'load_loader_states']
 
-# %% ../../nbs/tokens/13_elastic.ipynb #f7903319
+# %% ../../nbs/tokens/13_elastic.ipynb #97b15998
 import itertools, json, re
 from ..pipe.stages import check_state
 from pathlib import Path
@@ -17,6 +17,7 @@ from .world import unit_states, first_differing
 
 # %% ../../nbs/tokens/13_elastic.ipynb #e1000009
 CHECKPOINT_FORMAT = 'nanochat_dl.loader_states/1'
+
 _NAME = re.compile(r'loader_state\.rank(\d+)-of-(\d+)\.json')
 
 def loader_state_path(folder,            # the checkpoint's folder
@@ -38,15 +39,17 @@ def save_loader_states(folder,           # the checkpoint's folder (made if miss
                        rank=None, world_size=None,   # default: torch.distributed's, or torchrun's environment
                        run=None,         # the run's id (default: the one in `state`, if any)
                        ) -> Path:
-    "Write this rank's loader `state` into `folder`, next to the model checkpoint: one small JSON file per rank, written atomically, with a header `load_loader_states` checks."
+    "Write this rank's loader `state` into `folder`, next to the model checkpoint."
     if rank is None or world_size is None:
         info = get_dist_info()
         rank, world_size = info.rank if rank is None else rank, info.world_size if world_size is None else world_size
     W, r, step = check_int('world_size', world_size, 1), check_int('rank', rank, 0), check_int('step', step, 0)
     if r >= W: raise ValueError(f"rank={r} is invalid for world_size={W}: expected 0 <= rank < world_size")
-    if not isinstance(state, dict): raise TypeError(f"state is {type(state).__name__}: expected a dict from state_dict()")
+    if not isinstance(state, dict):
+        raise TypeError(f"state is {type(state).__name__}: expected a dict from state_dict()")
     run = _run_of(state) if run is None else run
-    if run is not None and not isinstance(run, str): raise TypeError(f"run={run!r} is invalid: expected None or a string")
+    if run is not None and not isinstance(run, str):
+        raise TypeError(f"run={run!r} is invalid: expected None or a string")
     body = dict(format=CHECKPOINT_FORMAT, rank=r, world_size=W, step=step, run=run, state=check_state(state))
     return atomic_write(loader_state_path(folder, r, W), json.dumps(body), mode='w')
 
@@ -56,37 +59,50 @@ def _read_header(p) -> dict:
     m = _NAME.fullmatch(p.name)
     if not m: raise ValueError(f"{p}: not a loader state file name, expected loader_state.rank00000-of-00002.json")
     try: h = json.loads(p.read_text())
-    except (OSError, UnicodeDecodeError, ValueError) as e: raise ValueError(f"{p} is not a JSON loader state: {e}") from None
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise ValueError(f"{p} is not a JSON loader state: {e}") from None
     except RecursionError: raise ValueError(f"{p} is not a JSON loader state: its JSON is nested too deep") from None
     if not isinstance(h, dict) or h.get('format') != CHECKPOINT_FORMAT:
-        raise ValueError(f"{p}: format={(h.get('format') if isinstance(h, dict) else None)!r}, expected {CHECKPOINT_FORMAT!r} (a file from save_loader_states)")
+        raise ValueError(f"{p}: format={(h.get('format') if isinstance(h, dict) else None)!r}, expected "
+                         f"{CHECKPOINT_FORMAT!r} (a file from save_loader_states)")
     r, W = read_int(f"{p}: rank", h.get('rank')), read_int(f"{p}: world_size", h.get('world_size'), 1)
     if (r, W) != (int(m[1]), int(m[2])):
-        raise ValueError(f"{p}: its name says rank {int(m[1])} of {int(m[2])}, its header rank {r} of {W}: a file renamed, or copied from another save")
+        raise ValueError(f"{p}: its name says rank {int(m[1])} of {int(m[2])}, its header rank {r} of {W}: a file "
+                         f"renamed, or copied from another save")
     read_int(f"{p}: step", h.get('step')); read_field(h, 'state', dict, str(p))
     return h
 
+# %% ../../nbs/tokens/13_elastic.ipynb #f1352110
 def load_loader_states(folder,           # the checkpoint's folder
                        step=None,        # the step they must be of (default: any, as long as it is one)
                        ) -> list:
-    "Every rank's loader state in `folder`, ordered by rank: refused, naming the file, unless they are all the ranks of one world, of one run, at one step. Pass the list to `load_state_dict` at any world size."
+    "Every rank's loader state in `folder`, ordered by rank."
     folder, step = Path(folder), None if step is None else check_int('step', step, 0)
-    if not folder.is_dir(): raise FileNotFoundError(f"{folder} is not a folder: expected a checkpoint folder holding loader_state.rank*.json files")
+    if not folder.is_dir():
+        raise FileNotFoundError(f"{folder} is not a folder: expected a checkpoint folder holding "
+                                f"loader_state.rank*.json files")
     files = sorted(p for p in folder.iterdir() if p.name.startswith('loader_state.') and p.name.endswith('.json'))
-    if not files: raise FileNotFoundError(f"{folder} holds no loader_state.rank*.json file: no loader state was saved there")
+    if not files:
+        raise FileNotFoundError(f"{folder} holds no loader_state.rank*.json file: no loader state was saved there")
     heads = {p: _read_header(p) for p in files}
     Ws = sorted({h['world_size'] for h in heads.values()})
-    if len(Ws) > 1: raise ValueError(f"{folder} holds the loader states of world sizes {Ws}: two saves mixed in one folder (keep one save per folder)")
+    if len(Ws) > 1:
+        raise ValueError(f"{folder} holds the loader states of world sizes {Ws}: two saves mixed in one folder (keep "
+                         f"one save per folder)")
     ranks = {}
     for p, h in heads.items():
-        if ranks.setdefault(h['rank'], p) != p: raise ValueError(f"{ranks[h['rank']]} and {p} are both rank {h['rank']} of {Ws[0]}: one file per rank")
+        if ranks.setdefault(h['rank'], p) != p:
+            raise ValueError(f"{ranks[h['rank']]} and {p} are both rank {h['rank']} of {Ws[0]}: one file per rank")
     if len(ranks) < Ws[0]:   # (the first few missing: the world size may be any int)
         missing = list(itertools.islice((r for r in range(Ws[0]) if r not in ranks), 8))
         more = f" (and {Ws[0] - len(ranks) - 8} more)" if Ws[0] - len(ranks) > 8 else ''
-        raise FileNotFoundError(f"{loader_state_path(folder, missing[0], Ws[0])} is missing: the save of {Ws[0]} ranks lacks rank(s) {missing}{more}")
+        raise FileNotFoundError(f"{loader_state_path(folder, missing[0], Ws[0])} is missing: the save of {Ws[0]} ranks "
+                                f"lacks rank(s) {missing}{more}")
     ps = [ranks[r] for r in range(Ws[0])]
     for k, what in (('step', 'steps'), ('run', 'runs')):
         if (j := first_differing([heads[p][k] for p in ps])) is not None:
-            raise ValueError(f"{ps[j]} is of {k} {heads[ps[j]][k]!r}, {ps[0]} of {k} {heads[ps[0]][k]!r}: the loader states of two {what} mixed")
-    if step is not None and heads[ps[0]]['step'] != step: raise ValueError(f"{folder} holds the loader states of step {heads[ps[0]]['step']}, expected step {step}")
+            raise ValueError(f"{ps[j]} is of {k} {heads[ps[j]][k]!r}, {ps[0]} of {k} {heads[ps[0]][k]!r}: the loader "
+                             f"states of two {what} mixed")
+    if step is not None and heads[ps[0]]['step'] != step:
+        raise ValueError(f"{folder} holds the loader states of step {heads[ps[0]]['step']}, expected step {step}")
     return [heads[p]['state'] for p in ps]
