@@ -6,7 +6,7 @@ The field readers take what they expect from it, or refuse it with a message nam
 # %% auto #0
 __all__ = ['INT_LIMIT', 'read_int', 'read_field', 'runs_of', 'ranges_of', 'read_pairs', 'read_runs', 'span_text', 'unit_name']
 
-# %% ../../nbs/pipe/07a_fields.ipynb #a716d1cc
+# %% ../../nbs/pipe/07a_fields.ipynb #e6a12041
 INT_LIMIT = 1 << 63   # no count, index or epoch in a state reaches this
 
 def read_int(where:str,    # the field's path in the state, for the message
@@ -32,7 +32,7 @@ def read_field(d,          # the dict holding the field
         raise ValueError(f"{where}[{k!r}] is {'missing' if k not in d else type(v).__name__}, expected {typ.__name__}")
     return v
 
-# %% ../../nbs/pipe/07a_fields.ipynb #885d6312
+# %% ../../nbs/pipe/07a_fields.ipynb #91b859ab
 def runs_of(xs) -> list:
     "`[[value, count], ...]` runs of `xs`."
     out = []
@@ -49,7 +49,7 @@ def ranges_of(xs) -> list:
         else: out.append([x, x + 1])
     return out
 
-# %% ../../nbs/pipe/07a_fields.ipynb #e0e636db
+# %% ../../nbs/pipe/07a_fields.ipynb #1d13d0c4
 def read_pairs(runs,        # what should be a list of `[int, int]` pairs
                where:str,   # its path in the state, for the message
               ) -> list:
@@ -73,7 +73,7 @@ def read_runs(runs,        # `runs_of`'s runs, as read from a state
     if total != n: raise ValueError(f"{where}: its runs hold {total} values, expected {n}")
     return [v for v, c in runs for _ in range(c)]
 
-# %% ../../nbs/pipe/07a_fields.ipynb #6ffc6197
+# %% ../../nbs/pipe/07a_fields.ipynb #b11dc2ba
 def span_text(shards) -> str:
     "Logical shards in a few words: `first..last (count)`."
     return f"{shards[0]}..{shards[-1]} ({len(shards)})" if shards else "none"

@@ -6,7 +6,7 @@ logical shards, with the state torchdata's `StatefulDataLoader` checkpoints."""
 # %% auto #0
 __all__ = ['StreamingDataset']
 
-# %% ../../nbs/tokens/12j_dataset.ipynb #d9dc44d8
+# %% ../../nbs/tokens/12j_dataset.ipynb #b6bc01dc
 import os
 import torch
 from fastcore.basics import patch
@@ -48,7 +48,7 @@ class StreamingDataset(torch.utils.data.IterableDataset):
     def __getstate__(self):
         return dict(self.__dict__, _stream=None, _box=[None], _drop=None)   # maps stay in the process that made them
 
-# %% ../../nbs/tokens/12j_dataset.ipynb #3407c190
+# %% ../../nbs/tokens/12j_dataset.ipynb #b96947c0
 @patch
 def _ensure(self:StreamingDataset) -> TokenStream:
     "This worker's stream."
@@ -82,7 +82,7 @@ def state_dict(self:StreamingDataset) -> dict:
     return sealed(own_copy(dict(format=FORMAT, run=self.run, step=st.pop('step'), config=s.cfg, fingerprint=fp,
                                 **st)))
 
-# %% ../../nbs/tokens/12j_dataset.ipynb #5778745d
+# %% ../../nbs/tokens/12j_dataset.ipynb #7305a844
 @patch
 def load_state_dict(self:StreamingDataset, state):   # this worker's state, or the list of every rank's and worker's
     "Continue from this worker's `state` (checked, and loaded, when the worker builds its stream)."

@@ -7,7 +7,7 @@ of an epoch is still delivered exactly once."""
 # %% auto #0
 __all__ = ['CHECKPOINT_FORMAT', 'loader_state_path', 'save_loader_states', 'load_loader_states']
 
-# %% ../../nbs/tokens/13_elastic.ipynb #97b15998
+# %% ../../nbs/tokens/13_elastic.ipynb #bb0e483e
 import itertools, json, re
 from ..pipe.stages import check_state
 from pathlib import Path
@@ -72,7 +72,7 @@ def _read_header(p) -> dict:
     read_int(f"{p}: step", h.get('step')); read_field(h, 'state', dict, str(p))
     return h
 
-# %% ../../nbs/tokens/13_elastic.ipynb #f1352110
+# %% ../../nbs/tokens/13_elastic.ipynb #3f9a5ec7
 def load_loader_states(folder,           # the checkpoint's folder
                        step=None,        # the step they must be of (default: any, as long as it is one)
                        ) -> list:

@@ -6,7 +6,7 @@ document."""
 # %% auto #0
 __all__ = ['FastTokenStream']
 
-# %% ../../nbs/tokens/12f_fast.ipynb #7644b573
+# %% ../../nbs/tokens/12f_fast.ipynb #c3a09193
 import zlib
 import numpy as np
 from fastcore.basics import patch
@@ -92,7 +92,7 @@ def pull(self:FastTokenStream) -> tuple:
     for tf in read: tf.check()                          # a file rewritten in place: refused, naming it
     return pieces, lens, keys
 
-# %% ../../nbs/tokens/12f_fast.ipynb #527c9b66
+# %% ../../nbs/tokens/12f_fast.ipynb #093882e1
 @patch
 def next_rows(self:FastTokenStream, B:int) -> PackedBatch:
     "The next `B` rows of `seq_len + 1` tokens, as `TokenStream.next_rows` makes them."

@@ -6,7 +6,7 @@ transfer to the device, and a state per batch that resumes it exactly, at this o
 # %% auto #0
 __all__ = ['StreamBatch', 'own_copy', 'StreamingLoader', 'open_epochs']
 
-# %% ../../nbs/tokens/12i_loader.ipynb #f3418944
+# %% ../../nbs/tokens/12i_loader.ipynb #6230c182
 import math, queue, threading, time, warnings, weakref
 from types import SimpleNamespace
 from typing import NamedTuple
@@ -65,7 +65,7 @@ def position_ids(self:StreamBatch) -> torch.Tensor:
     "int64 `[B, seq_len]` on the device."
     return torch.from_numpy(position_ids(self.packed)).to(self.inputs.device)
 
-# %% ../../nbs/tokens/12i_loader.ipynb #52425c21
+# %% ../../nbs/tokens/12i_loader.ipynb #1eeeaafd
 @patch
 def cu_seqlens(self:StreamBatch, max_seqs:int) -> tuple:
     "`(cu_seqlens int32 [max_seqs + 1], max_seqlen)` over the flattened inputs, units as in `position_ids`."
@@ -99,7 +99,7 @@ def own_copy(x):
     "A deep copy of plain data (a state, a config), sharing nothing with `x`: a caller's edits stay the caller's."
     return pickle.loads(pickle.dumps(x, protocol=pickle.HIGHEST_PROTOCOL))
 
-# %% ../../nbs/tokens/12i_loader.ipynb #da33d21b
+# %% ../../nbs/tokens/12i_loader.ipynb #ae74a0df
 class StreamingLoader:
     "Endless, exactly resumable batches of pre-tokenized documents for this rank."
     stream_class = FastTokenStream     # what makes the rows (`TokenStream` makes the same ones, slower)
@@ -140,35 +140,34 @@ class StreamingLoader:
             max_open=max_open,
             cache_dir=cache_dir, cache_size=cache_size, max_wait=max_wait, strip_tokens=strip_tokens,
             min_length=min_length, refresh=refresh)
-        self.device, c = resolve_device(device), self.config
-        self.stream = self.stream_class(self.root, c)
-        self.stream.fetch_ahead()
-        if self.stream.empty:
-            raise ValueError(
-                f"rank {c['rank']} of {c['world_size']} owns no document of datasets {c['datasets']} with "
-                "a positive weight: "
-                f"{c['n_logical_shards']} logical shards of "
-                + ', '.join(f"{d}: {v['docs']} documents" for d, v in self.fingerprint['data'].items())
-                + ": every rank needs a logical shard holding a document (more logical shards, or fewer ranks)"
-            )
-        self.run = run_id(c, self.fingerprint)
-        self.transfer = DeviceTransfer(self.B, c['seq_len'], self.device, slots, copy, views=views)
-        self._snap, self._state, self._started, self._yielded, self._error, self._last = (
-            self.stream.snapshot(),
-            None,
-            False,
-            0,
-            None,
-            None,
-        )
-        self._next_lock = threading.RLock()
-        self._closed, self._stoppers, self._give_up = False, [], threading.Event()
-        self._in_next, self._gone = None, False     # the thread inside `next()`; whether `_let_go` ran
-        self.root.acquire()                               # a user of the root: its `close()` releases it
-        # dropped unclosed: files released at once
-        self._drop = on_drop(self, _release_loader, self.root, self._stoppers)
+        self._open(device, slots, copy, views)
 
-# %% ../../nbs/tokens/12i_loader.ipynb #28e5aaf3
+# %% ../../nbs/tokens/12i_loader.ipynb #d072e4cd
+@patch
+def _open(self:StreamingLoader, device, slots, copy, views):
+    "Build the stream and the transfer for the checked settings, and the state the thread shares."
+    self.device, c = resolve_device(device), self.config
+    self.stream = self.stream_class(self.root, c)
+    self.stream.fetch_ahead()
+    if self.stream.empty:
+        raise ValueError(
+            f"rank {c['rank']} of {c['world_size']} owns no document of datasets {c['datasets']} with "
+            "a positive weight: "
+            f"{c['n_logical_shards']} logical shards of "
+            + ', '.join(f"{d}: {v['docs']} documents" for d, v in self.fingerprint['data'].items())
+            + ": every rank needs a logical shard holding a document (more logical shards, or fewer ranks)"
+        )
+    self.run = run_id(c, self.fingerprint)
+    self.transfer = DeviceTransfer(self.B, c['seq_len'], self.device, slots, copy, views=views)
+    self._snap, self._state, self._started = self.stream.snapshot(), None, False
+    self._yielded, self._error, self._last = 0, None, None
+    self._next_lock = threading.RLock()
+    self._closed, self._stoppers, self._give_up = False, [], threading.Event()
+    self._in_next, self._gone = None, False     # the thread inside `next()`; whether `_let_go` ran
+    self.root.acquire()                               # a user of the root: its `close()` releases it
+    # dropped unclosed: files released at once
+    self._drop = on_drop(self, _release_loader, self.root, self._stoppers)
+
 @patch
 def _full_state(self:StreamingLoader, snap) -> dict:
     st = self.stream.state_of(snap)
@@ -184,6 +183,7 @@ def state_dict(self:StreamingLoader) -> dict:
         if self._state is None: self._state = pickle.dumps(self._full_state(self._snap), pickle.HIGHEST_PROTOCOL)
         return pickle.loads(self._state)   # what a caller does to it is its own business
 
+# %% ../../nbs/tokens/12i_loader.ipynb #d43af0f9
 @patch
 def load_state_dict(self:StreamingLoader, state):   # this rank's state, or the list of every rank's (or every DataLoader worker's)
     "Continue exactly after the batch whose `state` this is (before the first batch)."
@@ -239,7 +239,7 @@ def _release_loader(root, stoppers) -> bool:
     for thread, stop in stoppers: _stop(thread, stop)
     root.release(); return True
 
-# %% ../../nbs/tokens/12i_loader.ipynb #588f98f7
+# %% ../../nbs/tokens/12i_loader.ipynb #373a2e18
 @patch
 def __next__(self:StreamingLoader) -> StreamBatch:
     with self._next_lock:                       # one batch at a time, whichever thread asks
@@ -276,7 +276,7 @@ def _next(self:StreamingLoader) -> StreamBatch:
     self._last = StreamBatch(x, y, packed, self.stream, metrics, lambda: StreamingLoader._full_state(me, snap))
     return self._last
 
-# %% ../../nbs/tokens/12i_loader.ipynb #48aacd88
+# %% ../../nbs/tokens/12i_loader.ipynb #d9a9f298
 @patch(as_prop=True)
 def last_metrics(self:StreamingLoader) -> dict:
     "The metrics of the last batch handed out (None before the first)."
@@ -302,7 +302,7 @@ def __iter__(self:StreamingLoader): return self
 
 _CLOSE_WAIT = 10.0   # seconds close() waits for a next() running in another thread
 
-# %% ../../nbs/tokens/12i_loader.ipynb #f86e0db1
+# %% ../../nbs/tokens/12i_loader.ipynb #0db1fd5b
 @patch
 def close(self:StreamingLoader):
     "Stop the background thread and unmap the files, once a `next()` in another thread has returned. Idempotent."

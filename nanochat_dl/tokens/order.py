@@ -6,7 +6,7 @@ every epoch, and drawn from in proportion to what each shard has left."""
 # %% auto #0
 __all__ = ['shard_starts', 'owned_shards', 'Permutation', 'shard_key', 'CountTree', 'Permutations', 'shard_keys']
 
-# %% ../../nbs/tokens/12_order.ipynb #da679ecf
+# %% ../../nbs/tokens/12_order.ipynb #7d7091ee
 import zlib
 import numpy as np
 from fastcore.basics import patch
@@ -32,7 +32,7 @@ def owned_shards(n_shards:int,     # logical shards per dataset
 # %% ../../nbs/tokens/12_order.ipynb #3d21df79
 _M64, _K = (1 << 64) - 1, 0x9E3779B97F4A7C15
 
-# %% ../../nbs/tokens/12_order.ipynb #56bd4568
+# %% ../../nbs/tokens/12_order.ipynb #9b0f12f5
 class Permutation:
     "A bijection of `range(n)` chosen by `key`, computed one index at a time and never stored."
     def __init__(self, n:int,      # the size of the range permuted
@@ -72,7 +72,7 @@ class Permutation:
     def __len__(self): return self.n
     def __iter__(self): return map(self, range(self.n))
 
-# %% ../../nbs/tokens/12_order.ipynb #39e0f481
+# %% ../../nbs/tokens/12_order.ipynb #ade9c4c0
 def shard_key(seed:int,        # the run's seed
               dataset:str,     # the dataset's name
               shard:int,       # the logical shard
@@ -137,7 +137,7 @@ def _pass(self:Permutations, x, w):
     R ^= (((L ^ k3) * K) >> sr1) >> one
     return (L << hr) | R
 
-# %% ../../nbs/tokens/12_order.ipynb #51977bd2
+# %% ../../nbs/tokens/12_order.ipynb #2a1eb919
 @patch
 def _unpass(self:Permutations, x, w):
     "One pass of the network backwards."

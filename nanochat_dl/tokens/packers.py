@@ -6,7 +6,7 @@ never empty and at most a row long where the mode cuts them, checked against `Pa
 # %% auto #0
 __all__ = ['LazyBatch', 'ConcatRows', 'PadRows', 'BestFitRows']
 
-# %% ../../nbs/tokens/12c_packers.ipynb #1f8d42d4
+# %% ../../nbs/tokens/12c_packers.ipynb #31a44758
 import bisect
 from collections import deque
 from itertools import repeat
@@ -43,7 +43,7 @@ class _Counted:
 
     def __len__(self): return self._n
 
-# %% ../../nbs/tokens/12c_packers.ipynb #a8b763d5
+# %% ../../nbs/tokens/12c_packers.ipynb #28f68471
 class ConcatRows(PackerBase):
     "`Packer(strategy='concat')` for pulls of `(pieces, lengths, keys)`, a piece a list of token arrays."
     strategy = 'concat'
@@ -84,7 +84,7 @@ def buffer_keys(self:ConcatRows) -> tuple:
         keys += ks[k0:]
     return keys, offs
 
-# %% ../../nbs/tokens/12c_packers.ipynb #a52bae02
+# %% ../../nbs/tokens/12c_packers.ipynb #cec60371
 @patch
 def restore(self:ConcatRows, items):
     "Rebuild the buffer from `(tokens, key, offset)` triples in order (only the first may be partly delivered)."
@@ -136,7 +136,7 @@ def _concat_segs(runs, B, C) -> list:
             if p == ends[k]: k += 1
     return out
 
-# %% ../../nbs/tokens/12c_packers.ipynb #5c45a19f
+# %% ../../nbs/tokens/12c_packers.ipynb #66b9d5ea
 class PadRows(PackerBase):
     "`Packer(strategy='greedy', max_docs_per_row=1)` for pulls of `(pieces, lengths, keys)`."
     strategy = 'greedy'
@@ -211,7 +211,7 @@ def _put(self:BestFitRows, p, L, k):
         if d is None: d = self._ep[k[0]] = {}
         d[k[2]] = d.get(k[2], 0) + 1
 
-# %% ../../nbs/tokens/12c_packers.ipynb #a3bf5215
+# %% ../../nbs/tokens/12c_packers.ipynb #a0aa10c4
 @patch
 def _intake(self:BestFitRows, pull):
     pieces, lens, keys = pull()
@@ -364,5 +364,5 @@ def _pop_all(self:BestFitRows) -> list:
     self._q, self._lens, self._n, self._at, self._order, self._ep, self._added = {}, [], 0, {}, deque(), {}, []
     return out
 
-# %% ../../nbs/tokens/12c_packers.ipynb #2df43eee
+# %% ../../nbs/tokens/12c_packers.ipynb #1ff41a83
 BestFitRows.takes_pieces = True   # `TokenStream` hands it `(pieces, lengths, keys)`, as `FastTokenStream` does

@@ -6,7 +6,7 @@ pieces, pieces shuffled in a window, datasets mixed by share of tokens."""
 # %% auto #0
 __all__ = ['Framing', 'Chunker', 'check_weight', 'Mixer', 'Trim', 'TrimmedFile', 'TrimmedRoot', 'Feed']
 
-# %% ../../nbs/tokens/12b_pieces.ipynb #a48875e5
+# %% ../../nbs/tokens/12b_pieces.ipynb #3e2862d5
 import math
 from operator import itemgetter
 from typing import NamedTuple
@@ -37,7 +37,7 @@ class Framing(NamedTuple):
         parts = ([[self.bos]] if a < self.head else []) + [tokens[lo:hi]] + ([self.tail[t0:t1]] if t1 > t0 else [])
         return np.concatenate([np.asarray(p, dtype=np.int64) for p in parts])
 
-# %% ../../nbs/tokens/12b_pieces.ipynb #ccb76552
+# %% ../../nbs/tokens/12b_pieces.ipynb #ebce1bb3
 class Chunker(Stage):
     "Cut each document's unit into pieces of at most `max_chunk` tokens (delimiters count), in order."
     def __init__(self, upstream,          # a stage of whole documents (a `ShardSource`)
@@ -117,7 +117,7 @@ class Mixer(Stage):
             return i, item
         raise StopIteration
 
-# %% ../../nbs/tokens/12b_pieces.ipynb #c1a0d4cc
+# %% ../../nbs/tokens/12b_pieces.ipynb #7646fe77
 @patch
 def state_dict(self:Mixer) -> dict: return dict(tokens=list(self.tokens))
 
@@ -167,7 +167,7 @@ class TrimmedFile:
         return self.tf.read(i, check)[o:o + int(self.lens[i])]
     def __getattr__(self, k): return getattr(self.tf, k)
 
-# %% ../../nbs/tokens/12b_pieces.ipynb #6c806ad7
+# %% ../../nbs/tokens/12b_pieces.ipynb #8c7bbcbd
 class TrimmedRoot:
     "A `TokenRoot` whose files open as `TrimmedFile`s (each file's cut made once); everything else is the root's."
     def __init__(self, root, trim:Trim): self._root, self.trim, self._cuts, self._views = root, trim, {}, {}
@@ -220,7 +220,7 @@ def __next__(self:Feed) -> tuple:
     sh = self.shuffle
     return self._next() if sh is None else sh.draw(self._next)
 
-# %% ../../nbs/tokens/12b_pieces.ipynb #8ba5a1b3
+# %% ../../nbs/tokens/12b_pieces.ipynb #3d58d812
 @patch
 def load_state_dict(self:Feed, state):
     "The chunker's part of a state (`{'cut': [doc, epoch, start] or None}`; the window's is loaded into `shuffle`)."

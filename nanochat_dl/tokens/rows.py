@@ -6,7 +6,7 @@
 # %% auto #0
 __all__ = ['PACKS', 'PULL_GROUP', 'DocKey', 'RowStream']
 
-# %% ../../nbs/tokens/12d_rows.ipynb #92ef3088
+# %% ../../nbs/tokens/12d_rows.ipynb #0ba7f89b
 import math, zlib
 from typing import NamedTuple
 import numpy as np
@@ -38,7 +38,7 @@ def _doc_epoch(d) -> int: return d.address[1]                                  #
 
 PULL_GROUP = 16                                                                     # mixer items per pull of the packer
 
-# %% ../../nbs/tokens/12d_rows.ipynb #afbaa303
+# %% ../../nbs/tokens/12d_rows.ipynb #b93ebf3b
 class RowStream:
     "The synchronous pipeline of one unit of work (a rank, or one DataLoader worker of a rank)."
     def __init__(self, root,          # a `TokenRoot`
@@ -72,7 +72,7 @@ class RowStream:
     @property
     def empty(self) -> bool: return not self.mixer.active
 
-# %% ../../nbs/tokens/12d_rows.ipynb #d3edc61b
+# %% ../../nbs/tokens/12d_rows.ipynb #f9c759b5
 @patch
 def _stages(self:RowStream, ds, shards, unit) -> tuple:
     "Dataset `ds`'s source, chunker and shuffle buffer (None where off), and the stage the mixer pulls from."
@@ -151,7 +151,7 @@ def next_rows(self:RowStream, B:int) -> PackedBatch:
     self.step += 1
     return packed
 
-# %% ../../nbs/tokens/12d_rows.ipynb #21f5ac60
+# %% ../../nbs/tokens/12d_rows.ipynb #c6dcdc35
 @patch
 def _pull_pieces(self:RowStream) -> tuple:
     "`pull` as `BestFitRows` takes it: `(pieces, lengths, keys)`, a piece a list of one token array."
@@ -186,7 +186,7 @@ def doc_tokens(self:RowStream, packed) -> list:
             if hi > lo: per[key[0]] += hi - lo
     return per
 
-# %% ../../nbs/tokens/12d_rows.ipynb #06ff8832
+# %% ../../nbs/tokens/12d_rows.ipynb #0d294e68
 @patch
 def _low(self:RowStream, i):
     "The oldest epoch dataset `i` may still hand the packer from its shards."
@@ -211,7 +211,7 @@ def _unpark(self:RowStream) -> list:
         self.parked[i] = keep
     return out
 
-# %% ../../nbs/tokens/12d_rows.ipynb #b229df66
+# %% ../../nbs/tokens/12d_rows.ipynb #2266a2ff
 @patch
 def _bestfit(self:RowStream) -> BestFitRows:
     "The bestfit packer, its epoch guard on, counting the document tokens it holds per dataset (`delivered`)."

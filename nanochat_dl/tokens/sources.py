@@ -6,7 +6,7 @@
 # %% auto #0
 __all__ = ['ShardSource', 'BlockSource']
 
-# %% ../../nbs/tokens/12a_sources.ipynb #2bea105d
+# %% ../../nbs/tokens/12a_sources.ipynb #d361b47b
 import bisect, zlib
 from itertools import repeat
 import numpy as np
@@ -52,7 +52,7 @@ def _restart(self:ShardSource):
     self._perms = [None] * len(self.shards)
     self._live = 0
 
-# %% ../../nbs/tokens/12a_sources.ipynb #9810c9a8
+# %% ../../nbs/tokens/12a_sources.ipynb #86fefbc3
 @patch
 def perm(self:ShardSource, j) -> Permutation:
     "The order of the `j`-th shard of this source in its current epoch."
@@ -109,7 +109,7 @@ def _file_lens(self:ShardSource, f) -> list:
     L = self._lens[f] = self.root.open(self.dataset, self.files[f]).lens.tolist()
     return L
 
-# %% ../../nbs/tokens/12a_sources.ipynb #0c77595d
+# %% ../../nbs/tokens/12a_sources.ipynb #7b452944
 @patch
 def has_tokens(self:ShardSource) -> bool:
     "Whether any document of this source's shards has a token (reads the lengths of their files)."
@@ -272,7 +272,7 @@ def cursor(self:BlockSource):
     "The cursors after the items handed out, in O(1): the lists it holds are replaced, never changed."
     return self.epoch, self.pos, self.draws, self._js, self._nd[self._t - 1] if self._t else 0
 
-# %% ../../nbs/tokens/12a_sources.ipynb #84169605
+# %% ../../nbs/tokens/12a_sources.ipynb #ff96955e
 @patch
 def at(self:BlockSource, cur) -> tuple:
     "`(epoch, pos, draws)` of a `cursor()`."
@@ -305,7 +305,7 @@ def lengths(self:BlockSource, docs) -> np.ndarray:
     self._read_lengths(np.searchsorted(self._fstarts, G, 'right') - 1)
     return self._L[G]
 
-# %% ../../nbs/tokens/12a_sources.ipynb #23c5fbf5
+# %% ../../nbs/tokens/12a_sources.ipynb #c6d1376a
 @patch
 def fetch(self:BlockSource, addresses) -> list:
     "The pieces at `addresses` (`(doc, epoch, start)`), as tuples."

@@ -7,7 +7,7 @@ it is resumed, the run's id and the checksum that seals a state."""
 __all__ = ['FORMAT', 'OLD_FORMATS', 'data_fingerprint', 'stream_config', 'check_resume', 'run_id', 'state_checksum', 'sealed',
            'check_checksum']
 
-# %% ../../nbs/tokens/12g_state.ipynb #78939817
+# %% ../../nbs/tokens/12g_state.ipynb #54b12d2d
 import hashlib, json, math, warnings, zlib
 from pathlib import Path
 import numpy as np
@@ -38,7 +38,7 @@ def _token_id(name, v, hi=1 << 32):
         raise ValueError(f"{name}={v!r} is invalid: expected None or a token id in [0, {hi})")
     return None if v is None else int(v)
 
-# %% ../../nbs/tokens/12g_state.ipynb #d6af2960
+# %% ../../nbs/tokens/12g_state.ipynb #e8a5f435
 def _weights(weights, datasets, root) -> list:
     "Checked weights, one per dataset (default: each dataset's tokens)."
     if weights is None:
@@ -67,7 +67,7 @@ def _content(root, ds, f) -> str:
     if r is not None: return r['sha256']
     return file_sha256(Path(root.root)/ds/f) if root.cache is None else ''
 
-# %% ../../nbs/tokens/12g_state.ipynb #0679020c
+# %% ../../nbs/tokens/12g_state.ipynb #95b337e9
 def data_fingerprint(root,          # a `TokenRoot`
                      datasets,      # the dataset names
                      ) -> dict:
@@ -121,7 +121,7 @@ def stream_config(root, seq_len, *,   # the settings of `StreamingLoader`, docum
     cfg['weights'] = _weights(weights, cfg['datasets'], root)
     return root, cfg, dict(data=data_fingerprint(root, cfg['datasets']), tokenizer=tokenizer)
 
-# %% ../../nbs/tokens/12g_state.ipynb #3d571fb5
+# %% ../../nbs/tokens/12g_state.ipynb #59fee2b8
 def _strip_ids(v) -> list:
     "`strip_tokens` checked: token ids in [0, 2**32), as a sorted list without repeats (None: none)."
     if v is None: return []
@@ -160,7 +160,7 @@ def _check_unit(c:dict, config:dict):
         raise ValueError(f"state was saved with {was} by {unit_name(c)}, this loader is {unit_name(config)}: pass this "
                          f"rank's own state, or the list of every rank's state")
 
-# %% ../../nbs/tokens/12g_state.ipynb #88734adc
+# %% ../../nbs/tokens/12g_state.ipynb #e0b0fb7c
 def check_resume(state,             # a state from `state_dict()`, or anything a checkpoint file held
                  config:dict,       # this loader's checked settings
                  fingerprint:dict): # this loader's data and tokenizer fingerprint

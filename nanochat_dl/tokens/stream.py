@@ -6,7 +6,7 @@ field before it resumes the rows exactly."""
 # %% auto #0
 __all__ = ['TokenStream', 'ShardCursors']
 
-# %% ../../nbs/tokens/12e_stream.ipynb #ef95276b
+# %% ../../nbs/tokens/12e_stream.ipynb #f2d1edb8
 import bisect
 from collections import Counter, defaultdict
 from typing import NamedTuple
@@ -17,7 +17,7 @@ from ..pipe.fields import INT_LIMIT, read_field, read_int, read_pairs, read_runs
 from .order import shard_starts, Permutation, shard_key
 from .rows import RowStream
 
-# %% ../../nbs/tokens/12e_stream.ipynb #573d354a
+# %% ../../nbs/tokens/12e_stream.ipynb #fce56f00
 class TokenStream(RowStream):
     "A `RowStream` whose state can be saved after any batch and loaded to resume its rows exactly."
 
@@ -52,7 +52,7 @@ def state_of(self:TokenStream, snap) -> dict:
 @patch
 def _address(self:TokenStream, item) -> tuple: return item.address
 
-# %% ../../nbs/tokens/12e_stream.ipynb #17444da5
+# %% ../../nbs/tokens/12e_stream.ipynb #9e2d3310
 @patch
 def delivered(self:TokenStream, snap) -> list:
     "Per dataset, the document tokens delivered in rows up to `snap`."
@@ -120,7 +120,7 @@ def _check_start(self:TokenStream, g, L, a, where, rows=False, inside=False):
     if not (a < U and (inside or ((a - c) % self.C == 0 if rows else a == c))):
         raise ValueError(f"{where}: start {a} is not where a piece of document {g} ({U} tokens with delimiters) starts")
 
-# %% ../../nbs/tokens/12e_stream.ipynb #44ac8755
+# %% ../../nbs/tokens/12e_stream.ipynb #d0993a80
 @patch
 def _parse_dataset(self:TokenStream, i, d, where) -> dict:
     "Dataset `i`'s part of a state, checked: its shards' cursors, the document being cut, the shuffle window."
@@ -158,7 +158,7 @@ def _parse_dataset(self:TokenStream, i, d, where) -> dict:
         out['shuffle'] = (drawn, list(zip(doc, ep, at)))
     return out
 
-# %% ../../nbs/tokens/12e_stream.ipynb #24ea8ef9
+# %% ../../nbs/tokens/12e_stream.ipynb #58d92f27
 @patch
 def _parse_cut(self:TokenStream, i, cut, cur, w) -> tuple:
     "A dataset's `cut` checked."
@@ -204,7 +204,7 @@ def _parse_entries(self:TokenStream, pk, ds) -> list:
         items.append((i, g, e, a, off, n, L))
     return items
 
-# %% ../../nbs/tokens/12e_stream.ipynb #31fe0b0c
+# %% ../../nbs/tokens/12e_stream.ipynb #989dbf72
 @patch
 def _parse_metrics(self:TokenStream, pk, items) -> dict:
     "The packer's counters, checked against each other and the entries."
@@ -234,7 +234,7 @@ def _piece_where(self:TokenStream, i, k, j) -> str:
     if k == 1: return f"state['packer']['entries'][{j}]"
     return f"state['datasets'][{self.names[i]!r}]" + (f"['shuffle'] piece {j}" if k == 0 else f"['parked'][{j}]")
 
-# %% ../../nbs/tokens/12e_stream.ipynb #0fb22c56
+# %% ../../nbs/tokens/12e_stream.ipynb #fb812306
 @patch
 def _check_once(self:TokenStream, ds, items):
     "Refuse a state that buffers a piece twice."
@@ -264,7 +264,7 @@ def _check_once(self:TokenStream, ds, items):
                              f"lies beyond "
                              f"state['datasets'][{self.names[i]!r}]['cut'] at {cut[2]}: that part is not cut off yet")
 
-# %% ../../nbs/tokens/12e_stream.ipynb #05d8eba9
+# %% ../../nbs/tokens/12e_stream.ipynb #f98ea38d
 @patch
 def parse_state(self:TokenStream, st) -> dict:
     "Every field of `st` (`state_of`'s form) checked against this stream's data and settings and against each other."
@@ -305,7 +305,7 @@ def load_state(self:TokenStream, st:dict):
     self.parked, self.step = [list(d['parked']) for d in p['datasets']], p['step']
     return self
 
-# %% ../../nbs/tokens/12e_stream.ipynb #51671db4
+# %% ../../nbs/tokens/12e_stream.ipynb #10b5d0f7
 def _load_window(sh:ShuffleBuffer, drawn, addresses):
     "Put a checked window into `sh`."
     sh.drawn, sh.done = drawn, False
@@ -320,7 +320,7 @@ def _load_packer(self:TokenStream, items, metrics, entered=None):
     if hasattr(self.packer, 'snap'): self.packer.restore(pieces, entered)   # `BestFitRows`
     else: self.packer.restore(pieces)
 
-# %% ../../nbs/tokens/12e_stream.ipynb #f536e638
+# %% ../../nbs/tokens/12e_stream.ipynb #eba759e3
 @patch
 def _parse_parked(self:TokenStream, i, parked, cur, where) -> list:
     "Dataset `i`'s parked pieces `[[doc, epoch, start], ...]`, each checked as a packer entry is."

@@ -87,11 +87,10 @@ def first_differing(xs):
     "The index of the first value that differs from `xs[0]`, or None."
     return next((j for j, x in enumerate(xs) if x != xs[0]), None)
 
-# %% ../../nbs/tokens/12h_world.ipynb #c0d36bf3
 @patch
-def _units(self:World, states):
-    "Check that `states` are every unit of one world, of one run, at one step, saved with this loader's settings."
-    units, seen, nws = [], {}, {}
+def _world_of(self:World, states) -> tuple:
+    "Each state's unit `(rank, world_size, worker, n_workers)`, checked to resume here, and their one world size."
+    units = []
     for j, s in enumerate(states):
         u = _unit(read_field(s, 'config', dict, self.at[j]), self.at[j])
         try:
@@ -105,7 +104,14 @@ def _units(self:World, states):
         raise ValueError(f"states are from world sizes {Ws}: {self.at[j]} is of world size {units[j][1]}, {self.at[0]} "
                          f"of world size "
                          f"{units[0][1]}: expected the states of every rank of one save")
-    W = Ws[0]
+    return units, Ws[0]
+
+# %% ../../nbs/tokens/12h_world.ipynb #858ea8e6
+@patch
+def _units(self:World, states):
+    "Check that `states` are every unit of one world, of one run, at one step, saved with this loader's settings."
+    units, W = self._world_of(states)
+    seen, nws = {}, {}
     for j, (r, _, w, nw) in enumerate(units):
         if nws.setdefault(r, nw) != nw:
             raise ValueError(f"{self.at[j]} is worker {w} of {nw} of rank {r}, whose other states say {nws[r]} workers")
@@ -144,7 +150,7 @@ def _where(self:World, u, *keys) -> str:
     "A field of unit `u`'s state, named where the caller passed it: `states[j]['datasets'][...]`."
     return self.at[self.index[u]] + ''.join(f"[{k!r}]" for k in keys)
 
-# %% ../../nbs/tokens/12h_world.ipynb #a00504fd
+# %% ../../nbs/tokens/12h_world.ipynb #8524346c
 @patch
 def _merge(self:World, i) -> _Set:
     "Dataset `i` over every unit."
@@ -188,7 +194,7 @@ def _merge(self:World, i) -> _Set:
                 self._check_cuts(i, cur, cuts),
                 self._check_parked(i, cur, parked))
 
-# %% ../../nbs/tokens/12h_world.ipynb #8199705b
+# %% ../../nbs/tokens/12h_world.ipynb #7ce37c27
 @patch
 def _check_parked(self:World, i, cur, parked) -> list:
     "The pieces parked in dataset `i`, each checked, as `(doc, epoch, start, tokens, document length, shard, unit)`."
@@ -242,7 +248,7 @@ def _check_cuts(self:World, i, cur, cuts) -> list:
         out.append((g, e, a, L, s, u))
     return out
 
-# %% ../../nbs/tokens/12h_world.ipynb #5202711e
+# %% ../../nbs/tokens/12h_world.ipynb #73c50b82
 @patch
 def _merge_entries(self:World) -> list:
     "Every unit's packer entries, checked."
@@ -352,7 +358,7 @@ def state_for(self:World, rank:int,       # the rank of the unit ...
                                                       **(dict(entered=[[0, len(entries)]] if entries else [])
                                                          if cfg['pack'] == 'bestfit' else {}))))
 
-# %% ../../nbs/tokens/12h_world.ipynb #e62d57af
+# %% ../../nbs/tokens/12h_world.ipynb #ec570fe4
 @patch
 def _park(self:World, datasets, entries, lo, hi) -> list:
     "Park the pieces of `entries` (and those parked before) two or more epochs past the oldest epoch their dataset."
@@ -393,7 +399,7 @@ def _park(self:World, datasets, entries, lo, hi) -> list:
         if parked: d['parked'] = [[g, e, a] for _, g, e, a, _ in parked]
     return [x for j, x in enumerate(entries) if j not in far] + back
 
-# %% ../../nbs/tokens/12h_world.ipynb #2d9dc1bd
+# %% ../../nbs/tokens/12h_world.ipynb #938bed5e
 def _lineage(run, step, old, new) -> str:
     "The id of a run after a rescale at `step` from world `old` to world `new`."
     return hashlib.sha1(json.dumps([run, step, old, new]).encode()).hexdigest()[:16]
