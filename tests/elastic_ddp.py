@@ -9,8 +9,8 @@ with `save_loader_states` in OUT/PHASE/ckpt."""
 import json, os, sys
 from pathlib import Path
 import torch.distributed as dist
-from nanochat_dl.tokens.streaming import StreamingLoader, open_epochs
-from nanochat_dl.tokens.elastic import save_loader_states, load_loader_states
+from nanochat_dl.tokens import StreamingLoader, open_epochs
+from nanochat_dl.tokens import save_loader_states, load_loader_states
 
 KW = dict(weights=[1, 2, 3], bos_token=1, eos_token=2, sep_token=3, n_logical_shards=12, shuffle_window=10,
           max_chunk=40, pack='bestfit', pack_buffer=8, seed=5)

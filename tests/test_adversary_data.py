@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from nanochat_dl.tokens import TokenRoot, write_token_file
-from nanochat_dl.tokens.streaming import StreamingLoader, TokenStream
+from nanochat_dl.tokens.loader import StreamingLoader
+from nanochat_dl.tokens.stream import TokenStream
 
 
 def many_files_root(path, n_files=8, n_docs=50):
@@ -52,7 +53,7 @@ def test_a_dataset_whose_documents_are_all_dropped_holds_no_epoch_open(tmp_path)
     weight 0 is not: it should hold no epoch open (`math.inf`). Today `open_epochs` says 1 for ever, while the other
     dataset is in epoch 4 and on."""
     import math
-    from nanochat_dl.tokens.streaming import open_epochs
+    from nanochat_dl.tokens import open_epochs
     write_token_file(tmp_path/'web'/'a.arrow', [[5, 6, 2], [7, 2], [8, 9, 10, 2]])
     write_token_file(tmp_path/'code'/'a.arrow', [[2], [2, 2], [2]])
     with StreamingLoader(tmp_path, 8, 1, n_logical_shards=1, shuffle_window=0, prefetch=0, rank=0, world_size=1,

@@ -11,9 +11,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 from s3util import moto, proxy, use_proxy   # noqa: F401 (fixtures)
 from test_s3_loaders import KW, objects, token_root
 
-from nanochat_dl.tokens import TokenRoot
+from nanochat_dl.tokens.root import TokenRoot
 from nanochat_dl.io.cache import FileCache
-from nanochat_dl.tokens.streaming import StreamingLoader
+from nanochat_dl.tokens import StreamingLoader
 
 pytest.importorskip('moto')
 pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")
@@ -102,7 +102,7 @@ import signal, sys, time
 sys.path.insert(0, sys.argv[1])
 from pathlib import Path
 from test_s3_loaders import KW, token_root
-from nanochat_dl.tokens.streaming import StreamingLoader
+from nanochat_dl.tokens import StreamingLoader
 local = token_root(Path(sys.argv[2]), {'web': {f'{i}.arrow': 300 for i in range(10)}})
 late = mapped = users = 0; errors = set()
 for trial in range(20):

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from nanochat_dl.tokens import TokenRoot, file_record, update_manifest, verify_dataset, write_counts, write_token_file
-from nanochat_dl.tokens.streaming import StreamingLoader
+from nanochat_dl.tokens.loader import StreamingLoader
 
 
 def big_root(path, n=3000, manifest=True):

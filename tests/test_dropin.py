@@ -291,8 +291,8 @@ def test_a_hand_edited_at_batch_is_named(env, clean_env, tmp_path):
     """A state whose 'at_batch' was edited by hand (wrong type, fields missing or changed, another loader's state, a
     state of other data or another tokenizer) is refused with an error that names resume_state_dict['at_batch'] and
     what was expected; a list there is not taken for every rank's states."""
-    from nanochat_dl.tokens.streaming import StreamingLoader
-    from nanochat_dl.tokens import write_token_file
+    from nanochat_dl.tokens import StreamingLoader
+    from nanochat_dl.tokens.files import write_token_file
     with dropin(env['tok'], 2, 32, 'train', data_dir=env['toy'], **KW) as dl:
         s = json.loads(json.dumps([next(dl) for _ in range(4)][-1][2]))
     at = s['at_batch']
@@ -306,7 +306,7 @@ def test_a_hand_edited_at_batch_is_named(env, clean_env, tmp_path):
              'no stages': (edit(lambda a: a.pop('stages')), r"lacks \['stages'\]"),
              'no pq_idx': (edit(lambda a: a.pop('pq_idx')), "not 'pq_idx'"),
              'another B': (edit(lambda a: a['config'].update(B=3)), 'B=3'),
-             "StreamingLoader's state": (stream_state, 'nanochat_dl.streaming')}   # (the state format's name)
+             "StreamingLoader's state": (stream_state, 'nanochat_dl.streaming')}
     for what, (v, expected) in cases.items():
         with pytest.raises((TypeError, ValueError), match=r"^resume_state_dict\['at_batch'\]") as e:
             dropin(env['tok'], 2, 32, 'train', data_dir=env['toy'], resume_state_dict=dict(s, at_batch=v), **KW)

@@ -12,9 +12,9 @@ import pytest
 import torch
 from hypothesis import HealthCheck, example, given, settings, strategies as st
 
-from nanochat_dl.tokens import TokenRoot
-from nanochat_dl.tokens.elastic import World, load_loader_states, loader_state_path, save_loader_states, unit_states
-from nanochat_dl.tokens.streaming import PACKS, DocKey, StreamingDataset, StreamingLoader, stream_config
+from nanochat_dl.tokens.root import TokenRoot
+from nanochat_dl.tokens import World, load_loader_states, loader_state_path, save_loader_states, unit_states
+from nanochat_dl.tokens import PACKS, DocKey, StreamingDataset, StreamingLoader, stream_config
 from test_streaming import SPEC, assert_tiles, open_epochs, toy_root
 
 pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")

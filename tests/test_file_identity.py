@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from nanochat_dl.tokens import TokenRoot, write_counts, write_token_file
-from nanochat_dl.tokens.streaming import StreamingLoader
+from nanochat_dl.tokens.loader import StreamingLoader
 
 
 def one_file_root(path, n=2000, length=500):
@@ -19,7 +19,7 @@ def one_file_root(path, n=2000, length=500):
 
 
 CHILD = """import sys
-from nanochat_dl.tokens.streaming import StreamingLoader
+from nanochat_dl.tokens import StreamingLoader
 ld = StreamingLoader(sys.argv[1], 512, 8, prefetch=int(sys.argv[2]), shuffle_window=0, pack_buffer=8)
 next(ld)
 print('ready', flush=True)

@@ -99,7 +99,7 @@ def refused_by_name(call, arg, fifo, timeout, hung):
 def test_a_fifo_named_arrow_is_refused_by_name_not_opened(tmp_path, counts):
     root = small_root(tmp_path/'root', counts=counts)
     os.mkfifo(root/'web'/'zz.arrow')
-    refused_by_name("from nanochat_dl.tokens.streaming import StreamingLoader; StreamingLoader(sys.argv[1], 8, 2, prefetch=0)", root,
+    refused_by_name("from nanochat_dl.tokens import StreamingLoader; StreamingLoader(sys.argv[1], 8, 2, prefetch=0)", root,
                     root/'web'/'zz.arrow', 60, 'StreamingLoader hung on a FIFO named zz.arrow')
 
 
@@ -117,7 +117,7 @@ def test_a_full_epoch_of_300_files_under_a_256_descriptor_limit(tmp_path):
     root = small_root(tmp_path/'root', n_files=300, docs=2)
     probe = """import resource, sys
 resource.setrlimit(resource.RLIMIT_NOFILE, (256, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
-from nanochat_dl.tokens.streaming import StreamingLoader, open_epochs
+from nanochat_dl.tokens import StreamingLoader, open_epochs
 with StreamingLoader(sys.argv[1], 8, 4, prefetch=0, shuffle_window=0) as ld:
     n = 0
     while open_epochs(ld.state_dict())['web'] <= 1: next(ld); n += 1
@@ -156,7 +156,7 @@ def test_a_counts_file_that_is_not_utf8_is_named_with_its_line(tmp_path):
 
 
 def test_a_dataset_of_weight_zero_holds_no_epoch_open(tmp_path):
-    from nanochat_dl.tokens.streaming import StreamingLoader, open_epochs
+    from nanochat_dl.tokens import StreamingLoader, open_epochs
     root = small_root(tmp_path/'root', ds='web')
     small_root(root, ds='code')
     with StreamingLoader(root, 8, 2, weights={'web': 1, 'code': 0}, prefetch=0) as ld:
@@ -184,7 +184,7 @@ print(base, after, sum('close()' in str(x.message) for x in w))
 
 def test_dropped_streaming_loaders_release_their_files_at_once(tmp_path):
     root = small_root(tmp_path/'root', n_files=6)
-    make = f"""from nanochat_dl.tokens.streaming import StreamingLoader
+    make = f"""from nanochat_dl.tokens import StreamingLoader
 def make():
     ld = StreamingLoader({str(root)!r}, 8, 2)
     for _ in range(10): next(ld)
@@ -196,7 +196,7 @@ def make():
 
 def test_dropped_streaming_datasets_release_their_files_at_once(tmp_path):
     root = small_root(tmp_path/'root', n_files=6)
-    make = f"""from nanochat_dl.tokens.streaming import StreamingDataset
+    make = f"""from nanochat_dl.tokens import StreamingDataset
 def make():
     ds = StreamingDataset({str(root)!r}, 8)
     it = iter(ds)

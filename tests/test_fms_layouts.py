@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from nanochat_dl.tokens import write_counts, write_token_file
-from nanochat_dl.tokens.streaming import StreamingLoader
+from nanochat_dl.tokens.loader import StreamingLoader
 
 KW = dict(n_logical_shards=4, shuffle_window=3, prefetch=0, bos_token=1, rank=0, world_size=1)
 
@@ -228,7 +228,7 @@ def test_strip_tokens_and_min_length_as_fms_fsdp(tmp_path):
 
 
 def test_strip_settings_are_in_the_state_and_checked(tmp_path):
-    from nanochat_dl.tokens.streaming import sealed
+    from nanochat_dl.tokens import sealed
     root = eos_root(tmp_path/'root')
     kw = dict(eos_token=EOS, **SKW)
     with StreamingLoader(root, 8, 1, strip_tokens=[EOS], min_length=3, **kw) as ld:
@@ -250,7 +250,7 @@ def test_strip_settings_are_in_the_state_and_checked(tmp_path):
 
 
 def test_strip_settings_in_streaming_dataset(tmp_path):
-    from nanochat_dl.tokens.streaming import StreamingDataset
+    from nanochat_dl.tokens import StreamingDataset
     root = eos_root(tmp_path/'root')
     kw = dict(eos_token=EOS, strip_tokens=[EOS], min_length=3, **{k: v for k, v in SKW.items() if k != 'prefetch'})
     with StreamingLoader(root, 8, 1, prefetch=0, **kw) as ld: want = [next(ld).rows[0].tolist() for _ in range(8)]

@@ -8,7 +8,7 @@ import pytest
 from nanochat_dl.tokens import tokenize
 from nanochat_dl.cli import main
 from nanochat_dl.text.loader import PackedLoader
-from nanochat_dl.tokens.streaming import StreamingLoader
+from nanochat_dl.tokens import StreamingLoader
 from toytext import toy_text_env
 
 LAYOUT = [[3, 2], [2, 3], [4]]

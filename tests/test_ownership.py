@@ -9,7 +9,7 @@ import torch
 from nanochat_dl.tokens import write_token_file
 from nanochat_dl.dataloader import tokenizing_distributed_data_loader_bos_bestfit, tokenizing_distributed_data_loader_with_state_bos_bestfit
 from nanochat_dl.text.loader import PackedLoader
-from nanochat_dl.tokens.streaming import StreamingLoader
+from nanochat_dl.tokens import StreamingLoader
 from nanochat_dl.testing import write_toy_shards
 from nanochat_dl.text.tokenizer import Tokenizer
 from toytext import words

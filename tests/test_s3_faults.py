@@ -14,7 +14,7 @@ from test_s3_loaders import KW, PKW, objects, text, token_root   # noqa: F401 (t
 
 from nanochat_dl.tokens import TokenFile, TokenRoot
 from nanochat_dl.io.cache import FileCache
-from nanochat_dl.tokens.streaming import StreamingLoader
+from nanochat_dl.tokens.loader import StreamingLoader
 
 pytest.importorskip('moto')
 pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")
@@ -137,7 +137,7 @@ def index_inode(c):   # changes each time the listing is written again (an inode
 def test_the_loaders_refresh_lists_again(moto, bucket, tmp_path):
     "`StreamingLoader(..., refresh=True)` and `StreamingDataset(..., refresh=True)` (in each DataLoader worker too) list the store again and write the listing again though its stamp matches the store (without `refresh`, the listing is kept); `refresh` changes no batch, config or fingerprint."
     from torchdata.stateful_dataloader import StatefulDataLoader
-    from nanochat_dl.tokens.streaming import StreamingDataset
+    from nanochat_dl.tokens import StreamingDataset
     old = token_root(tmp_path/'v1', seed=0)
     uri, c = f's3://{bucket}/tokens', tmp_path/'c'
     moto.put(bucket, objects(old, 'tokens'))

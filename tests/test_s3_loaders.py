@@ -17,7 +17,7 @@ from s3util import FaultProxy, MotoServer, moto, proxy, s3_env, until, use_proxy
 
 from nanochat_dl.tokens import TokenRoot, file_record, update_counts, update_manifest, write_token_file
 from nanochat_dl.io.retries import FetchError
-from nanochat_dl.tokens.streaming import StreamingLoader
+from nanochat_dl.tokens.loader import StreamingLoader
 
 pytest.importorskip('moto')
 pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")
@@ -81,7 +81,7 @@ def batches(ld, n):
     finally: ld.close()
 
 
-from nanochat_dl.tokens.streaming import open_epochs   # per dataset, the lowest epoch that may still have tokens on a rank
+from nanochat_dl.tokens import open_epochs   # per dataset, the lowest epoch that may still have tokens on a rank
 
 
 def same(a, b):
@@ -168,7 +168,7 @@ def test_cap_smaller_than_the_data(local, s3root, tmp_path):
 def test_streaming_dataset_from_s3(local, s3root, tmp_path, monkeypatch):
     "`StreamingDataset` over a bucket: DataLoader workers give the rows they give over local files, and resume from a list of states at another number of workers, every copy in the `cache_dir` given; the process that makes the dataset starts no download, each unit fetches its own files ahead."
     from torchdata.stateful_dataloader import StatefulDataLoader
-    from nanochat_dl.tokens.streaming import StreamingDataset, owned_shards
+    from nanochat_dl.tokens import StreamingDataset, owned_shards
     monkeypatch.setenv('NANOCHAT_DL_BASE_DIR', str(tmp_path/'base'))          # where a cache without cache_dir would go
     kw = dict(n_logical_shards=16, shuffle_window=20, seed=3, bos_token=1)
     rows = lambda it, n: [x.clone() for x, _ in itertools.islice(it, n)]
@@ -205,7 +205,7 @@ def test_a_forked_worker_builds_its_own_stream(local, s3root, tmp_path, monkeypa
     "The process that made a `StreamingDataset` used it (`state_dict()`: its stream fetches ahead, and a prefetch is under way) before a forked DataLoader worker of the same unit starts: the worker opens the root again rather than wait on a download of the parent's, which no thread of its own will finish."
     from torchdata.stateful_dataloader import StatefulDataLoader
     import nanochat_dl.io.cache as R
-    from nanochat_dl.tokens.streaming import StreamingDataset
+    from nanochat_dl.tokens.dataset import StreamingDataset
     kw = dict(n_logical_shards=16, shuffle_window=20, seed=3, bos_token=1)
     rows = lambda dl, n: [x.clone() for x, _ in itertools.islice(dl, n)]
     want = rows(StatefulDataLoader(StreamingDataset(local, 32, **kw), batch_size=4), 4)
@@ -226,7 +226,7 @@ def test_a_forked_worker_builds_its_own_stream(local, s3root, tmp_path, monkeypa
 
 def test_a_token_root_given_is_opened_again_with_its_settings(local, s3root, tmp_path):
     "A `StreamingDataset` made from a `TokenRoot` opens it again where it iterates with the same settings: cache folder and cap, files fetched ahead, the fetch's retries and timeouts, the check of the files, the column."
-    from nanochat_dl.tokens.streaming import StreamingDataset
+    from nanochat_dl.tokens import StreamingDataset
     fetch = dict(attempts=2, backoff=0.01, max_backoff=0.05, timeout=5, threads=1)
     for root in (TokenRoot(s3root, cache_dir=tmp_path/'c', cache_size=10**6, prefetch=0, verify='off', fetch=fetch), TokenRoot(local, verify='full')):
         ds = StreamingDataset(root, 32, n_logical_shards=16, bos_token=1)

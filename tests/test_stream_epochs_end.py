@@ -1,4 +1,4 @@
-"""Issue 18 item 1 for the pre-tokenized loader (nbs/tokens/12_streaming.ipynb): an epoch ends. Contract: on one rank's stream,
+"""Issue 18 item 1 for the pre-tokenized loader (nbs/tokens/12i_loader.ipynb): an epoch ends. Contract: on one rank's stream,
 every non-empty document of a dataset's epoch e is delivered (whole, or all its pieces) before any token of that
 dataset's epoch e+2. Counted from `batch.segments` (document, epoch, length)."""
 import json
@@ -8,9 +8,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from nanochat_dl.tokens import TokenRoot, write_counts, write_token_file
+from nanochat_dl.tokens.root import TokenRoot
+from nanochat_dl.tokens.meta import write_counts
+from nanochat_dl.tokens.files import write_token_file
 from nanochat_dl.text.lengths import fineweb_like_lengths
-from nanochat_dl.tokens.streaming import StreamingLoader, sealed
+from nanochat_dl.tokens import StreamingLoader, sealed
 from test_streaming import toy_root
 
 pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")
@@ -102,7 +104,7 @@ def test_mixed_datasets_end_their_epochs(tmp_path, kw):
 
 # ---------------------------------------------------------------- across rescales: a rank handed shards of different epochs
 
-from nanochat_dl.tokens.streaming import DocKey, owned_shards, shard_starts
+from nanochat_dl.tokens import DocKey, owned_shards, shard_starts
 
 
 class Ledger:
@@ -253,7 +255,7 @@ def test_max_wait_is_part_of_the_state(small):
 
 import tempfile
 from hypothesis import HealthCheck, given, settings, strategies as st
-from nanochat_dl.tokens.streaming import PACKS, open_epochs
+from nanochat_dl.tokens import PACKS, open_epochs
 
 CHAINS = [(3, 5, 2), (1, 4, 3), (2, 1), (1,)]
 
@@ -306,7 +308,7 @@ def test_epochs_end_over_chains_hypothesis(T, data, pack, max_chunk, window, pac
 
 # ---------------------------------------------------------------- parked pieces: exact resume, rescaled again, refused when impossible
 
-from nanochat_dl.tokens.streaming import FastTokenStream, TokenStream
+from nanochat_dl.tokens import FastTokenStream, TokenStream
 
 
 @pytest.mark.parametrize('kw', DRIFT[:2])

@@ -1,4 +1,4 @@
-"""Issue 18 item 1, attacked (nbs/tokens/12_streaming.ipynb): a rank whose logical shards are epochs apart after a rescale or a
+"""Issue 18 item 1, attacked (nbs/tokens/12i_loader.ipynb): a rank whose logical shards are epochs apart after a rescale or a
 hand-edited state. Each test failed before its fix."""
 import copy
 import json
@@ -8,8 +8,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from nanochat_dl.tokens import write_counts, write_token_file
-from nanochat_dl.tokens.streaming import StreamingLoader, open_epochs, sealed
+from nanochat_dl.tokens.meta import write_counts
+from nanochat_dl.tokens.files import write_token_file
+from nanochat_dl.tokens import StreamingLoader, open_epochs, sealed
 
 pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")
 
@@ -77,8 +78,8 @@ def test_a_huge_parked_list_is_refused_at_once(tmp_path, kw):
         within(15, lambda: mk(1, 2).load_state_dict([st]))
 
 
-from nanochat_dl.tokens import TokenRoot
-from nanochat_dl.tokens.streaming import owned_shards, shard_starts
+from nanochat_dl.tokens.root import TokenRoot
+from nanochat_dl.tokens import owned_shards, shard_starts
 from test_stream_epochs_end import Ledger, assert_tiles_to
 
 

@@ -1,4 +1,4 @@
-"""The pre-tokenized loader (nbs/tokens/12_streaming.ipynb): exactly once per epoch at many world sizes, exact resume under
+"""The pre-tokenized loader (nbs/tokens/12i_loader.ipynb): exactly once per epoch at many world sizes, exact resume under
 hypothesis, DataLoader workers, bad input. fms-fsdp's own test list, on our data: single and two epochs, chunking, two
 loaders, multi-file and nested folders, reload mid-epoch and at an epoch's end, BOS/EOS placement, sampler rates, reload
 stress through every stage combination, buffer formats, shuffle uniformity, checkpoint-reload match, workers."""
@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from nanochat_dl.tokens import TokenRoot, write_counts, write_token_file
 from nanochat_dl.text.lengths import fineweb_like_lengths
 from nanochat_dl.pipe.stages import ShuffleBuffer, Stage, Doc
-from nanochat_dl.tokens.streaming import (PACKS, DocKey, FastTokenStream, Framing, Permutation, StreamingDataset, StreamingLoader, TokenStream,
+from nanochat_dl.tokens import (PACKS, DocKey, FastTokenStream, Framing, Permutation, StreamingDataset, StreamingLoader, TokenStream,
                                    owned_shards, shard_key, stream_config)
 from stateedit import DELETE, edited, paths   # a state's fields, and a copy with one edited
 
@@ -45,7 +45,7 @@ def root(tmp_path_factory):
 def runs(rle): return [v for v, c in rle for _ in range(c)]   # a trusted state's runs, expanded
 
 
-from nanochat_dl.tokens.streaming import open_epochs   # per dataset, the lowest epoch that may still have tokens on a rank
+from nanochat_dl.tokens import open_epochs   # per dataset, the lowest epoch that may still have tokens on a rank
 
 
 def coverage(loaders, tr, epochs):
@@ -445,7 +445,7 @@ def test_a_state_of_the_format_before_the_checksum_loads_unchecked(root):
         want = [next(ld).rows.copy() for _ in range(3)]
     old = {k: v for k, v in sd.items() if k != 'checksum'}
     old['format'] = 'nanochat_dl.streaming/2'
-    from nanochat_dl.tokens import streaming
+    import nanochat_dl.tokens.state as streaming
     streaming._UNCHECKED.discard(old['format'])
     for form in (old, [old]):
         with pytest.warns(UserWarning, match="carries no checksum: loaded unchecked") if form is old else contextlib.nullcontext():
@@ -458,7 +458,7 @@ def test_a_state_of_the_format_before_the_checksum_loads_unchecked(root):
 # never a MemoryError; counters that may be that large pass their own checks and are refused by the checksum
 PROBE = r"""
 import json, resource, sys
-from nanochat_dl.tokens.streaming import StreamingLoader
+from nanochat_dl.tokens import StreamingLoader
 root, kw, steps = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
 with StreamingLoader(root, 12, 2, **kw) as ld:
     for _ in range(steps): next(ld)
@@ -519,7 +519,7 @@ def window(d):
 
 
 def set_window(d, pieces):
-    from nanochat_dl.tokens.streaming import _rle
+    from nanochat_dl.pipe.fields import runs_of as _rle
     d['shuffle'].update(doc=[p[0] for p in pieces], epoch=_rle(p[1] for p in pieces), start=_rle(p[2] for p in pieces))
 
 

@@ -386,7 +386,7 @@ def test_the_default_is_the_train_split_and_val_goes_apart(corpus, tmp_path):
     """`tokenize` with its defaults takes the train split: files only from the first N-1 shards, none of the val shard's
     documents in them; the val shard goes into the same root as its own dataset, and a loader reads either by its weight."""
     from nanochat_dl.tokens import TokenFile, read_counts
-    from nanochat_dl.tokens.streaming import StreamingLoader
+    from nanochat_dl.tokens.loader import StreamingLoader
     root, tok = tmp_path / 'root', Tokenizer.load(corpus / 'tok')
     texts = {s.stem: pq.read_table(s).column('text').to_pylist() for s in sorted((corpus / 'src').glob('*.parquet'))}
     res = tokenize(corpus / 'src', root, 'web', corpus / 'tok', workers=2, progress=False, verbose=False)
@@ -491,7 +491,7 @@ def test_nested_dataset_names_as_the_loaders_read_them(corpus, tmp_path, capsys)
     their names' weights, each document of each dataset once per epoch, whole; a name that overlaps a dataset of the
     root (one a folder of the other), or with a hidden part, is refused naming both."""
     from nanochat_dl.tokens import TokenFile, list_datasets, read_counts
-    from nanochat_dl.tokens.streaming import StreamingLoader
+    from nanochat_dl.tokens.loader import StreamingLoader
     root, kw = tmp_path / 'root', dict(workers=1, progress=False, verbose=False)
     tokenize(corpus / 'src', root, CC, corpus / 'tok', **kw)                               # the train shards
     assert main(['tokenize', '--data-dir', str(corpus / 'src'), '--out', str(root), '--dataset', WIKI, '--split', 'val',
