@@ -20,13 +20,15 @@ _WHERE = {
 }
 __all__ = list(_WHERE)
 
-import importlib
+def lazy_names(module, where):
+    "A module's `__getattr__` and `__dir__` that import each name of `where` (name: submodule) on first use."
+    import importlib
+    def __getattr__(name):
+        if name not in where: raise AttributeError(f"module {module!r} has no attribute {name!r}")
+        value = getattr(importlib.import_module(where[name], module), name)
+        setattr(importlib.import_module(module), name, value)
+        return value
+    def __dir__(): return sorted(set(vars(importlib.import_module(module))) | set(where))
+    return __getattr__, __dir__
 
-def __getattr__(name):
-    "Import a public name's module on first use."
-    if name not in _WHERE: raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(_WHERE[name], __name__), name)
-    globals()[name] = value
-    return value
-
-def __dir__(): return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_names(__name__, _WHERE)

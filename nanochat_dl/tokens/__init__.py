@@ -107,13 +107,5 @@ _WHERE = {
 }
 __all__ = sorted(_WHERE)
 
-import importlib
-
-def __getattr__(name):
-    "Import a public name's module on first use."
-    if name not in _WHERE: raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(_WHERE[name], __name__), name)
-    globals()[name] = value
-    return value
-
-def __dir__(): return sorted(set(globals()) | set(__all__))
+from .. import lazy_names
+__getattr__, __dir__ = lazy_names(__name__, _WHERE)
