@@ -34,7 +34,8 @@ def _run_of(state):
     return s[0].get('run') if s else None
 
 def save_loader_states(folder,           # the checkpoint's folder (made if missing)
-                       state:dict,       # this rank's loader state: any JSON-able dict (`state_dict()` of a loader, a dataset, a StatefulDataLoader)
+                       # this rank's loader state, any JSON-able dict: a loader's, dataset's or StatefulDataLoader's
+                       state:dict,
                        step:int,         # the training step it belongs to (the model checkpoint's)
                        rank=None, world_size=None,   # default: torch.distributed's, or torchrun's environment
                        run=None,         # the run's id (default: the one in `state`, if any)

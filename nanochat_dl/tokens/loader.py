@@ -108,7 +108,7 @@ class StreamingLoader:
                  seq_len:int,               # tokens per input row (rows hold seq_len + 1)
                  batch_size:int,            # rows per batch
                  *, datasets=None,          # dataset names (default: every dataset folder)
-                 weights=None,              # per dataset (list or dict) target share of tokens (default: by size in tokens)
+                 weights=None,              # each dataset's share of tokens (list or dict; default: by size in tokens)
                  rank=None, world_size=None,  # default: from torch.distributed / torchrun's environment
                  n_logical_shards:int=1024,   # logical shards per dataset, whatever the world size
                  shuffle_window:int=10_000,   # documents (pieces) per dataset's shuffle window; 0: no shuffle
@@ -119,7 +119,7 @@ class StreamingLoader:
                  max_chunk=None,            # cut units longer than this into pieces before shuffling
                  device='cpu',              # where batches go ('cpu', 'cuda', 'cuda:N', 'auto')
                  pack_buffer:int=1000,      # pieces the best fit chooses from
-                 max_wait=MAX_WAIT,         # bestfit: rows a piece may wait before it starts a row ('auto': this; None: no limit)
+                 max_wait=MAX_WAIT,   # bestfit: rows a piece may wait to start a row ('auto': this; None: no limit)
                  strip_tokens=(),           # ids dropped from a document's start and end, one at each (`Trim`)
                  min_length:int=1,          # documents whose unit (delimiters too) is shorter: dropped, counted read
                  tokenizer=None,            # a name or digest of the tokenizer, checked on resume
@@ -128,19 +128,17 @@ class StreamingLoader:
                  copy:bool=False,           # kept for compatibility: True asks for owned tensors, now the default
                  views:bool=False,          # hand out views of `slots` reused buffers (no allocation per batch)
                  max_open=None,             # token files kept mapped (default: `default_max_open()`)
-                 cache_dir=None,            # a URI root's local copies (default: one folder per root under the base dir)
+                 cache_dir=None,            # a URI root's local copies (default: a folder per root under the base dir)
                  cache_size=None,           # bytes those copies may take (None: no cap)
                  refresh:bool=False):       # a URI root: list the store again, though the cached listing matches it
         self._thread, self._closed = None, True
         self.B, self.prefetch = check_int('batch_size', batch_size, 1), check_int('prefetch', prefetch, 0)
         self.root, self.config, self.fingerprint = stream_config(
             root, seq_len, datasets=datasets, weights=weights, rank=rank, world_size=world_size,
-            n_logical_shards=n_logical_shards,
-            shuffle_window=shuffle_window, seed=seed, bos_token=bos_token, eos_token=eos_token, sep_token=sep_token,
-            pad_token=pad_token, pack=pack, max_chunk=max_chunk, pack_buffer=pack_buffer, tokenizer=tokenizer,
-            max_open=max_open,
-            cache_dir=cache_dir, cache_size=cache_size, max_wait=max_wait, strip_tokens=strip_tokens,
-            min_length=min_length, refresh=refresh)
+            n_logical_shards=n_logical_shards, shuffle_window=shuffle_window, seed=seed, bos_token=bos_token,
+            eos_token=eos_token, sep_token=sep_token, pad_token=pad_token, pack=pack, max_chunk=max_chunk,
+            pack_buffer=pack_buffer, tokenizer=tokenizer, max_open=max_open, cache_dir=cache_dir, cache_size=cache_size,
+            max_wait=max_wait, strip_tokens=strip_tokens, min_length=min_length, refresh=refresh)
         self._open(device, slots, copy, views)
 
 # %% ../../nbs/tokens/12i_loader.ipynb #d072e4cd
@@ -186,7 +184,8 @@ def state_dict(self:StreamingLoader) -> dict:
 
 # %% ../../nbs/tokens/12i_loader.ipynb #d43af0f9
 @patch
-def load_state_dict(self:StreamingLoader, state):   # this rank's state, or the list of every rank's (or every DataLoader worker's)
+def load_state_dict(self:StreamingLoader,
+                    state):  # this rank's state, or the list of every rank's (or every DataLoader worker's)
     "Continue exactly after the batch whose `state` this is (before the first batch)."
     if self._started: raise RuntimeError("load_state_dict must come before the first batch is taken")
     if isinstance(state, (list, tuple)):
@@ -346,10 +345,10 @@ def __repr__(self:StreamingLoader):
 # %% ../../nbs/tokens/12i_loader.ipynb #0e9c1a02
 def open_epochs(state,   # a `StreamingLoader` state (or a `StreamingDataset` worker's)
                 ) -> dict:
-    """Per dataset of a state, the lowest epoch that may still have tokens to deliver on its rank: the epochs of its shards'
-    cursors, of a document being cut, of the shuffle window's and the packer's pieces. A logical shard with no documents
-    holds no epoch open, nor does a dataset of weight 0, which is never read (`math.inf` for a dataset that has nothing
-    on the rank)."""
+    """Per dataset of a state, the lowest epoch that may still have tokens to deliver on its rank: the epochs of its
+    shards' cursors, of a document being cut, of the shuffle window's and the packer's pieces. A logical shard with
+    no documents holds no epoch open, nor does a dataset of weight 0, which is never read (`math.inf` for a dataset
+    that has nothing on the rank)."""
     runs = lambda rle: [v for v, c in rle for _ in range(c)]
     out = {}
     for d, s in state['datasets'].items():

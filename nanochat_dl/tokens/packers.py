@@ -183,7 +183,7 @@ class BestFitRows(PackerBase):
     def __init__(self, T:int, buffer_size:int, pad_id:int,
                  max_wait=MAX_WAIT,     # rows a piece may wait before it starts a row (None: no limit)
                  guard:bool=False,      # keys are `(dataset, doc, epoch, ...)`: hold aside what is two epochs ahead
-                 ds_tokens=None,        # with `guard`: a list this packer keeps, per dataset, the document tokens it holds
+                 ds_tokens=None,        # with `guard`: a list, per dataset, of the document tokens this packer holds
                  doc_len=None):         # `doc_len(key, length)` -> a piece's document tokens (default: its length)
         super().__init__(T, buffer_size, None)
         self.ds_tokens, self._doc_len = ds_tokens, doc_len or (lambda k, L: L)

@@ -57,9 +57,12 @@ class _Set(NamedTuple):
 
 class World:
     "The states of every unit of work of a run at one step, checked and merged."
-    def __init__(self, states,        # every rank's state (or every DataLoader worker's; `StatefulDataLoader` states too), in any order
+    def __init__(self,
+                 # every rank's state (or every DataLoader worker's; `StatefulDataLoader` states too), in any order
+                 states,
                  root,                # the `TokenRoot` the run reads
-                 config:dict,         # the settings of the loader that resumes (`stream_config`): only its unit may differ from the states'
+                 # the settings of the loader that resumes (`stream_config`): only its unit may differ from the states'
+                 config:dict,
                  fingerprint:dict):   # its data's and tokenizer's (`stream_config`)
         at, states = zip(*unit_states(states, paths=True)) if states else ((), unit_states(states))
         self.at = list(at)               # where each unit's state is in what the caller passed, for the messages
@@ -150,16 +153,25 @@ def _where(self:World, u, *keys) -> str:
     "A field of unit `u`'s state, named where the caller passed it: `states[j]['datasets'][...]`."
     return self.at[self.index[u]] + ''.join(f"[{k!r}]" for k in keys)
 
+# %% ../../nbs/tokens/12h_world.ipynb #b9a063c5
+def _read_window(d:dict,    # a dataset's part of a unit's state
+                where:str, # its path in the states, for the messages
+               ) -> tuple:
+    "`(drawn, doc, epoch, start)` of the shuffle window in `d`, each field checked."
+    sh, w_ = read_field(d, 'shuffle', dict, where), where + "['shuffle']"
+    drawn = read_int(w_ + "['drawn']", sh.get('drawn'))
+    doc = read_field(sh, 'doc', list, w_)
+    for k, g in enumerate(doc): read_int(f"{w_}['doc'][{k}]", g)
+    return drawn, doc, read_runs(sh.get('epoch'), w_ + "['epoch']", len(doc), 1), read_runs(sh.get('start'),
+                                                                                          w_ + "['start']", len(doc))
+
+
 # %% ../../nbs/tokens/12h_world.ipynb #8524346c
 @patch
 def _merge(self:World, i) -> _Set:
     "Dataset `i` over every unit."
-    name, src, S, win = (
-        self.config['datasets'][i],
-        self.stream.sources[i],
-        self.config['n_logical_shards'],
-        self.config['shuffle_window'],
-    )
+    name, src = self.config['datasets'][i], self.stream.sources[i]
+    S, win = self.config['n_logical_shards'], self.config['shuffle_window']
     epoch, pos, tokens, drawn, windows, cuts, parked = [1] * S, [0] * S, 0, 0, [], [], []
     for u, (s, own) in enumerate(zip(self.states, self.owns)):
         where = self._where(u, 'datasets', name)
@@ -183,12 +195,7 @@ def _merge(self:World, i) -> _Set:
         if d.get('cut') is not None: cuts.append((u, d['cut']))
         if d.get('parked') is not None: parked.append((u, d['parked']))
         if min(win, sum(n)):                                       # the unit had a window: its pieces
-            sh, w_ = read_field(d, 'shuffle', dict, where), where + "['shuffle']"
-            drawn += read_int(w_ + "['drawn']", sh.get('drawn'))
-            doc = read_field(sh, 'doc', list, w_)
-            for k, g in enumerate(doc): read_int(f"{w_}['doc'][{k}]", g)
-            windows.append((u, doc, read_runs(sh.get('epoch'), w_ + "['epoch']", len(doc), 1),
-                            read_runs(sh.get('start'), w_ + "['start']", len(doc))))
+            dn, doc, ep_, at = _read_window(d, where); drawn += dn; windows.append((u, doc, ep_, at))
     cur = ShardCursors(epoch, pos, {s: s for s in range(S)}, shard_starts(src.n_docs, S), {})
     return _Set(epoch, pos, list(src.n), tokens, drawn, cur, self._check_windows(i, cur, windows),
                 self._check_cuts(i, cur, cuts),
@@ -295,6 +302,16 @@ def _check_overlaps(self:World):
         for k, (g, e, a, n, L, s, u) in enumerate(z.parked):
             if (i, g, e) in many:
                 held[i, g, e].append((chunk(a), a, 1, f"{self._where(u, 'datasets', names[i], 'parked')} piece {k}"))
+    _refuse_twice(held, names, concat)
+
+
+# %% ../../nbs/tokens/12h_world.ipynb #24b775f9
+def _refuse_twice(# `{(dataset, doc, epoch): [(max_chunk piece, start, kind, where)]}`, kind 0 window, 1 entry, 2 cut
+                 held:dict,
+                 names,     # the datasets' names
+                 concat:bool, # the pack is 'concat' (a piece of a max_chunk piece is then the whole of it)
+                ):
+    "Refuse `held` where a piece is held twice, or lies beyond the cut of its document: it would be delivered twice."
     for (i, g, e), ps in held.items():
         ps.sort()
         what = f"document {g} (epoch {e}) of dataset {names[i]!r}"
@@ -308,6 +325,29 @@ def _check_overlaps(self:World):
             if p[2] != 2 and q[2] != 2 and p[0] == q[0] and (p[1] == q[1] or p[2] == 0 or q[2] == 0 or concat):
                 raise ValueError(f"{q[3]}: the piece of {what} at {q[1]} is also held by {p[3]}: it would be delivered "
                                  f"twice")
+
+# %% ../../nbs/tokens/12h_world.ipynb #22d944e9
+def _window_state(z:_Set,  # a dataset of a merged world
+                 lo:int, hi:int, # the logical shards `lo..hi` of the unit the state is for
+                 more:list,      # `(doc, epoch, start, length)` of pieces added after those of its shards
+                ) -> dict:
+    "The shuffle window of the unit of shards `lo..hi`: the window pieces of its shards, then `more`."
+    G, E, A, Sh = z.window[:4]
+    m = (Sh >= lo) & (Sh < hi)
+    return dict(drawn=z.drawn, doc=G[m].tolist() + [x[0] for x in more],
+                epoch=runs_of(E[m].tolist() + [x[1] for x in more]),
+                start=runs_of(A[m].tolist() + [x[2] for x in more]))
+
+def _packer_state(entries:list, # `(dataset, doc, epoch, start, tokens)` of the pieces the unit's packer holds
+                 metrics,       # the names of the packer's metrics
+                 pack:str,      # the loader's pack
+                ) -> dict:
+    "The packer's part of a dealt state: its entries, all entering at row 0, and metrics that count them."
+    m = dict.fromkeys(metrics, 0)
+    m.update(docs_in=len(entries), doc_tokens=sum(x[4] for x in entries), tokens_in=sum(x[4] for x in entries))
+    return dict(entries=[[i, g, e, a, 0] for i, g, e, a, _ in entries], metrics=m,
+                **(dict(entered=[[0, len(entries)]] if entries else []) if pack == 'bestfit' else {}))
+
 
 # %% ../../nbs/tokens/12h_world.ipynb #e1000008
 @patch
@@ -336,27 +376,17 @@ def state_for(self:World, rank:int,       # the rank of the unit ...
                  tokens=q + (idx < rest), cut=list(cuts[0][:3]) if cuts else None)
         # a window: the pieces of its shards, and those of the other cuts
         if min(cfg['shuffle_window'], sum(n)):
-            G, E, A, Sh = z.window[:4]
-            m = (Sh >= lo) & (Sh < hi)
-            d['shuffle'] = dict(drawn=z.drawn, doc=G[m].tolist() + [x[0] for x in more],
-                                epoch=runs_of(E[m].tolist() + [x[1] for x in more]),
-                                start=runs_of(A[m].tolist() + [x[2] for x in more]))
+            d['shuffle'] = _window_state(z, lo, hi, more)
         else: extra += [p for g, e, s, L in more for p in self._pieces(i, g, e, s, L)]
         datasets[name] = d
     entries = [(i, g, e, a, n) for i, g, e, a, n, L, s, *_ in self.entries if lo <= s < hi] + extra
     entries = self._park(datasets, entries, lo, hi)
-    metrics = dict.fromkeys(self.stream.packer.metrics_state(), 0)
-    metrics.update(docs_in=len(entries), doc_tokens=sum(x[4] for x in entries), tokens_in=sum(x[4] for x in entries))
     config = dict(cfg, rank=r, world_size=W, worker=w, n_workers=nw,
                   **({} if self.batch_size is None else dict(batch_size=self.batch_size)))
     fp = dict(data={k: dict(v) for k, v in self.fingerprint['data'].items()}, tokenizer=self.fingerprint['tokenizer'])
     return sealed(dict(format=FORMAT, run=_lineage(self.run, self.step, [self.W, self.nws], [W, nw]), step=self.step,
-                       config=config,
-                fingerprint=fp, datasets=datasets,
-                packer=dict(entries=[[i, g, e, a, 0] for i, g, e, a, _ in entries], metrics=metrics,
-                                                      # all enter at row 0
-                                                      **(dict(entered=[[0, len(entries)]] if entries else [])
-                                                         if cfg['pack'] == 'bestfit' else {}))))
+                       config=config, fingerprint=fp, datasets=datasets,
+                       packer=_packer_state(entries, self.stream.packer.metrics_state(), cfg['pack'])))
 
 # %% ../../nbs/tokens/12h_world.ipynb #ec570fe4
 @patch
