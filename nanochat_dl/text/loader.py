@@ -97,14 +97,15 @@ def pack_strategy(pack # a key of `STRATEGIES`, or the streaming loader's name o
                      f"{', '.join(f'{k!r} (the same as {v!r})' for k, v in PACK_NAMES.items())}; "
                      "the streaming loader's 'pad' (a document per row) has no counterpart here")
 
-def new_names(old:dict,  # the keywords given by their old names (`RENAMED`)
-              **new      # the same settings by their new names, as given (None or the default where not)
+def new_names(old:dict,              # the keywords given by their old names (`RENAMED`)
+              *, stacklevel:int=3,  # the frame the warning names (3: the caller of the function that calls this)
+              **new                 # the same settings by their new names, as given (None or the default where not)
              ) -> dict:
     "`new` with each old keyword moved to its new name, warning once for each (a `DeprecationWarning`)."
     for k, v in old.items():
         if k not in RENAMED: raise TypeError(f"PackedLoader() got an unexpected keyword argument {k!r}")
         n = RENAMED[k]
-        warnings.warn(f"PackedLoader({k}=...) is deprecated: use {n}=...", DeprecationWarning, stacklevel=3)
+        warnings.warn(f"PackedLoader({k}=...) is deprecated: use {n}=...", DeprecationWarning, stacklevel=stacklevel)
         if new[n] is not None: raise TypeError(f"PackedLoader() got {k}={v!r} and {n}={new[n]!r}: pass only {n}")
         new[n] = v
     return new
@@ -403,7 +404,7 @@ def _setup(self:PackedLoader, tokenizer, batch_size, seq_len, split, data_dir, f
     "Build the loader from the arguments of `PackedLoader(...)` (its docments say what each is)."
     self._closed, self._threads, self._error, self._lock = True, [], None, threading.RLock()
     self._in_next, self._later = None, False    # the thread inside `next()`; a close() it must finish
-    kw = new_names(renamed, batch_size=batch_size, seq_len=seq_len, pack=pack, pack_buffer=pack_buffer,
+    kw = new_names(renamed, stacklevel=4, batch_size=batch_size, seq_len=seq_len, pack=pack, pack_buffer=pack_buffer,
                    pad_token=pad_token)
     self._check(tokenizer, kw, prefetch, shuffle=shuffle, copy=copy, views=views, worker_reads=worker_reads,
                 refresh=refresh)
