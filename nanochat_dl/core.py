@@ -29,7 +29,7 @@ def _env_int(env, name):
 
 def get_dist_info(env=None,  # environment variables to read (default: `os.environ`)
                  ) -> DistInfo:
-    "Rank and world size from an initialised `torch.distributed` group, else torchrun's env vars, else a single process."
+    "Rank and world size from an initialised `torch.distributed` group, else torchrun's env vars, else one process."
     try:
         import torch.distributed as dist
         if dist.is_available() and dist.is_initialized():
@@ -46,7 +46,8 @@ def get_dist_info(env=None,  # environment variables to read (default: `os.envir
     rank, world = _env_int(env, 'RANK'), _env_int(env, 'WORLD_SIZE')
     local = _env_int(env, 'LOCAL_RANK') if 'LOCAL_RANK' in env else rank
     if world < 1: raise ValueError(f"WORLD_SIZE={world} is invalid: expected an integer >= 1")
-    if not 0 <= rank < world: raise ValueError(f"RANK={rank} is invalid for WORLD_SIZE={world}: expected 0 <= RANK < WORLD_SIZE")
+    if not 0 <= rank < world:
+        raise ValueError(f"RANK={rank} is invalid for WORLD_SIZE={world}: expected 0 <= RANK < WORLD_SIZE")
     if local < 0: raise ValueError(f"LOCAL_RANK={local} is invalid: expected an integer >= 0")
     return DistInfo(True, rank, local, world)
 
@@ -62,13 +63,14 @@ def uri_scheme(root,   # a URI or a path
 
 def location(where,          # a path (`~` expanded), a `file://` URI, or another URI (`s3://bucket/prefix`, ...)
              name='path'):   # how errors name it (an argument, an option, a variable)
-    "A user's location as the library takes it: a local `Path` (`~` expanded, a `file://` URI made a path), or another URI as given."
+    "A user's location as the library takes it: a local `Path` (`~` expanded, `file://` made a path), or a URI as is."
     s, scheme = os.fspath(where), uri_scheme(where)
     if not scheme: return Path(s).expanduser()
     if scheme != 'file': return s
     u = urlsplit(s)
     if u.netloc not in ('', 'localhost'):
-        raise ValueError(f"{name}={s!r} names host {u.netloc!r}: a file:// URI is a path on this machine (file:///absolute/path)")
+        raise ValueError(f"{name}={s!r} names host {u.netloc!r}: a file:// URI is a path on this machine "
+                         f"(file:///absolute/path)")
     return Path(unquote(u.path))
 
 def local_location(where,          # as `location` takes it
@@ -76,7 +78,8 @@ def local_location(where,          # as `location` takes it
                   ) -> Path:
     "`location(where)`, which must be on this machine: a URI of another scheme is refused, naming `name`."
     p = location(where, name)
-    if isinstance(p, str): raise ValueError(f"{name}={p!r} is a URI: expected a folder on this machine (a path, or file:///...)")
+    if isinstance(p, str):
+        raise ValueError(f"{name}={p!r} is a URI: expected a folder on this machine (a path, or file:///...)")
     return p
 
 # %% ../nbs/00_core.ipynb #4ffb2bcf
@@ -105,7 +108,8 @@ def get_tokenizer_dir(env=None,  # environment variables to read (default: `os.e
 # %% ../nbs/00_core.ipynb #c0a7e1d2
 def get_nanochat_data_dir(env=None,  # environment variables to read (default: `os.environ`)
                          ) -> Path:
-    "The folder nanochat's `list_parquet_files()` reads: `base_data_climbmix/` under `$NANOCHAT_BASE_DIR` (else `~/.cache/nanochat`) if it exists, else the legacy `base_data/`."
+    "The folder nanochat's `list_parquet_files()` reads: `base_data_climbmix/`, else the legacy `base_data/`."
+    # both under `$NANOCHAT_BASE_DIR` (else `~/.cache/nanochat`); the first if it exists.
     env = os.environ if env is None else env
     home = Path(env.get('HOME') or Path.home())   # nanochat: os.path.expanduser('~')
     base = Path(env['NANOCHAT_BASE_DIR']) if env.get('NANOCHAT_BASE_DIR') else home/'.cache'/'nanochat'
@@ -150,14 +154,15 @@ def check_int(name,  # how the error names the value (an argument, an option)
               v,     # the value to check
               lo=1,  # the smallest value allowed
              ) -> int:
-    "`v` as an int if it is an integer (not a bool) >= `lo`; else a `ValueError` naming `name`, the value and the bound."
+    "`v` as an int if it is an integer (not a bool) >= `lo`; else a `ValueError` naming `name`, value and bound."
     if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < lo:
         raise ValueError(f"{name}={v!r} is invalid: expected an int >= {lo}")
     return int(v)
 
 def file_in_the_way(path,  # a folder that should exist, or could be created
                    ):
-    "The file that keeps folder `path` from being used or created: `path` itself, or the nearest existing parent, if that is not a folder (else None)."
+    "The file that keeps folder `path` from being used or created (else None)."
+    # `path` itself, or the nearest existing parent, if that is not a folder.
     p = Path(path)
     there = next((q for q in (p, *p.parents) if q.exists()), None)
     return there if there is not None and not there.is_dir() else None
@@ -224,7 +229,7 @@ def file_kind(mode) -> str:
 # %% ../nbs/00_core.ipynb #a1c0f00a
 def open_lock_file(lock,  # the lock file's path: created if missing, never followed if a link
                   ) -> int:
-    "A read-write descriptor of lock file `lock`: never through a symlink, a hard link or a FIFO (a `ValueError` names it)."
+    "A read-write descriptor of lock file `lock`: never through a symlink, a hard link or a FIFO (a `ValueError`)."
     why = ': remove it (anyone who can write to the folder could have planted it), then run again'
     try: fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o666)
     except OSError as e:
@@ -242,7 +247,7 @@ def open_lock_file(lock,  # the lock file's path: created if missing, never foll
 def folder_lock(path,                        # an existing folder
                 wait_s: float | None = None, # seconds to wait for another process's lock (None: `LOCK_WAIT_S`)
                ):
-    "Hold folder `path`'s advisory write lock (`fcntl.flock` on its `.nanochat_dl.lock`) for the `with` block; yields True if this call took it, False if this process already held it."
+    "Hold folder `path`'s write lock (`fcntl.flock` on its `.nanochat_dl.lock`) in a `with`; yields whether it took it."
     d, wait_s = Path(path), LOCK_WAIT_S if wait_s is None else wait_s
     lock, key, unlocked = d/LOCK_FILE, os.path.realpath(d), False
     fd = open_lock_file(lock)
@@ -252,7 +257,8 @@ def folder_lock(path,                        # an existing folder
             if time.monotonic() >= end: raise _busy(d, lock, fd, wait_s)
             time.sleep(0.05)
     except OSError as e:       # a file system without flock (some network mounts): go on, unprotected
-        warnings.warn(f"cannot lock {lock} ({e.strerror or e}): nothing stops another process writing to {d} at the same time")
+        warnings.warn(f"cannot lock {lock} ({e.strerror or e}): nothing stops another process writing to {d} "
+                      f"at the same time")
         took, unlocked = False, True
     except BaseException: os.close(fd); raise
     if took: os.pwrite(fd, f"{os.getpid():<15}\n".encode(), 0)   # fixed width over any older pid: never truncated
@@ -292,7 +298,8 @@ def on_drop(obj,       # the object (a loader) that holds files
             release,   # called with `args` when `obj` is collected unclosed; returns True if it let go of something
             *args,     # what `release` needs: never `obj` itself (that would keep it alive)
            ) -> weakref.finalize:
-    "A finalizer (not run at exit) that releases what `obj` holds when it is collected unclosed, and warns once per process."
+    "A finalizer (not run at exit) that releases what `obj` holds when it is collected unclosed, warning once."
+    # (once per process)
     f = weakref.finalize(obj, _dropped, type(obj).__name__, release, *args)
     f.atexit = False
     return f

@@ -73,7 +73,8 @@ class NanochatStream:
         b = next(self.loader)
         if not self.with_state: return b.inputs, b.targets
         at, self._at = self._at, b.state   # the state before this batch resumes at it; this batch's, at the next one
-        self._where = {k: b.state[k] for k in _NANOCHAT_KEYS if k in b.state} or self._where   # nanochat's, of this batch
+        # nanochat's, of this batch
+        self._where = {k: b.state[k] for k in _NANOCHAT_KEYS if k in b.state} or self._where
         return b.inputs, b.targets, dict(self._where, at_batch=at)
     def close(self):
         "Stop the loader: its background thread and its tokenizer workers."
@@ -147,23 +148,30 @@ def _dropin_resume(loader,  # a `PackedLoader` that has handed out no batch
 
 # %% ../nbs/text/10_dataloader.ipynb #efbb7ad4
 def tokenizing_distributed_data_loader_with_state_bos_bestfit(
-        tokenizer,                  # nanochat's tokenizer (or this package's): `encode`, `get_bos_token_id`; a tiktoken core is driven directly
+        # nanochat's tokenizer (or this package's): `encode`, `get_bos_token_id`; a tiktoken core is driven directly
+        tokenizer,
         B,                          # rows per batch
         T,                          # tokens per row
         split,                      # 'train' or 'val'
         tokenizer_threads=4,        # tokenizer worker processes (at most one per CPU)
         tokenizer_batch_size=128,   # documents per slice of a row group
-        device="cuda",              # where the batches go ('auto': CUDA when present, else the CPU; 'cuda' without CUDA is refused)
-        resume_state_dict=None,     # a state this function yielded (resumes at its batch), the list of every rank's, or nanochat's `{pq_idx, rg_idx, epoch}`
+        # where the batches go ('auto': CUDA when present, else the CPU; 'cuda' without CUDA is refused)
+        device="cuda",
+        # a state it yielded (resumes at its batch), the list of every rank's, or nanochat's `{pq_idx, rg_idx, epoch}`
+        resume_state_dict=None,
         buffer_size=1000,           # documents in the packing buffer
-        *, data_dir=None,           # the shards: a folder or a URI (`s3://bucket/prefix`, ...); default: $NANOCHAT_DL_DATA_DIR, else nanochat's folder
-        cache_dir=None,             # for a URI: the shards' local copies (default: one folder per URI under the base dir)
+        *,
+        # the shards: a folder or a URI (`s3://bucket/prefix`, ...); default: $NANOCHAT_DL_DATA_DIR, else nanochat's
+        data_dir=None,
+        # for a URI: the shards' local copies (default: one folder per URI under the base dir)
+        cache_dir=None,
         cache_size=None):           # for a URI: bytes those copies may take (None: no cap)
     "nanochat's loader by name and signature."
     # yields `(inputs, targets, state_dict)` forever, token for token nanochat's batches; `state_dict` resumes exactly,
     # at its batch.
     data_dir, saved, resume_state_dict = _dropin_data_dir(data_dir), resume_state_dict, None   # resumed below
-    loader = PackedLoader(tokenizer, B, T, split, data_dir, tokenizer_threads=tokenizer_threads, tokenizer_batch_size=tokenizer_batch_size,
+    loader = PackedLoader(tokenizer, B, T, split, data_dir, tokenizer_threads=tokenizer_threads,
+                          tokenizer_batch_size=tokenizer_batch_size,
                           device=device, resume_state_dict=resume_state_dict, pack_buffer=buffer_size,
                           cache_dir=cache_dir, cache_size=cache_size, views=True)   # nanochat's reused buffers
     try: start = _dropin_resume(loader, saved)
@@ -181,12 +189,15 @@ def tokenizing_distributed_data_loader_bos_bestfit(
         device="cuda",              # where the batches go
         resume_state_dict=None,     # a state to resume from
         buffer_size=1000,           # documents in the packing buffer
-        *, data_dir=None,           # the shards: a folder or a URI (default: $NANOCHAT_DL_DATA_DIR, else nanochat's folder)
+        # the shards: a folder or a URI (default: $NANOCHAT_DL_DATA_DIR, else nanochat's folder)
+        *, data_dir=None,
         cache_dir=None,             # for a URI: the shards' local copies
         cache_size=None):           # for a URI: bytes those copies may take (None: no cap)
     "As `tokenizing_distributed_data_loader_with_state_bos_bestfit`, yielding `(inputs, targets)`."
-    stream = tokenizing_distributed_data_loader_with_state_bos_bestfit(tokenizer, B, T, split, tokenizer_threads, tokenizer_batch_size,
+    stream = tokenizing_distributed_data_loader_with_state_bos_bestfit(tokenizer, B, T, split, tokenizer_threads,
+                                                                       tokenizer_batch_size,
                                                                        device, resume_state_dict, buffer_size,
-                                                                       data_dir=data_dir, cache_dir=cache_dir, cache_size=cache_size)
+                                                                       data_dir=data_dir, cache_dir=cache_dir,
+                                                                       cache_size=cache_size)
     stream.with_state = False
     return stream

@@ -222,19 +222,26 @@ def run_demo(data_dir=None,        # shard folder; the sample shards are written
 
 # %% ../../nbs/bench/14_demo.ipynb #008758b2
 @call_parse
-def demo_cli(data_dir: str = None,          # shard folder (default: $NANOCHAT_DL_DATA_DIR or the cache); sample shards are written there if it has none
-             tokenizer_dir: str = None,     # tokenizer folder (default: the cache's tokenizer/); one is trained there if it has none
+def demo_cli(
+             # shard folder (default: $NANOCHAT_DL_DATA_DIR or the cache); sample shards are written there if none
+             data_dir: str = None,
+             # tokenizer folder (default: the cache's tokenizer/); one is trained there if it has none
+             tokenizer_dir: str = None,
              vocab_size: int = 8192,        # vocabulary size of a tokenizer trained by the demo
              B: int = 16,                   # rows per batch
              T: int = 2048,                 # tokens per row (the model's sequence length)
              steps: int = 24,               # batches to stream
-             strategy: str = 'bestfit-crop',  # packing strategy: bestfit-crop (nanochat's), bestfit-longfirst, bestfit-pad, bestfit-split, greedy, concat
+             # packing: bestfit-crop (nanochat's), bestfit-longfirst, bestfit-pad, bestfit-split, greedy, concat
+             strategy: str = 'bestfit-crop',
              buffer_size: int = 1000,       # documents in the packing buffer
-             threads: int = 2,              # tokenizer workers (processes; threads for tokenizers without a tiktoken core)
+             # tokenizer workers (processes; threads for tokenizers without a tiktoken core)
+             threads: int = 2,
              device: str = 'auto',          # auto (CUDA when present), cpu or cuda
-             picture: str = None,           # where to save the picture of a packed batch (default: demo_batch.png in the cache)
+             # where to save the picture of a packed batch (default: demo_batch.png in the cache)
+             picture: str = None,
              every: int = 4,                # print every n-th batch in the table
-             compare: str = ','.join(DEMO_STRATEGIES),  # strategies compared side by side afterwards, comma-separated ('' for none)
+             # strategies compared side by side afterwards, comma-separated ('' for none)
+             compare: str = ','.join(DEMO_STRATEGIES),
              compare_batches: int = 30):    # batches each compared strategy is counted over
     """Stream packed batches from the local shards (offline sample shards and a tokenizer are made when missing),
     check exact resume, draw a batch, compare strategies."""

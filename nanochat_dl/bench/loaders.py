@@ -391,18 +391,24 @@ def format_bench_table(r # `run_bench`'s result
 
 # %% ../../nbs/bench/15_bench.ipynb #51a72f20
 @call_parse
-def bench_cli(data_dir: str = None,        # shard folder (default: $NANOCHAT_DL_DATA_DIR or the cache); sample shards are written there if it has none
-              tokenizer_dir: str = None,   # tokenizer folder (default: the cache's tokenizer/); one is trained there if it has none
+def bench_cli(
+              # shard folder (default: $NANOCHAT_DL_DATA_DIR or the cache); sample shards are written there if none
+              data_dir: str = None,
+              # tokenizer folder (default: the cache's tokenizer/); one is trained there if it has none
+              tokenizer_dir: str = None,
               vocab_size: int = 8192,      # vocabulary size of a tokenizer trained here
               B: int = 32,                 # rows per batch
               T: int = 2048,               # tokens per row
               warmup: int = 10,            # untimed batches first (the loader's read-ahead fills)
-              batches: int = 90,           # timed batches per contender (long against the read-ahead, a few hundred thousand tokens)
-              threads: int = 4,            # tokenizer workers, at most one per CPU (nanochat's tokenizer_threads default is 4)
+              # timed batches per contender (long against the read-ahead, a few hundred thousand tokens)
+              batches: int = 90,
+              # tokenizer workers, at most one per CPU (nanochat's tokenizer_threads default is 4)
+              threads: int = 4,
               buffer_size: int = 1000,     # documents in the packing buffer
               best: str = 'bestfit-split',  # the strategy of contender (c)
               repeats: int = 3,            # rounds; each contender's best round is reported
-              gc_mode: str = 'freeze'):    # after warm-up: 'freeze' the garbage collector as nanochat's training loop does, or leave it 'on'
+              # after warm-up: 'freeze' the garbage collector as nanochat's training loop does, or leave it 'on'
+              gc_mode: str = 'freeze'):
     """Benchmark nanochat's loader structure against the drop-in, the best strategy and the tokenizer workers alone;
     print a table."""
     try:

@@ -40,7 +40,8 @@ def position_ids(batch,       # a `PackedBatch`
 
 # %% ../../nbs/pipe/06c_masks.ipynb #d864a07b
 class CuSeqlens(NamedTuple):
-    cu_seqlens: np.ndarray  # int32 [max_seqs + 1]: segment starts in the flattened batch, then the total length repeated
+    # int32 [max_seqs + 1]: segment starts in the flattened batch, then the total length repeated
+    cu_seqlens: np.ndarray
     n_seqs: int             # how many segments are real
     max_seqlen: int         # the longest real segment
 

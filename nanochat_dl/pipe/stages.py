@@ -48,7 +48,8 @@ def _path(p) -> str:
 def check_state(state, where='state') -> dict:
     "`state` if it is plain JSON-able data (dicts with str keys, lists, str, int, float, bool, None)."
     # else a `TypeError` naming the path of the first offender.
-    todo, fast = [(state, where)], (int, str)           # an int or str item needs no more look (nor a path): a million take a second
+    # an int or str item needs no more look (nor a path): a million take a second
+    todo, fast = [(state, where)], (int, str)
     while todo:
         x, path = todo.pop()
         if isinstance(x, dict):
@@ -56,7 +57,8 @@ def check_state(state, where='state') -> dict:
                 if not isinstance(k, str): raise TypeError(f"{_path(path)} has key {k!r} of type {type(k).__name__}: "
                                                            f"state keys must be str")
                 if type(v) not in fast: todo.append((v, (path, k)))
-        elif isinstance(x, (list, tuple)):                  # (a list of ints or strs, as a state's addresses are, is not pushed)
+        # (a list of ints or strs, as a state's addresses are, is not pushed)
+        elif isinstance(x, (list, tuple)):
             todo.extend((v, (path, i)) for i, v in enumerate(x)
                         if type(v) not in fast and not (type(v) is list and all(type(u) in fast for u in v)))
         elif not isinstance(x, _PLAIN) or (isinstance(x, float) and not math.isfinite(x)):
@@ -88,7 +90,8 @@ class ListSource(Stage):
         if state.get('n') != len(self.docs):
             raise ValueError(f"state['n']={state.get('n')!r}: it was saved over another list; this source has "
                              f"{len(self.docs)} documents")
-        self.epoch, self.i = check_int("state['epoch']", state['epoch'], 1), check_int("state['next']", state['next'], 0)
+        self.epoch = check_int("state['epoch']", state['epoch'], 1)
+        self.i = check_int("state['next']", state['next'], 0)
         if self.i > len(self.docs): raise ValueError(f"state['next']={self.i} is past the last of {len(self.docs)} "
                                                      f"documents")
         return self
@@ -141,21 +144,25 @@ class ShuffleBuffer(Stage):
                  window:int=10_000,     # documents held; 0 passes items through unchanged
                  seed:int=0,            # with `stream`, decides every draw
                  stream:int=0,          # keeps this buffer's draws apart from other buffers' (e.g. the rank)
-                 epoch_of=None):        # `epoch_of(item)` -> its epoch: the oldest epoch in the window goes first (None: no epochs)
+                 # `epoch_of(item)` -> its epoch: the oldest epoch in the window goes first (None: no epochs)
+                 epoch_of=None):
         self.upstream, self.window = upstream, check_int('window', window, 0)
         self.seed, self.stream = check_int('seed', seed, 0), check_int('stream', stream, 0)
         self.buf, self.drawn, self.done, self.epoch_of = [], 0, False, epoch_of
         self._hash = draw_base(self.seed, self.stream)   # draw k is (mix64(hash ^ k) * n) >> 64, i.e. draw_index
         self._hs, self._h0 = [], 0                        # mix64(hash ^ k) for k in [h0, h0 + len(hs)), made in blocks
         self._copy, self._log = [], []                    # the window at some moment, and every change since
-        self._old, self._e0 = 0, None                     # with `epoch_of`: slots [0, old) hold the window's oldest epoch, e0
+        # with `epoch_of`: slots [0, old) hold the window's oldest epoch, e0
+        self._old, self._e0 = 0, None
     def __next__(self):
         return next(self.upstream) if self.window == 0 else self.draw(self.upstream.__next__)
 
 
 # %% ../../nbs/pipe/05_stages.ipynb #ep0a1d01
 @patch
-def draw(self:ShuffleBuffer, pull):  # `() -> item`, raising StopIteration at the end: what fills the window (the upstream's next, or a faster path to it)
+def draw(self:ShuffleBuffer,
+         # `() -> item`, raising StopIteration at the end: what fills the window (the upstream's next, or a faster path)
+         pull):
     "Fill the window from `pull`."
     # (a window holding more than its slots, after a rescale, draws without refilling), then hand out a random slot (of
     # the oldest epoch, with `epoch_of`).
@@ -244,8 +251,10 @@ def state_of(self:ShuffleBuffer, snap) -> dict:
 @patch
 def state_dict(self:ShuffleBuffer) -> dict: return self.state_of(self.snapshot())
 
+# %% ../../nbs/pipe/05_stages.ipynb #bb2a662a
 @patch
 def load_state_dict(self:ShuffleBuffer, state):
+    "Continue exactly from `state`, a `state_dict()`: the window's documents are fetched from the stage above."
     for k in ('window', 'seed', 'stream'):
         if state.get(k) != getattr(self, k):
             raise ValueError(f"shuffle state has {k}={state.get(k)!r}, this buffer has {k}={getattr(self, k)!r}: "
@@ -258,7 +267,6 @@ def load_state_dict(self:ShuffleBuffer, state):
     self.drawn, self.done = check_int("shuffle state['drawn']", state['drawn'], 0), False
     self.restore(self.upstream.fetch(addrs) if addrs else [])
     return self
-
 
 # %% ../../nbs/pipe/05_stages.ipynb #f5d26138
 class Pipeline(Stage):
@@ -317,7 +325,8 @@ def plot_pipelines(ax=None):
     def box(x, y, text, color):
         ax.add_patch(plt.Rectangle((x - 0.45, y - 0.3), 0.9, 0.6, fc=color, ec='k', lw=0.8))
         ax.text(x, y, text, ha='center', va='center', fontsize=8)
-    def arrow(x0, y0, x1, y1): ax.annotate('', (x1 - 0.45, y1), (x0 + 0.45, y0), arrowprops=dict(arrowstyle='->', lw=0.8))
+    def arrow(x0, y0, x1, y1):
+        ax.annotate('', (x1 - 0.45, y1), (x0 + 0.45, y0), arrowprops=dict(arrowstyle='->', lw=0.8))
     for i, t in enumerate(top): box(i + 1, 1.6, t, '#cfe2f3')
     for i, t in enumerate(bottom): box(i, 0, t, '#d9ead3')
     for i, t in enumerate(shared): box(i + 5, 0.8, t, '#e6e6e6')

@@ -177,6 +177,7 @@ def synchronize(self:DeviceTransfer):
     if not self.cuda: return
     for s in range(self.slots): self._wait(s)
 
+# %% ../../nbs/pipe/07_transfer.ipynb #4f587adf
 @patch
 def stats(self:DeviceTransfer) -> dict:
     "Counters since construction or `reset_stats()`."

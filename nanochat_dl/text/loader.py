@@ -58,7 +58,8 @@ class _Producer:
         packed = next(self.batch)
         c1 = time.thread_time()
         state = self.state_of({**pipeline_state(self.batch), 'transfer': self.transfer.state_dict()})
-        saved = pickle.dumps(state, protocol=pickle.HIGHEST_PROTOCOL)   # here, in the background thread, not in `next()`
+        # here, in the background thread, not in `next()`
+        saved = pickle.dumps(state, protocol=pickle.HIGHEST_PROTOCOL)
         dt, read, tok, sc = time.perf_counter() - t0, e.send_s - s0, e.wait_s - w0, time.thread_time() - c1
         self.state_cpu_s += sc
         return _Produced(packed, state, saved, dict(produce_s=dt, read_s=read, tokenize_s=tok, pack_s=dt - read - tok,
@@ -96,14 +97,15 @@ def pack_strategy(pack # a key of `STRATEGIES`, or the streaming loader's name o
                      f"{', '.join(f'{k!r} (the same as {v!r})' for k, v in PACK_NAMES.items())}; "
                      "the streaming loader's 'pad' (a document per row) has no counterpart here")
 
-def new_names(old:dict,  # the keywords given by their old names (`RENAMED`)
-              **new      # the same settings by their new names, as given (None or the default where not)
+def new_names(old:dict,              # the keywords given by their old names (`RENAMED`)
+              *, stacklevel:int=3,  # the frame the warning names (3: the caller of the function that calls this)
+              **new                 # the same settings by their new names, as given (None or the default where not)
              ) -> dict:
     "`new` with each old keyword moved to its new name, warning once for each (a `DeprecationWarning`)."
     for k, v in old.items():
         if k not in RENAMED: raise TypeError(f"PackedLoader() got an unexpected keyword argument {k!r}")
         n = RENAMED[k]
-        warnings.warn(f"PackedLoader({k}=...) is deprecated: use {n}=...", DeprecationWarning, stacklevel=3)
+        warnings.warn(f"PackedLoader({k}=...) is deprecated: use {n}=...", DeprecationWarning, stacklevel=stacklevel)
         if new[n] is not None: raise TypeError(f"PackedLoader() got {k}={v!r} and {n}={new[n]!r}: pass only {n}")
         new[n] = v
     return new
@@ -111,15 +113,16 @@ def new_names(old:dict,  # the keywords given by their old names (`RENAMED`)
 # %% ../../nbs/text/09c_packed.ipynb #d681bb9d
 class PackedLoader(Stage):
     "Endless, resumable stream of packed `LoaderBatch`es for this rank, made ahead in a background thread."
-    def __init__(self, tokenizer,                   # the tokenizer (a tiktoken core is driven directly, in worker processes)
+    def __init__(self, tokenizer,                   # the tokenizer (a tiktoken core is driven directly, in workers)
                  batch_size:int=None,               # rows per batch (required)
                  seq_len:int=None,                  # tokens per row (required; rows hold seq_len+1: inputs and targets)
                  split='train',                     # 'train' or 'val' (nanochat's rule: the last shard is val)
-                 data_dir=None,                     # the shard folder or a URI (`s3://bucket/prefix`, ...); default: `get_data_dir()`
+                 data_dir=None,                     # the shard folder or a URI (`s3://...`); default: `get_data_dir()`
                  *, files=None,                     # the shards to read, instead of a split of `data_dir`
-                 pack=None,                         # packing strategy (default nanochat's 'bestfit-crop'); see `STRATEGIES`
+                 pack=None,                         # packing strategy (`STRATEGIES`; default nanochat's 'bestfit-crop')
                  pack_buffer:int=None,              # documents in the packing buffer (default 1000)
-                 max_wait='auto',                   # bestfit-pad/-split's age limit, in rows ('auto': `MAX_WAIT`; None: none)
+                 # bestfit-pad/-split's age limit, in rows ('auto': `MAX_WAIT`; None: none)
+                 max_wait='auto',
                  tokenizer_threads:int=4,           # tokenizer worker processes (or threads)
                  tokenizer_batch_size:int=128,      # documents per slice of a row group
                  device='auto',                     # 'auto', 'cpu', 'cuda', 'cuda:N' or a torch.device
@@ -129,7 +132,7 @@ class PackedLoader(Stage):
                  world_size=None,                   # ranks (default: torch.distributed or $WORLD_SIZE)
                  prefetch:int=2,                    # batches made ahead in the background thread (0: in the caller's)
                  slots:int=2,                       # staging slots (`views=True`: a batch holds until `slots` more)
-                 copy:bool=False,                   # kept for compatibility: True asks for owned tensors, now the default
+                 copy:bool=False,                   # for compatibility: True asks for owned tensors, now the default
                  views:bool=False,                  # views of `slots` reused buffers, no allocation per batch
                  pad_token=None,                    # the padding token of the strategies that pad (default: BOS)
                  max_docs_per_row=None,             # at most this many documents per row (the rest padding)
@@ -144,17 +147,7 @@ class PackedLoader(Stage):
                  cache_size=None,                   # bytes those copies may take (None: no cap)
                  refresh:bool=False,                # a URI `data_dir`: list it again, though its cached listing matches
                  **renamed):                        # B, T, strategy, buffer_size, pad_id: the old names (deprecated)
-        self._closed, self._threads, self._error, self._lock = True, [], None, threading.RLock()
-        self._in_next, self._later = None, False    # the thread inside `next()`; a close() it must finish
-        kw = new_names(renamed, batch_size=batch_size, seq_len=seq_len, pack=pack, pack_buffer=pack_buffer,
-                       pad_token=pad_token)
-        self._check(tokenizer, kw, prefetch, shuffle=shuffle, copy=copy, views=views, worker_reads=worker_reads,
-                    refresh=refresh)
-        self._open(files, split, data_dir, cache_dir, cache_size, refresh)
-        self._build(tokenizer, split, kw, max_wait, tokenizer_threads, tokenizer_batch_size, device, shuffle, seed, rank,
-                    world_size, slots, copy, views, max_docs_per_row, text_column, utf8_errors, tokenize_in,
-                    read_ahead, worker_timeout, worker_reads)
-        self._begin(resume_state_dict)
+        self._setup(**{k: v for k, v in locals().items() if k != 'self'})   # the arguments above, by name
 
 # %% ../../nbs/text/09c_packed.ipynb #e793cc1f
 @patch
@@ -180,12 +173,14 @@ def _open(self:PackedLoader, files, split, data_dir, cache_dir, cache_size, refr
     "The shards: `files`, or the split of `data_dir` (a URI's through a local cache)."
     if isinstance(files, (str, os.PathLike)):   # one path, not a list of them
         if Path(files).is_dir():
-            raise ValueError(f"files={str(files)!r} is a folder: pass data_dir={str(files)!r}, or a list of shard files")
+            raise ValueError(f"files={str(files)!r} is a folder: pass data_dir={str(files)!r}, "
+                             f"or a list of shard files")
         files = [files]
     fetch = dict(refresh=True) if refresh else None   # (in no config: it changes no batch)
     if files is None: files, self.cache = split_shards(split, data_dir, cache_dir, cache_size, fetch)
     else: self.cache = None
-    self.files = [Path(p) if self.cache is not None else Path(p).absolute() for p in files]   # a later chdir must not lose them
+    # a later chdir must not lose them
+    self.files = [Path(p) if self.cache is not None else Path(p).absolute() for p in files]
     if self.cache is not None: weakref.finalize(self, self.cache.close)   # also when this constructor fails
     if not self.files: raise ValueError("PackedLoader needs at least one shard file, got none")
 
@@ -206,7 +201,8 @@ def _build(self:PackedLoader, tokenizer, split, kw, max_wait, tokenizer_threads,
     encoder = make_encoder(tokenizer, tokenizer_threads, tokenize_in, worker_timeout)   # a failure must close it again
     try:
         # an address starts with its epoch: with `bestfit-pad` and `bestfit-split`, every epoch ends
-        packer = Packer(self.T, 1000 if kw['pack_buffer'] is None else kw['pack_buffer'], kw['pack'], bos_id=encoder.bos,
+        packer = Packer(self.T, 1000 if kw['pack_buffer'] is None else kw['pack_buffer'], kw['pack'],
+                        bos_id=encoder.bos,
                         pad_id=kw['pad_token'], max_docs_per_row=max_docs_per_row, epoch_of=itemgetter(0),
                         max_wait=max_wait)
         self.config = dict(split=split, B=self.B, T=self.T, strategy=kw['pack'], buffer_size=packer.buffer_size,
@@ -230,7 +226,8 @@ def _begin(self:PackedLoader, resume_state_dict):
     self.resumed = None
     try:
         if resume_state_dict is not None: self._resume(resume_state_dict)
-        self._state = pickle.dumps(self._producer.state())   # the loader's own copy: `state_dict()` hands out unpickled ones
+        # the loader's own copy: `state_dict()` hands out unpickled ones
+        self._state = pickle.dumps(self._producer.state())
     except BaseException:
         self.transfer.close(); raise
     self._q, self._stop = queue.Queue(maxsize=max(1, self.prefetch)), threading.Event()
@@ -249,7 +246,8 @@ def __repr__(self:PackedLoader):
 
 # %% ../../nbs/text/09c_packed.ipynb #acd0e581
 @patch(as_prop=True)
-def _thread(self:PackedLoader): return self._threads[0] if self._threads else None   # the background thread, once started
+def _thread(self:PackedLoader):   # the background thread, once started
+    return self._threads[0] if self._threads else None
 @patch(as_prop=True)
 def reader(self:PackedLoader) -> RowGroupReader: return self.source.reader
 @patch(as_prop=True)
@@ -269,7 +267,8 @@ def load_state_dict(self:PackedLoader, state): # a batch's `state`, nanochat's `
     # epoch, but the batches are nanochat's (token for token) only at the same world size, where the list resumes
     # this rank's own state exactly.
     if self._threads or self._yielded:
-        raise RuntimeError("load_state_dict works before the first batch: build a new loader with resume_state_dict=...")
+        raise RuntimeError("load_state_dict works before the first batch: "
+                           "build a new loader with resume_state_dict=...")
     self._resume(state)
     self._state = pickle.dumps(self._producer.state())
     return self
@@ -294,28 +293,10 @@ def _resume(self:PackedLoader, sd):
                          f"{APPROX}")
     if sd['format'] != STATE_FORMAT:
         raise ValueError(f"resume_state_dict has format {sd['format']!r:.60}: this version reads {STATE_FORMAT!r}")
-    check_loader_state(sd, self.config, self.fingerprint, self.reader, tuple(self.packer.metrics_state()))   # all, first
+    # all, first
+    check_loader_state(sd, self.config, self.fingerprint, self.reader, tuple(self.packer.metrics_state()))
     load_pipeline_state(self.transfer, sd['stages'])   # the source first; the pack stage fetches through the encoder
     self.resumed = 'exact'
-
-@patch
-def _resume_nanochat(self:PackedLoader, sd):
-    "Continue as nanochat would from its `{pq_idx, rg_idx, epoch}`: at the next row group, with an empty buffer."
-    cfg = self.config
-    if set(sd) - set(NANOCHAT_KEYS) or not {'pq_idx', 'rg_idx'} <= set(sd):
-        raise ValueError(f"resume_state_dict lacks 'format' (its keys: {sorted(map(str, sd))[:12]}): expected a state "
-                         f"from "
-                         "this loader (with 'format') or nanochat's {'pq_idx', 'rg_idx', 'epoch'} alone")
-    if cfg['shuffle']: raise ValueError("a nanochat state {pq_idx, rg_idx, epoch} can only be continued with "
-                                        "shuffle=False")
-    for k, lo, hi in (('pq_idx', 0, len(self.files)), ('rg_idx', 0, None), ('epoch', 1, MAX_EPOCHS)):
-        if k in sd: field_int(sd[k], (k,), lo, hi)
-    old = self.source.reader
-    self.source.reader = RowGroupReader.from_nanochat_state(self.files, sd, cfg['rank'], cfg['world_size'],
-                                                            cfg['tokenizer_batch_size'], cfg['text_column'], old.utf8_errors)
-    old.close()
-    self.source.last = Slice(int(sd.get('epoch', 1)), int(sd['pq_idx']), int(sd['rg_idx']), 0, 0)
-    self.resumed = 'approximate'
 
 # %% ../../nbs/text/09c_packed.ipynb #1a7579ad
 @patch
@@ -413,6 +394,46 @@ def _let_go(self:PackedLoader):
 def __enter__(self:PackedLoader): return self
 @patch
 def __exit__(self:PackedLoader, *exc): self.close()
+
+# %% ../../nbs/text/09c_packed.ipynb #1f1271aa
+@patch
+def _setup(self:PackedLoader, tokenizer, batch_size, seq_len, split, data_dir, files, pack, pack_buffer, max_wait,
+           tokenizer_threads, tokenizer_batch_size, device, shuffle, seed, rank, world_size, prefetch, slots, copy,
+           views, pad_token, max_docs_per_row, text_column, utf8_errors, tokenize_in, read_ahead, worker_timeout,
+           worker_reads, resume_state_dict, cache_dir, cache_size, refresh, renamed):
+    "Build the loader from the arguments of `PackedLoader(...)` (its docments say what each is)."
+    self._closed, self._threads, self._error, self._lock = True, [], None, threading.RLock()
+    self._in_next, self._later = None, False    # the thread inside `next()`; a close() it must finish
+    kw = new_names(renamed, stacklevel=4, batch_size=batch_size, seq_len=seq_len, pack=pack, pack_buffer=pack_buffer,
+                   pad_token=pad_token)
+    self._check(tokenizer, kw, prefetch, shuffle=shuffle, copy=copy, views=views, worker_reads=worker_reads,
+                refresh=refresh)
+    self._open(files, split, data_dir, cache_dir, cache_size, refresh)
+    self._build(tokenizer, split, kw, max_wait, tokenizer_threads, tokenizer_batch_size, device, shuffle, seed, rank,
+                world_size, slots, copy, views, max_docs_per_row, text_column, utf8_errors, tokenize_in,
+                read_ahead, worker_timeout, worker_reads)
+    self._begin(resume_state_dict)
+
+# %% ../../nbs/text/09c_packed.ipynb #92e7c0a2
+@patch
+def _resume_nanochat(self:PackedLoader, sd):
+    "Continue as nanochat would from its `{pq_idx, rg_idx, epoch}`: at the next row group, with an empty buffer."
+    cfg = self.config
+    if set(sd) - set(NANOCHAT_KEYS) or not {'pq_idx', 'rg_idx'} <= set(sd):
+        raise ValueError(f"resume_state_dict lacks 'format' (its keys: {sorted(map(str, sd))[:12]}): expected a state "
+                         f"from "
+                         "this loader (with 'format') or nanochat's {'pq_idx', 'rg_idx', 'epoch'} alone")
+    if cfg['shuffle']: raise ValueError("a nanochat state {pq_idx, rg_idx, epoch} can only be continued with "
+                                        "shuffle=False")
+    for k, lo, hi in (('pq_idx', 0, len(self.files)), ('rg_idx', 0, None), ('epoch', 1, MAX_EPOCHS)):
+        if k in sd: field_int(sd[k], (k,), lo, hi)
+    old = self.source.reader
+    self.source.reader = RowGroupReader.from_nanochat_state(self.files, sd, cfg['rank'], cfg['world_size'],
+                                                            cfg['tokenizer_batch_size'], cfg['text_column'],
+                                                            old.utf8_errors)
+    old.close()
+    self.source.last = Slice(int(sd.get('epoch', 1)), int(sd['pq_idx']), int(sd['rg_idx']), 0, 0)
+    self.resumed = 'approximate'
 
 # %% ../../nbs/text/09c_packed.ipynb #7c8581a4
 def metrics_table(batches,   # the batches' `metrics` dicts

@@ -26,13 +26,26 @@ def _old_columns(sd, plan, W) -> dict:
 
 _MAY_DIFFER = ('B', 'buffer_size')   # settings a rescaled run may change besides rank and world size
 
+# %% ../../nbs/text/09b_rescale.ipynb #32f138d9
+def _steps_of(states) -> list:
+    "The step each state was saved at (`stages.batch.step`), checked to be one and the same."
+    steps = [field_int(field_dict(field_dict(sd['stages'], (i, 'stages'), STAGE_NAMES)['batch'], (i, 'stages', 'batch'),
+                                  ('step',))['step'], (i, 'stages', 'batch', 'step')) for i, sd in enumerate(states)]
+    odd = next((i for i, s in enumerate(steps) if not same_value(s, steps[0])), None)
+    if odd is not None:
+        raise ValueError(f"resume_state_dict mixes states of different steps: entry 0 was saved after batch "
+                         f"{steps[0]!r:.20}, entry {odd} "
+                         f"after batch {steps[odd]!r:.20}: expected the states every rank saved at the same step")
+    return steps
+
 # %% ../../nbs/text/09b_rescale.ipynb #fd1a2c0f
 def _check_list(states, cfg) -> tuple:
     "The list of every rank's state, checked as one run's at one step: `(W, index of each rank, steps)`."
     if not states: raise ValueError("resume_state_dict is an empty list: expected the states of every rank of a run, "
                                     "saved at the same step")
     for i, sd in enumerate(states):
-        if sd.get('format') != STATE_FORMAT or not isinstance(sd.get('config'), dict) or not isinstance(sd.get('stages'), dict):
+        if (sd.get('format') != STATE_FORMAT or not isinstance(sd.get('config'), dict)
+                or not isinstance(sd.get('stages'), dict)):
             raise ValueError(f"resume_state_dict[{i}] is not a state of this loader (format "
                              f"{sd.get('format')!r:.60}): a list resumes only "
                              f"from states in format {STATE_FORMAT!r}, one per rank")
@@ -61,14 +74,23 @@ def _check_list(states, cfg) -> tuple:
         raise ValueError(f"resume_state_dict lacks the state of rank "
                          f"{', '.join(map(str, missing))}{', ...' if W - len(at) > 8 else ''} of {W} "
                          f"(it holds {len(states)}): expected one state per rank, all saved at the same step")
-    steps = [field_int(field_dict(field_dict(sd['stages'], (i, 'stages'), STAGE_NAMES)['batch'], (i, 'stages', 'batch'), ('step',))['step'],
-                     (i, 'stages', 'batch', 'step')) for i, sd in enumerate(states)]
-    odd = next((i for i, s in enumerate(steps) if not same_value(s, steps[0])), None)
-    if odd is not None:
-        raise ValueError(f"resume_state_dict mixes states of different steps: entry 0 was saved after batch "
-                         f"{steps[0]!r:.20}, entry {odd} "
-                         f"after batch {steps[odd]!r:.20}: expected the states every rank saved at the same step")
-    return W, at, steps
+    return W, at, _steps_of(states)
+
+# %% ../../nbs/text/09b_rescale.ipynb #5faca14e
+def _add_entries(entries, # document (its buffer entry) -> the rank that holds it, collected so far
+                 sd,      # the state of rank `r`
+                 r):
+    "Collect the documents rank `r`'s packing buffer holds into `entries`, refusing one that two ranks hold."
+    for x in zip(*(sd['stages']['pack']['buffer'][c] for c in BUFFER_COLUMNS)):
+        if x in entries: raise ValueError(f"resume_state_dict: the buffers of ranks {entries[x]} and {r} both "
+                                          f"hold document {x[:4]} "
+                                          f"(offset {x[4]}): the states come from different runs")
+        entries[x] = r
+
+# %% ../../nbs/text/09b_rescale.ipynb #9cf4b637
+def _entry_error(err, i, r, W):
+    "`err` again, its message led by the list entry `i` it is about (the state of rank `r` of `W`)."
+    return type(err)(f"resume_state_dict[{i}] (rank {r} of {W}): {err}")
 
 # %% ../../nbs/text/09b_rescale.ipynb #8296e20f
 def resume_many(ld,     # the loader to resume: a `PackedLoader` that has handed out no batch
@@ -78,27 +100,25 @@ def resume_many(ld,     # the loader to resume: a `PackedLoader` that has handed
     cfg = ld.config
     W, at, steps = _check_list(states, cfg)
     plan, counters, entries, columns = ld.source.plan, tuple(ld.packer.metrics_state()), {}, {}
-    same = W == cfg['world_size']   # each rank resumes its own state; every rank checks them all, so all refuse a list or none
+    # each rank resumes its own state; every rank checks them all, so all refuse a list or none
+    same = W == cfg['world_size']
     for r in range(W):
         if same and r == cfg['rank']: continue   # its own state: checked once, by `_resume` below
         sd = states[at[r]]
         mine = {**cfg, 'rank': r, 'world_size': W, **{k: sd['config'][k] for k in _MAY_DIFFER if k in sd['config']}}
-        rd = RowGroupReader(ld.files, r, W, cfg['tokenizer_batch_size'], shuffle=cfg['shuffle'], seed=cfg['seed'], text_column=cfg['text_column'])
+        rd = RowGroupReader(ld.files, r, W, cfg['tokenizer_batch_size'], shuffle=cfg['shuffle'], seed=cfg['seed'],
+                            text_column=cfg['text_column'])
         rd._layout, rd._bytes = ld.reader._layout, ld.reader._bytes   # the footers, read once
         try: check_loader_state(sd, mine, ld.fingerprint, rd, counters)
-        except (TypeError, ValueError) as err: raise type(err)(f"resume_state_dict[{at[r]}] (rank {r} of {W}): {err}") from None
+        except (TypeError, ValueError) as err: raise _entry_error(err, at[r], r, W) from None
         finally: rd.close()
         if same: continue
         columns.update(_old_columns(sd, plan, W))
-        for x in zip(*(sd['stages']['pack']['buffer'][c] for c in BUFFER_COLUMNS)):
-            if x in entries: raise ValueError(f"resume_state_dict: the buffers of ranks {entries[x]} and {r} both "
-                                              f"hold document {x[:4]} "
-                                              f"(offset {x[4]}): the states come from different runs")
-            entries[x] = r
+        _add_entries(entries, sd, r)
     j, W2 = cfg['rank'], cfg['world_size']
     if same:
         try: ld._resume(states[at[j]])   # this rank's own state: exact, token for token
-        except (TypeError, ValueError) as err: raise type(err)(f"resume_state_dict[{at[j]}] (rank {j} of {W}): {err}") from None
+        except (TypeError, ValueError) as err: raise _entry_error(err, at[j], j, W) from None
         return
     mine = {c: v for c, v in columns.items() if c % W2 == j}
     align = plan.align(mine.values()) if mine else max(v[0] for v in columns.values())

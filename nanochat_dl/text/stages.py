@@ -52,7 +52,7 @@ def reference_loader(tokenizer,                  # with `encode(texts, prepend, 
     files = split_files(split, data_dir) if files is None else files
     reader = RowGroupReader(files, rank, world_size, tokenizer_batch_size)
     bos = tokenizer.get_bos_token_id()
-    packer = ReferencePacker(T, buffer_size, bos) if packer is None else packer   # another packer: to watch its counters
+    packer = ReferencePacker(T, buffer_size, bos) if packer is None else packer   # another packer: to watch counters
     xfer, where = SingleBufferTransfer(B, T, device), {}
     def pull():
         docs = next(reader)
@@ -137,7 +137,8 @@ class ColumnPlan:
             if len(self._cache) >= 4: self._cache.clear()
             rd = self.reader
             layout = [rd._rows(f) for f in range(len(rd.files))]
-            order = [(f, g) for f, g in row_group_plan(layout, 0, 1, e, shuffle=rd.shuffle, seed=rd.seed) if layout[f][g]]
+            order = [(f, g) for f, g in row_group_plan(layout, 0, 1, e, shuffle=rd.shuffle, seed=rd.seed)
+                     if layout[f][g]]
             pos, cols = {fg: i for i, fg in enumerate(order)}, {}
             for i, (f, g) in enumerate(order): cols.setdefault(g, ([], []))[0].append(i); cols[g][1].append(f)
             got = self._cache[e] = (pos, cols)
@@ -203,7 +204,8 @@ def _split_docs(docs, counts) -> list:
 
 class _Unit:
     "Slices sent to the encoder in one call; each slice's documents cut out of the answer when first needed."
-    def __init__(self, encoder, handle, counts, pins=()):   # pins: cached copies the workers read, released with the answer
+    def __init__(self, encoder, handle, counts,
+                 pins=()):   # cached copies the workers read, released with the answer
         self.encoder, self.handle, self.counts, self.parts, self.pins = encoder, handle, counts, None, pins
     def take(self, j) -> FlatDocs:
         if self.parts is None:
@@ -236,7 +238,8 @@ class EncodeStage(Stage):
         self.in_flight = self.read_ahead * par   # messages sent ahead, besides the one being taken from
         self.ahead = deque()                     # (slice, the states above it, its unit, its index there), in order
         self.units, self._above, self._texts = 0, None, None
-        self.send_s = self.wait_s = self.cpu_s = 0.0   # time planning and sending, waiting for answers, this thread's CPU
+        # time planning and sending, waiting for answers, this thread's CPU
+        self.send_s = self.wait_s = self.cpu_s = 0.0
 
     def _unit(self) -> list:
         "The next message's slices, each with the source's state after it."
@@ -261,7 +264,8 @@ def _send(self:EncodeStage):
         handle = self.encoder.submit_read(reqs, rd.text_column, rd.utf8_errors)
     else:
         if self._texts is None: self._texts = RowGroupTexts(rd.text_column, rd.utf8_errors)
-        handle = self.encoder.submit([t for f, g, rows in slice_runs(slices) for t in self._texts(rd.files[f], g, rows)])
+        handle = self.encoder.submit([t for f, g, rows in slice_runs(slices)
+                                      for t in self._texts(rd.files[f], g, rows)])
     unit = _Unit(self.encoder, handle, [s.hi - s.lo for s in slices], pins)
     self.ahead.extend((s, above, unit, j) for j, (s, above) in enumerate(got))
     self.units += 1
@@ -354,7 +358,7 @@ def epoch_floor(self:EncodeStage) -> int | None:
 class PackStage(Stage):
     "Packing as a stage: documents from `upstream` (items `Doc` or `Docs`) into `packer`'s buffer, rows out."
     name = 'pack'
-    def __init__(self, upstream,                              # a stage whose items are `Doc`s or `Docs` (that can `fetch`)
+    def __init__(self, upstream,                              # a stage of `Doc`s or `Docs` (that can `fetch`)
                  packer,                                      # a `Packer` (or `ReferencePacker`)
                  fields=('epoch', 'file', 'rg', 'row')):      # names of the parts of an address: the state's columns
         self.upstream, self.packer, self.fields = upstream, packer, tuple(fields)

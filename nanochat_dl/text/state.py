@@ -47,16 +47,19 @@ def data_fingerprint(files # the shards, in order
         n, digest = _footer_digest(p)
         h.update(f"{p.name}\0{n}\n".encode()); total += n
         footers.append(digest)
-    return dict(files=len(files), first=Path(files[0]).name, last=Path(files[-1]).name, bytes=total, sha=h.hexdigest()[:16],
+    return dict(files=len(files), first=Path(files[0]).name, last=Path(files[-1]).name, bytes=total,
+                sha=h.hexdigest()[:16],
                 footers=''.join(footers))
 
 BUFFER_COLUMNS = ('epoch', 'file', 'rg', 'row', 'offset')
 
-_DATA_KEYS = ('files', 'first', 'last', 'bytes', 'sha')   # names and sizes ('footers' apart: a shard they name is the answer)
+# names and sizes ('footers' apart: a shard they name is the answer)
+_DATA_KEYS = ('files', 'first', 'last', 'bytes', 'sha')
 
 # %% ../../nbs/text/09a_state.ipynb #59db50f1
 def _describe_data(fp):
-    if not isinstance(fp, dict) or not set(_DATA_KEYS) <= set(fp) or not isinstance(fp['bytes'], (int, float)): return f"{fp!r:.200}"
+    if not isinstance(fp, dict) or not set(_DATA_KEYS) <= set(fp) or not isinstance(fp['bytes'], (int, float)):
+        return f"{fp!r:.200}"
     return f"{fp['files']} shards {fp['first']}..{fp['last']} ({human_bytes(fp['bytes'])}, sha {fp['sha']})"
 
 APPROX = "to continue approximately, as nanochat does, pass only the state's 'pq_idx', 'rg_idx' and 'epoch'"
@@ -75,7 +78,8 @@ def _check_data(theirs, mine, files):
                          f"each of the {len(files)} shards")
     changed = [Path(files[i]).name for i in range(len(files)) if old[8 * i:8 * i + 8] != new[8 * i:8 * i + 8]]
     if changed:
-        more = f" (and {len(changed) - 1} more: {', '.join(changed[1:4])}{', ...' if len(changed) > 4 else ''})" if len(changed) > 1 else ''
+        more = (f" (and {len(changed) - 1} more: {', '.join(changed[1:4])}{', ...' if len(changed) > 4 else ''})"
+                if len(changed) > 1 else '')
         raise ValueError(f"resume_state_dict['fingerprint']: shard {changed[0]} changed since the state was saved "
                          f"(same name and size, "
                          f"another parquet footer){more}: its row groups, their sizes or statistics differ, so its "
@@ -89,7 +93,8 @@ def state_checksum(sd) -> str:
     st = sd['stages']
     src, last, pack = st['source'], st['source']['last'], st['pack']
     data = json.dumps([sd['format'], sd.get('pq_idx'), sd.get('rg_idx'), sd.get('epoch'), sorted(src['cursor'].items()),
-                       last and sorted(last.items()), st['batch']['step'], sorted(pack['metrics'].items()), st['encode'], st['transfer']]
+                       last and sorted(last.items()), st['batch']['step'], sorted(pack['metrics'].items()),
+                       st['encode'], st['transfer']]
                       + ([src['elastic']] if 'elastic' in src else [])
                       + ([pack['entered']] if 'entered' in pack else []),
                       separators=(',', ':')).encode()
@@ -108,7 +113,8 @@ _STATE_KEYS = ('format', 'config', 'fingerprint', 'stages', 'checksum')
 
 NANOCHAT_KEYS = ('pq_idx', 'rg_idx', 'epoch')
 
-_READER_KEYS = ('epoch', 'file', 'rg', 'row', 'rank', 'world_size', 'n_files', 'shuffle', 'seed', 'balanced', 'batch_size')
+_READER_KEYS = ('epoch', 'file', 'rg', 'row', 'rank', 'world_size', 'n_files', 'shuffle', 'seed', 'balanced',
+                'batch_size')
 
 _BUF = ('stages', 'pack', 'buffer')   # where the buffer lives in a state
 
@@ -128,7 +134,8 @@ def field_dict(v, path, keys, optional=()) -> dict:
 
 def field_int(v, path, lo=0, hi=None) -> int:
     if isinstance(v, bool) or not isinstance(v, int) or v < lo or (hi is not None and v >= hi):
-        raise ValueError(f"{field_name(path)}={v!r:.60} is invalid: expected an int >= {lo}" + ('' if hi is None else f" and < {hi}"))
+        raise ValueError(f"{field_name(path)}={v!r:.60} is invalid: expected an int >= {lo}"
+                         + ('' if hi is None else f" and < {hi}"))
     return v
 
 def same_value(a, b) -> bool: return type(a) is type(b) and a == b
@@ -143,7 +150,8 @@ def _check_columns(cols, ranges) -> int:
                                                      f"expected one value per entry in each")
     for c in BUFFER_COLUMNS:
         col, (lo, hi) = cols[c], ranges[c]
-        if not (all(type(v) is int for v in col) and (not col or (min(col) >= lo and max(col) < hi))):   # the fast path; then the culprit
+        # the fast path; then the culprit
+        if not (all(type(v) is int for v in col) and (not col or (min(col) >= lo and max(col) < hi))):
             for i, v in enumerate(col): field_int(v, _BUF + (c, i), lo, hi)
     return lens['row']
 
@@ -178,12 +186,14 @@ def _check_buffer(cols, cfg, reader, cursor, elastic=None):
     # starts a piece, or `HELD` aside (whole, last; after a rescale, `elastic`: entries of epochs before `align` only
     # before their column's cursor).
     big, strategy = 1 << 62, cfg['strategy']
-    n = _check_columns(field_dict(cols, _BUF, BUFFER_COLUMNS), dict(epoch=(1, cursor[0][0] + 1), file=(0, len(reader.files)),
+    n = _check_columns(field_dict(cols, _BUF, BUFFER_COLUMNS),
+                       dict(epoch=(1, cursor[0][0] + 1), file=(0, len(reader.files)),
                        rg=(0, big), row=(0, big), offset=(-big if strategy in GUARDED else 0, big)))
     C, T = cfg['T'] + 1, cfg['T']
     split, most = strategy == 'bestfit-split', cfg['buffer_size'] + cfg['tokenizer_batch_size'] - 1
     docs = len(set(zip(*(cols[c] for c in BUFFER_COLUMNS[:4])))) if split else n
-    align = elastic['align'] if elastic else None   # entries of earlier epochs came from other ranks, or from columns caught up
+    # entries of earlier epochs came from other ranks, or from columns caught up
+    align = elastic['align'] if elastic else None
     if docs > most and align is None:
         raise ValueError(f"{field_name(_BUF)} holds {docs} documents{f' (in {n} pieces)' if split else ''}: a loader "
                          f"with "
@@ -194,7 +204,8 @@ def _check_buffer(cols, cfg, reader, cursor, elastic=None):
         key, at = (e, f, g, r), f"{field_name(_BUF)}: entry {i}"
         if (o == HELD) != (held.setdefault(key, o) == HELD):
             raise ValueError(f"{at} ({key}): a document held aside whole (offset {HELD}) has no other entry")
-        if o < 0 and i and cols['offset'][i - 1] >= 0: prev = None   # those held aside: after the rest, in reading order
+        # those held aside: after the rest, in reading order
+        if o < 0 and i and cols['offset'][i - 1] >= 0: prev = None
         if o >= 0 and i and cols['offset'][i - 1] < 0:
             raise ValueError(f"{at} ({key}) comes after an entry held aside: those come last")
         o0, o = o, o if o >= -1 else -2 - o   # a piece held aside at offset o is saved as -2 - o
@@ -216,7 +227,8 @@ def _check_ages(pack, cfg):
     P, rows, offs = ('stages', 'pack'), pack['metrics']['rows'], pack['buffer']['offset']
     if 'entered' not in pack: return   # a state from before: its entries enter at the load
     runs, prev, total = pack['entered'], 0, 0
-    if not isinstance(runs, list): raise TypeError(f"{field_name(P + ('entered',))} must be a list of [count, row] runs")
+    if not isinstance(runs, list):
+        raise TypeError(f"{field_name(P + ('entered',))} must be a list of [count, row] runs")
     for i, x in enumerate(runs):
         if not (isinstance(x, list) and len(x) == 2):
             raise ValueError(f"{field_name(P + ('entered', i))}={x!r:.60}: expected [count, row]")
@@ -232,7 +244,8 @@ def _check_source(src, cfg, reader, present, sd) -> tuple:
     "The source stage's state: the reader's cursor, and the last slice (nanochat's three fields, also at the top)."
     # the cursor's place in reading order.
     S = ('stages', 'source')
-    field_dict(src, S, ('cursor', 'last'), optional=('elastic',))   # `elastic` after a rescale, until its columns catch up
+    # `elastic` after a rescale, until its columns catch up
+    field_dict(src, S, ('cursor', 'last'), optional=('elastic',))
     rd = field_dict(src['cursor'], S + ('cursor',), _READER_KEYS)
     try: e, f, g, r = reader.check_state(rd)
     except ValueError as err: raise ValueError(f"{field_name(S + ('cursor',))}: {err}") from None
@@ -265,6 +278,20 @@ def _check_source(src, cfg, reader, present, sd) -> tuple:
                              f"name the same slice, the last one packed")
     return cursor
 
+# %% ../../nbs/text/09a_state.ipynb #aecb2a01
+def _check_config(sd, cfg):
+    "Check that the state's config is this loader's `cfg` (a state from before `max_wait`: its strategy's default)."
+    theirs = field_dict(sd['config'], ('config',), CONFIG_KEYS, optional=('max_wait',))
+    if 'max_wait' not in theirs:   # a state from before the setting: made with its strategy's default
+        theirs = dict(theirs, max_wait=MAX_WAIT if cfg['strategy'] in GUARDED else None)
+    for k in CONFIG_KEYS + ('max_wait',):
+        if not same_value(theirs[k], cfg[k]):
+            raise ValueError(f"resume_state_dict['config']: saved by a loader with {k}={theirs[k]!r:.60}, but this "
+                             f"loader has {k}={cfg[k]!r}: "
+                             f"exact resume needs the same {k} (each rank resumes from its own state)"
+                             + ("; to resume at another world size, pass the list of every rank's state"
+                                if k in ('rank', 'world_size') else ''))
+
 # %% ../../nbs/text/09a_state.ipynb #3883acac
 def check_loader_state(sd, cfg, fingerprint, reader, counters):
     "Check a loader state completely."
@@ -277,29 +304,24 @@ def check_loader_state(sd, cfg, fingerprint, reader, counters):
     field_dict(sd, (), _STATE_KEYS + tuple(present))
     for k in present: field_int(sd[k], (k,), 1 if k == 'epoch' else 0)
     fp = field_dict(sd['fingerprint'], ('fingerprint',), ('data', 'tokenizer'))
-    _check_data(field_dict(fp['data'], ('fingerprint', 'data'), _DATA_KEYS + ('footers',)), fingerprint['data'], reader.files)
+    _check_data(field_dict(fp['data'], ('fingerprint', 'data'), _DATA_KEYS + ('footers',)), fingerprint['data'],
+                reader.files)
     tok = field_dict(fp['tokenizer'], ('fingerprint', 'tokenizer'), tuple(fingerprint['tokenizer']))
     if not all(same_value(tok[k], v) for k, v in fingerprint['tokenizer'].items()):
         raise ValueError(f"resume_state_dict['fingerprint']: saved with a different tokenizer ({_describe_tok(tok)}); "
                          f"this loader "
                          f"has {_describe_tok(fingerprint['tokenizer'])}: exact resume needs the same tokenizer")
-    theirs = field_dict(sd['config'], ('config',), CONFIG_KEYS, optional=('max_wait',))
-    if 'max_wait' not in theirs:   # a state from before the setting: made with its strategy's default
-        theirs = dict(theirs, max_wait=MAX_WAIT if cfg['strategy'] in GUARDED else None)
-    for k in CONFIG_KEYS + ('max_wait',):
-        if not same_value(theirs[k], cfg[k]):
-            raise ValueError(f"resume_state_dict['config']: saved by a loader with {k}={theirs[k]!r:.60}, but this "
-                             f"loader has {k}={cfg[k]!r}: "
-                             f"exact resume needs the same {k} (each rank resumes from its own state)"
-                             + ("; to resume at another world size, pass the list of every rank's state" if k in ('rank', 'world_size') else ''))
+    _check_config(sd, cfg)
     st = field_dict(sd['stages'], ('stages',), STAGE_NAMES)
     for k in ('encode', 'transfer'): field_dict(st[k], ('stages', k), ())   # they hold nothing
     cursor = _check_source(st['source'], cfg, reader, present, sd)
     field_int(field_dict(st['batch'], ('stages', 'batch'), ('step',))['step'], ('stages', 'batch', 'step'))
     pack = field_dict(st['pack'], ('stages', 'pack'), ('buffer', 'metrics'), optional=('entered',))   # since issue 18
-    for k in field_dict(pack['metrics'], ('stages', 'pack', 'metrics'), counters): field_int(pack['metrics'][k], ('stages', 'pack', 'metrics', k))
+    for k in field_dict(pack['metrics'], ('stages', 'pack', 'metrics'), counters):
+        field_int(pack['metrics'][k], ('stages', 'pack', 'metrics', k))
     el = st['source'].get('elastic')
-    _check_buffer(pack['buffer'], cfg, reader, cursor, el and dict(align=el['align'], columns={v[2]: v for v in el['columns']}, plan=ColumnPlan(reader)))
+    _check_buffer(pack['buffer'], cfg, reader, cursor,
+                  el and dict(align=el['align'], columns={v[2]: v for v in el['columns']}, plan=ColumnPlan(reader)))
     _check_ages(pack, cfg)
     if not isinstance(sd['checksum'], str) or sd['checksum'] != state_checksum(sd):
         raise ValueError(f"resume_state_dict['checksum'] does not match the state's contents: the state was changed "
@@ -315,7 +337,8 @@ def _check_elastic(el, S, reader, cursor):
     if not isinstance(el['columns'], list): raise TypeError(f"{field_name(S + ('columns',))} must be a list, got "
                                                             f"{type(el['columns']).__name__}")
     start = next(([align, f, g, 0] for f, g in reader._epoch_plan(align) if reader._rows(f)[g]), None)
-    if el['columns'] and list(cursor) != start:   # the reader waits at the start of epoch `align` while columns catch up
+    # the reader waits at the start of epoch `align` while columns catch up
+    if el['columns'] and list(cursor) != start:
         raise ValueError(f"{field_name(S)}: align={align} with columns still catching up, but the reader's cursor "
                          f"{list(cursor)} is not "
                          f"this rank's first document of epoch {align} ({start})")
@@ -333,7 +356,8 @@ def _check_elastic(el, S, reader, cursor):
             raise ValueError(f"{field_name(P)}: column {g} is {'listed twice' if g in seen else 'not one'} of rank "
                              f"{reader.rank} of {reader.world_size}")
         seen.add(g)
-    lack = [c for c in plan.columns() if c % reader.world_size == reader.rank and c not in seen] if el['columns'] else []
+    lack = ([c for c in plan.columns() if c % reader.world_size == reader.rank and c not in seen]
+            if el['columns'] else [])
     if lack: raise ValueError(f"{field_name(S + ('columns',))} lacks column {lack[0]} of rank {reader.rank} of "
                               f"{reader.world_size}: "
                               "while columns catch up, every column of the rank is listed")
@@ -351,7 +375,8 @@ def loader_state(stages,      # `{name: state}` of the chain (`pipeline_state`),
     stages['source'] = dict(cursor=dict(src['cursor']), last=src['last'] and dict(src['last']))
     el = src.get('elastic')
     if el is not None and (el['columns'] or min(stages['pack']['buffer']['epoch'], default=el['align']) < el['align']):
-        stages['source']['elastic'] = el   # a rescale's traces: columns being caught up, or their documents still buffered
+        # a rescale's traces: columns being caught up, or their documents still buffered
+        stages['source']['elastic'] = el
     sd = dict(src['last']) if src['last'] else {}
     sd.update(format=STATE_FORMAT, config=dict(config), fingerprint={k: dict(v) for k, v in fingerprint.items()},
               stages=stages)
