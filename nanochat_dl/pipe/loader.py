@@ -109,7 +109,7 @@ def _ended(end) -> bool: end(); return True
 # %% ../../nbs/pipe/07c_loader.ipynb #152f8b14
 @patch(as_prop=True)
 def _thread(self:BaseLoader):   # the background thread, once started
-    return self._threads[0] if self._threads else None
+    return self._threads[0] if getattr(self, '_threads', None) else None
 
 @patch
 def _start(self:BaseLoader, t0):

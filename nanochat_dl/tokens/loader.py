@@ -7,19 +7,21 @@ transfer to the device, and a state per batch that resumes it exactly, at this o
 __all__ = ['StreamBatch', 'own_copy', 'StreamingLoader', 'open_epochs']
 
 # %% ../../nbs/tokens/12i_loader.ipynb #6230c182
-import math, queue, threading, time, warnings, weakref
+import math, time
+from functools import partial
 from types import SimpleNamespace
-from typing import NamedTuple
 import numpy as np
 import torch
 from fastcore.basics import patch
-from ..core import check_int, on_drop
+from ..core import check_int
 from ..pipe.stages import check_state
 from ..io.fetch import giving_up_on
 from ..pipe.bestfit import MAX_WAIT
 from ..pipe.masks import position_ids, cu_seqlens
 from ..pipe.transfer import DeviceTransfer, TrainingTriple, resolve_device
 from ..pipe.fields import read_int
+from ..pipe.producer import JOIN_TIMEOUT
+from ..pipe.loader import BaseLoader
 from .order import shard_starts
 from .fast import FastTokenStream
 from .state import FORMAT, stream_config, check_resume, run_id, sealed, check_checksum
@@ -73,26 +75,6 @@ def cu_seqlens(self:StreamBatch, max_seqs:int) -> tuple:
     c = cu_seqlens(self.packed, max_seqs)
     return torch.from_numpy(c.cu_seqlens).to(self.inputs.device), c.max_seqlen
 
-class _Failure(NamedTuple): exc: BaseException
-
-def _put(q, item, stop) -> bool:
-    while not stop.is_set():
-        try: q.put(item, timeout=0.05); return True
-        except queue.Full: pass
-    return False
-
-def _produce_loop(stream, B, q, stop):
-    "The background thread: batches until stopped; an exception goes to the consumer."
-    try:
-        with giving_up_on(stop):                  # a fetch waited for is given up when the loader closes
-            while not stop.is_set():
-                if not _put(q, _produce(stream, B), stop): return
-    except BaseException as e: _put(q, _Failure(e), stop)
-
-def _stop(thread, stop):
-    stop.set()
-    if thread.is_alive(): thread.join(10)
-
 # %% ../../nbs/tokens/12i_loader.ipynb #72217c6a
 import pickle
 
@@ -101,9 +83,10 @@ def own_copy(x):
     return pickle.loads(pickle.dumps(x, protocol=pickle.HIGHEST_PROTOCOL))
 
 # %% ../../nbs/tokens/12i_loader.ipynb #ae74a0df
-class StreamingLoader:
+class StreamingLoader(BaseLoader):
     "Endless, exactly resumable batches of pre-tokenized documents for this rank."
     stream_class = FastTokenStream     # what makes the rows (`TokenStream` makes the same ones, slower)
+    thread_name, wrap = 'nanochat_dl-stream', staticmethod(giving_up_on)   # a fetch waited for ends on close
     def __init__(self, root,                # the token root (ROOT/<dataset>/**/*.arrow), or a `TokenRoot`
                  seq_len:int,               # tokens per input row (rows hold seq_len + 1)
                  batch_size:int,            # rows per batch
@@ -131,7 +114,6 @@ class StreamingLoader:
                  cache_dir=None,            # a URI root's local copies (default: a folder per root under the base dir)
                  cache_size=None,           # bytes those copies may take (None: no cap)
                  refresh:bool=False):       # a URI root: list the store again, though the cached listing matches it
-        self._thread, self._closed = None, True
         self.B, self.prefetch = check_int('batch_size', batch_size, 1), check_int('prefetch', prefetch, 0)
         self.root, self.config, self.fingerprint = stream_config(
             root, seq_len, datasets=datasets, weights=weights, rank=rank, world_size=world_size,
@@ -144,7 +126,7 @@ class StreamingLoader:
 # %% ../../nbs/tokens/12i_loader.ipynb #d072e4cd
 @patch
 def _open(self:StreamingLoader, device, slots, copy, views):
-    "Build the stream and the transfer for the checked settings, and the state the thread shares."
+    "Build the stream and the transfer for the checked settings, then the frame (`BaseLoader.open_frame`)."
     self.device, c = resolve_device(device), self.config
     self.stream = self.stream_class(self.root, c)
     self.stream.fetch_ahead()
@@ -158,14 +140,9 @@ def _open(self:StreamingLoader, device, slots, copy, views):
         )
     self.run = run_id(c, self.fingerprint)
     self.transfer = DeviceTransfer(self.B, c['seq_len'], self.device, slots, copy, views=views)
-    self._snap, self._state, self._started = self.stream.snapshot(), None, False
-    self._yielded, self._error, self._last = 0, None, None
-    self._next_lock = threading.RLock()
-    self._closed, self._stoppers, self._give_up = False, [], threading.Event()
-    self._in_next, self._gone = None, False     # the thread inside `next()`; whether `_let_go` ran
-    self.root.acquire()                               # a user of the root: its `close()` releases it
-    # dropped unclosed: files released at once
-    self._drop = on_drop(self, _release_loader, self.root, self._stoppers)
+    self._snap = self.stream.snapshot()
+    self.root.acquire()                               # a user of the root: `close()` (or a drop) releases it
+    self.open_frame(self.prefetch, self.root.release)
 
 @patch
 def _full_state(self:StreamingLoader, snap) -> dict:
@@ -176,18 +153,15 @@ def _full_state(self:StreamingLoader, snap) -> dict:
                                 **st)))
 
 @patch
-def state_dict(self:StreamingLoader) -> dict:
-    "The state after the last batch handed out (before the first: the start)."
-    with self._next_lock:   # (a `next()` in another thread would make it stale)
-        if self._state is None: self._state = pickle.dumps(self._full_state(self._snap), pickle.HIGHEST_PROTOCOL)
-        return pickle.loads(self._state)   # what a caller does to it is its own business
+def state_body(self:StreamingLoader) -> dict:
+    "The state after the last batch handed out (before the first: the start); `state_dict()` hands out a copy."
+    return self._full_state(self._snap)
 
 # %% ../../nbs/tokens/12i_loader.ipynb #d43af0f9
 @patch
-def load_state_dict(self:StreamingLoader,
-                    state):  # this rank's state, or the list of every rank's (or every DataLoader worker's)
-    "Continue exactly after the batch whose `state` this is (before the first batch)."
-    if self._started: raise RuntimeError("load_state_dict must come before the first batch is taken")
+def load_body(self:StreamingLoader,
+              state):  # this rank's state, or the list of every rank's (or every DataLoader worker's)
+    "Continue exactly after the batch whose `state` this is (`load_state_dict`, before the first batch)."
     if isinstance(state, (list, tuple)):
         state = World(state, self.root, self.config,
                       self.fingerprint).state_for(*(self.config[k] for k in ('rank', 'world_size')))
@@ -196,9 +170,8 @@ def load_state_dict(self:StreamingLoader,
     # may differ from ours
     if 'batch_size' in state['config']: read_int("state['config']['batch_size']", state['config']['batch_size'], 1)
     fresh = self.stream_class(self.root, self.config).load_state(state)   # a bad state leaves this loader as it was
-    check_checksum(state)                 # last: a damaged field is named by the checks before, when one refuses it
+    check_checksum(state, stacklevel=4)   # last: a damaged field is named by the checks before, when one refuses it
     self.stream, self._snap, self._state, self.run = fresh, fresh.snapshot(), None, state.get('run', self.run)
-    return self
 
 # %% ../../nbs/tokens/12i_loader.ipynb #687cea8c
 def _produce(stream, B):
@@ -208,80 +181,35 @@ def _produce(stream, B):
     return packed, stream.snapshot(), time.perf_counter() - t0
 
 @patch
-def _get(self:StreamingLoader):
-    if not self.prefetch:
-        with giving_up_on(self._give_up): return _produce(self.stream, self.B)   # `close()` ends a wait for a fetch
-    while True:
-        try: item = self._q.get(timeout=0.1)
-        except queue.Empty:
-            if self._closed: raise RuntimeError("this loader was closed while waiting for a batch")   # (from a thread)
-            if not self._thread.is_alive():
-                raise RuntimeError("the loader's background thread stopped without a batch or an error")
-            continue
-        if isinstance(item, _Failure):
-            if self._closed: raise RuntimeError("this loader was closed while waiting for a batch")   # (fetch given up)
-            raise item.exc
-        return item
+def maker(self:StreamingLoader):   # what the background thread runs: the stream, not the loader
+    return partial(_produce, self.stream, self.B)
 
 @patch
-def _start(self:StreamingLoader):
-    self._started, self._t_first = True, time.perf_counter()
-    if self.prefetch:
-        self._q, stop = queue.Queue(maxsize=self.prefetch), threading.Event()
-        self._thread = threading.Thread(target=_produce_loop, args=(self.stream, self.B, self._q, stop),
-                                        name='nanochat_dl-stream', daemon=True)
-        self._finalizer = weakref.finalize(self, _stop, self._thread, stop)
-        self._thread.start()
-        self._stoppers.append((self._thread, stop))
+def failed(self:StreamingLoader, e):
+    "The end of the data, said as this rank's; any other error as it is."
+    if not isinstance(e, StopIteration): return e
+    return RuntimeError(f"rank {self.config['rank']}: no document with a token left in datasets "
+                        f"{self.config['datasets']}")
 
-def _release_loader(root, stoppers) -> bool:
-    "What a `StreamingLoader` dropped without `close()` holds, released: its thread stopped, its files unmapped."
-    for thread, stop in stoppers: _stop(thread, stop)
-    root.release(); return True
+@patch
+def on_close(self:StreamingLoader):   # (a root another loader holds goes on fetching for it)
+    if self.root.users <= 1: self.root.cancel()
 
 # %% ../../nbs/tokens/12i_loader.ipynb #373a2e18
 @patch
-def __next__(self:StreamingLoader) -> StreamBatch:
-    with self._next_lock:                       # one batch at a time, whichever thread asks
-        self._in_next = threading.get_ident()
-        try: return self._next()
-        finally:
-            self._in_next = None
-            if self._closed: self._let_go()     # closed inside (a signal handler, an error): released as it returns
-
-@patch
-def _next(self:StreamingLoader) -> StreamBatch:
-    if self._error is not None: raise RuntimeError(f"this loader stopped after an error: {self._error!r}")
-    if self._closed: raise RuntimeError("this loader is closed")
-    if not self._started: self._start()
-    t0 = time.perf_counter()
-    try: packed, snap, produce_s = self._get()
-    except StopIteration:
-        self._error = RuntimeError(f"rank {self.config['rank']}: no document with a token left in datasets "
-                                   f"{self.config['datasets']}")
-        self.close(); raise self._error from None
-    except BaseException as e:
-        if self._closed: raise RuntimeError("this loader was closed while it made a batch") from None   # (by a thread)
-        self._error = e; self.close(); raise
-    if self._closed: raise RuntimeError("this loader was closed while it made a batch")   # (by a signal handler)
-    t1 = time.perf_counter()
+def deliver(self:StreamingLoader, item, t0, t1) -> StreamBatch:
+    "The batch handed out: its rows on the device; metrics and state built from what it needs, when first asked."
+    packed, snap, produce_s = item
     x, y = self.transfer.put(packed.rows)
     t2 = time.perf_counter()
-    self._yielded += 1
     self._snap, self._state, n, cs = snap, None, self._yielded, self.root.cache_stats()
     me = SimpleNamespace(stream=self.stream, run=self.run, B=self.B, fingerprint=self.fingerprint, config=self.config,
                          # what the batch needs of the loader, not the loader: no cycle through `_last`
                          _t_first=self._t_first)
     metrics = lambda: StreamingLoader._metrics(me, packed, snap, produce_s, t1 - t0, t2 - t1, t2, n, cs)
-    self._last = StreamBatch(x, y, packed, self.stream, metrics, lambda: StreamingLoader._full_state(me, snap))
-    return self._last
+    return StreamBatch(x, y, packed, self.stream, metrics, lambda: StreamingLoader._full_state(me, snap))
 
 # %% ../../nbs/tokens/12i_loader.ipynb #d9a9f298
-@patch(as_prop=True)
-def last_metrics(self:StreamingLoader) -> dict:
-    "The metrics of the last batch handed out (None before the first)."
-    return None if self._last is None else self._last.metrics
-
 @patch
 def _metrics(self:StreamingLoader, packed, snap, produce_s, wait_s, transfer_s, now, yielded, cache=None) -> dict:
     names, pm, per = self.config['datasets'], packed.metrics, self.stream.doc_tokens(packed)
@@ -297,43 +225,9 @@ def _metrics(self:StreamingLoader, packed, snap, produce_s, wait_s, transfer_s, 
                 delivered_shares={d: t / sum(dv) if sum(dv) else 0.0 for d, t in zip(names, dv)}, oldest_wait=snap[6],
                 epochs={d: x[-1] for d, x in zip(names, snap[1])}, cache=cache)
 
-@patch
-def __iter__(self:StreamingLoader): return self
-
-_CLOSE_WAIT = 10.0   # seconds close() waits for a next() running in another thread
-
 # %% ../../nbs/tokens/12i_loader.ipynb #0db1fd5b
-@patch
-def close(self:StreamingLoader):
-    "Stop the background thread and unmap the files, once a `next()` in another thread has returned. Idempotent."
-    # a fetch that `next()` (or the background thread) waits for is given up at once: a stalled request holds no one
-    if self._closed: return
-    self._closed = True   # a `next()` waiting for the background thread sees it and stops waiting
-    self._drop.detach()
-    for _, stop in self._stoppers: stop.set()   # the background thread hands out nothing more
-    self._give_up.set()                         # a fetch `next()` waits for is given up (it goes on for another loader)
-    if self.root.users <= 1: self.root.cancel()          # (a root another loader holds goes on fetching for it)
-    if self._in_next == threading.get_ident(): return    # inside `next()` (a signal handler): it lets go as it returns
-    if not self._next_lock.acquire(timeout=_CLOSE_WAIT):   # one making a batch finishes it (its files stay mapped)
-        warnings.warn(f"a next() in another thread ran on {_CLOSE_WAIT:.0f} s after close(): its files are released "
-                      "when it returns")
-        return
-    try: self._let_go()
-    finally: self._next_lock.release()
-
-@patch
-def _let_go(self:StreamingLoader):
-    "Under `_next_lock`, once: stop the background thread and release the root (unmapped once no other loader uses it)."
-    if self._gone: return
-    self._gone = True
-    if self._thread is not None: self._finalizer()
-    self.root.release()
-
-@patch
-def __enter__(self:StreamingLoader): return self
-
-@patch
-def __exit__(self:StreamingLoader, *exc): self.close()
+StreamingLoader.close_warning = (f"a next() in another thread ran on {JOIN_TIMEOUT:.0f} s after close(): its files "
+                                 "are released when it returns")
 
 @patch
 def __repr__(self:StreamingLoader):
