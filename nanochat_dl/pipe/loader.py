@@ -12,7 +12,8 @@ import json, pickle, queue, threading, time, warnings, weakref, zlib
 from contextlib import nullcontext
 from fastcore.basics import patch
 from ..core import check_int, on_drop
-from .producer import Failure, put_unless_stopped, run_producer, LIVE, JOIN_GRACE, JOIN_TIMEOUT
+from . import producer
+from .producer import Failure, put_unless_stopped, run_producer, LIVE
 
 # %% ../../nbs/pipe/07c_loader.ipynb #81c076b8
 def state_checksum(state:dict) -> str:
@@ -70,10 +71,10 @@ def end_producer(threads,     # `[thread]` once started, else `[]`
     stop.set()
     th = threads[0] if threads else None
     if th is not None and th is not threading.current_thread():
-        th.join(JOIN_TIMEOUT if kill is None else JOIN_GRACE)
-        if th.is_alive() and kill is not None: kill(); th.join(JOIN_TIMEOUT)
+        th.join(producer.JOIN_TIMEOUT if kill is None else producer.JOIN_GRACE)   # (read now: a test may shorten them)
+        if th.is_alive() and kill is not None: kill(); th.join(producer.JOIN_TIMEOUT)
         if th.is_alive():
-            warnings.warn(f"the loader's background thread did not stop within {JOIN_TIMEOUT:.0f} s"); return
+            warnings.warn(f"the loader's background thread did not stop within {producer.JOIN_TIMEOUT:.0f} s"); return
     while True:
         try: q.get_nowait()
         except queue.Empty: break
@@ -156,9 +157,7 @@ def _next(self:BaseLoader):
     try: item = self._get()
     except BaseException as e:
         err = self.failed(e)
-        if err is e and self._closed:    # closed by another thread: not an error of the data
-            raise RuntimeError("this loader was closed while it made a batch") from None
-        self._error = err; self.close()
+        if not self._closed: self._error = err; self.close()   # (closed by another thread: not an error of the data)
         if err is e: raise
         raise err from None
     if self._closed: raise RuntimeError("this loader was closed while it made a batch")   # (by a signal handler)
@@ -167,7 +166,9 @@ def _next(self:BaseLoader):
     return self._last
 
 @patch
-def failed(self:BaseLoader, e): return e   # the error to raise (and keep) for `e`, raised making a batch
+def failed(self:BaseLoader, e):
+    "The error `next()` raises (and keeps, unless the loader was closed) for `e`, raised while it made a batch."
+    return RuntimeError("this loader was closed while it made a batch") if self._closed else e
 @patch
 def on_close(self:BaseLoader): pass        # what `close()` does at once, before it waits for anything
 @patch
@@ -187,10 +188,10 @@ def close(self:BaseLoader):
     self._stop.set(); self._give_up.set()   # the thread hands out nothing more; a wait for a fetch is given up
     self.on_close()
     if self._in_next == threading.get_ident(): return    # inside `next()` (a signal handler): it lets go as it returns
-    wait = JOIN_TIMEOUT if self._kill is None else JOIN_GRACE
+    wait = producer.JOIN_TIMEOUT if self._kill is None else producer.JOIN_GRACE
     if not self._lock.acquire(timeout=wait):   # a `next()` making a batch finishes it (its stages stay open)
         if self._kill is not None: self._kill()    # ... unless it waits on workers busy with a batch nobody takes
-        if self._kill is None or not self._lock.acquire(timeout=JOIN_TIMEOUT):
+        if self._kill is None or not self._lock.acquire(timeout=producer.JOIN_TIMEOUT):
             warnings.warn(self.close_warning); return
     try: self._let_go()
     finally: self._lock.release()

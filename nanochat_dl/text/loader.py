@@ -7,7 +7,8 @@ for token, resumed exactly from a few kilobytes of JSON, at the same or at anoth
 __all__ = ['PACK_NAMES', 'RENAMED', 'LoaderBatch', 'pack_strategy', 'new_names', 'PackedLoader', 'metrics_table']
 
 # %% ../../nbs/text/09c_packed.ipynb #38058477
-import math, os, pickle, queue, threading, time, warnings, weakref
+import math, os, pickle, time, warnings, weakref
+from functools import partial
 from dataclasses import dataclass
 from operator import itemgetter
 from pathlib import Path
@@ -15,7 +16,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 from fastcore.basics import patch
-from ..core import check_int, on_drop
+from ..core import check_int
 from .reader import RowGroupReader, Slice
 from .shards import split_shards
 from ..io.cache import cache_metrics
@@ -25,7 +26,8 @@ from ..pipe.bestfit import Packer
 from ..pipe.masks import position_ids, cu_seqlens
 from ..pipe.transfer import DeviceTransfer, TrainingTriple, resolve_device
 from ..pipe import producer
-from ..pipe.producer import pipeline_state, load_pipeline_state, Failure, run_producer, stop_producer, LIVE
+from ..pipe.producer import pipeline_state, load_pipeline_state
+from ..pipe.loader import BaseLoader
 from .tokenizer import tokenizer_fingerprint
 from .encode import make_encoder, check_timeout
 from .stages import (rank_and_world, RowGroupSource, EncodeStage, PackStage, BatchStage,
@@ -111,7 +113,7 @@ def new_names(old:dict,              # the keywords given by their old names (`R
     return new
 
 # %% ../../nbs/text/09c_packed.ipynb #d681bb9d
-class PackedLoader(Stage):
+class PackedLoader(BaseLoader, Stage):
     "Endless, resumable stream of packed `LoaderBatch`es for this rank, made ahead in a background thread."
     def __init__(self, tokenizer,                   # the tokenizer (a tiktoken core is driven directly, in workers)
                  batch_size:int=None,               # rows per batch (required)
@@ -222,20 +224,21 @@ def _build(self:PackedLoader, tokenizer, split, kw, max_wait, tokenizer_threads,
 # %% ../../nbs/text/09c_packed.ipynb #1e926609
 @patch
 def _begin(self:PackedLoader, resume_state_dict):
-    "Resume if asked, keep the starting state, and get ready to start the thread."
+    "Resume if asked, keep the starting state, and open the frame (`BaseLoader.open_frame`)."
     self.resumed = None
     try:
         if resume_state_dict is not None: self._resume(resume_state_dict)
-        # the loader's own copy: `state_dict()` hands out unpickled ones
-        self._state = pickle.dumps(self._producer.state())
+        state = pickle.dumps(self._producer.state())   # the loader's own copy: `state_dict()` hands out unpickled ones
     except BaseException:
         self.transfer.close(); raise
-    self._q, self._stop = queue.Queue(maxsize=max(1, self.prefetch)), threading.Event()
-    self._closed = False
-    self._finalizer = weakref.finalize(self, stop_producer, self.transfer, self.encoder, self._threads, self._q,
-                                       self._stop)
-    self._drop = on_drop(self, lambda f: f() or True, self._finalizer)   # dropped unclosed: released now, said once
-    self._t_first, self._yielded, self.last_metrics = None, 0, None
+    # what close() (or a drop) lets go of, and the workers a batch may wait on: the stages', never the loader's
+    self.open_frame(self.prefetch, partial(_release, self.transfer, self.cache), getattr(self.encoder, 'kill', None))
+    self._state = state
+
+def _release(transfer, cache):
+    "Close the stages (the shard, the tokenizer workers or threads), then the cache (each close is idempotent)."
+    transfer.close()
+    if cache is not None: cache.close()
 
 @patch
 def __repr__(self:PackedLoader):
@@ -246,9 +249,6 @@ def __repr__(self:PackedLoader):
 
 # %% ../../nbs/text/09c_packed.ipynb #acd0e581
 @patch(as_prop=True)
-def _thread(self:PackedLoader):   # the background thread, once started
-    return self._threads[0] if self._threads else None
-@patch(as_prop=True)
 def reader(self:PackedLoader) -> RowGroupReader: return self.source.reader
 @patch(as_prop=True)
 def encoder(self:PackedLoader): return self.encode.encoder
@@ -256,22 +256,16 @@ def encoder(self:PackedLoader): return self.encode.encoder
 def packer(self:PackedLoader) -> Packer: return self.pack.packer
 
 @patch
-def state_dict(self:PackedLoader) -> dict:
-    "The state after the last batch handed out (before the first one: the starting state), a copy of its own."
-    return pickle.loads(self._state)
+def state_body(self:PackedLoader) -> dict: return self._producer.state()   # (`_state` is always set: not called)
 
 @patch
-def load_state_dict(self:PackedLoader, state): # a batch's `state`, nanochat's `{pq_idx, rg_idx, epoch}`, or a list
-    "Continue from `state` (as `resume_state_dict` does); only before the first batch is handed out."
+def load_body(self:PackedLoader, state): # a batch's `state`, nanochat's `{pq_idx, rg_idx, epoch}`, or a list
+    "Continue from `state` (as `resume_state_dict` does): `load_state_dict`, before the first batch is handed out."
     # A list of the states every rank saved at one step resumes at another world size: each document still once per
     # epoch, but the batches are nanochat's (token for token) only at the same world size, where the list resumes
     # this rank's own state exactly.
-    if self._threads or self._yielded:
-        raise RuntimeError("load_state_dict works before the first batch: "
-                           "build a new loader with resume_state_dict=...")
     self._resume(state)
     self._state = pickle.dumps(self._producer.state())
-    return self
 
 # %% ../../nbs/text/09c_packed.ipynb #381ba807
 @patch
@@ -300,100 +294,35 @@ def _resume(self:PackedLoader, sd):
 
 # %% ../../nbs/text/09c_packed.ipynb #1a7579ad
 @patch
-def _start(self:PackedLoader):
-    if self.prefetch and not self._threads:
-        th = threading.Thread(target=run_producer, args=(self._producer.produce, self._q, self._stop),
-                              name='nanochat_dl-loader', daemon=True)
-        self._threads.append(th)
-        th.start()
-        LIVE.add(self)
+def maker(self:PackedLoader):   # what the background thread runs: the stages, not the loader
+    return self._producer.produce
 
 @patch
-def _get(self:PackedLoader) -> _Produced:
-    if not self.prefetch:
-        try: return self._producer.produce()
-        except Exception as e:   # closed by `close()` from another thread
-            if self._closed: raise RuntimeError("this loader was closed while it made a batch") from e
-            raise
-    self._start()
-    thread = self._threads[0]
-    while True:
-        try: item = self._q.get(timeout=0.1)
-        except queue.Empty:
-            if self._closed: raise RuntimeError("this loader was closed while waiting for a batch")
-            if not thread.is_alive(): raise RuntimeError("the loader's background thread stopped without a batch or "
-                                                         "an error")
-            continue
-        if isinstance(item, Failure):
-            if self._closed: raise RuntimeError("this loader was closed while waiting for a batch")
-            self._error = item.exc
-            self.close()
-            raise item.exc
-        return item
+def failed(self:PackedLoader, e):
+    "With the thread, an error as it is (one after close() says so); without, as `BaseLoader.failed` says it."
+    return e if self.prefetch else BaseLoader.failed(self, e)
+
+@patch
+def on_close(self:PackedLoader):   # a fetch waited for is given up (a stalled one too)
+    if self.cache is not None: self.cache.close(timeout=0)
+
+PackedLoader.too_late = "load_state_dict works before the first batch: build a new loader with resume_state_dict=..."
+PackedLoader.close_warning = (f"a next() in another thread did not return within {producer.JOIN_TIMEOUT:.0f} s of "
+                              "close(): the loader's stages close as it returns")
 
 # %% ../../nbs/text/09c_packed.ipynb #da76d7af
 @patch
-def __next__(self:PackedLoader) -> LoaderBatch:
-    with self._lock:   # one caller at a time: a batch, its staging slot and its state stay together
-        self._in_next = threading.get_ident()
-        try: return self._next()
-        finally:
-            self._in_next = None
-            if self._later: self._let_go()    # closed inside (a signal handler, an error): let go as it returns
-
-@patch
-def _next(self:PackedLoader) -> LoaderBatch:
-    if self._error is not None: raise RuntimeError(f"this loader stopped after an error: {self._error!r}")
-    if self._closed: raise RuntimeError("this loader is closed")
-    t0 = time.perf_counter()
-    if self._t_first is None: self._t_first = t0
-    try: item = self._get()
-    except BaseException as e:
-        if self._error is None and not self._closed: self._error = e   # (closed from another thread: not a data error)
-        self.close(); raise
-    if self._closed: raise RuntimeError("this loader was closed while it made a batch")   # (by a signal handler)
-    t1 = time.perf_counter()
+def deliver(self:PackedLoader, item, t0, t1) -> LoaderBatch:
+    "The batch handed out: through the transfer stage, with its metrics and the state made with it."
     x, y = self.transfer.put(item.packed)
     t2 = time.perf_counter()
-    self._yielded += 1
     m, tm = dict(item.packed.metrics), item.timing
     m.update(step=item.state['stages']['batch']['step'], epoch=item.state.get('epoch'), **tm, wait_s=t1 - t0,
              transfer_s=t2 - t1, tokens_per_s=self.B * self.T / tm['produce_s'] if tm['produce_s'] > 0 else math.inf,
              delivered_per_s=self._yielded * self.B * self.T / (t2 - self._t_first),
              cache=None if self.cache is None else cache_metrics(self.cache))
-    self._state, self.last_metrics = item.saved, m
+    self._state = item.saved
     return LoaderBatch(x, y, item.state, m, item.packed)
-
-# %% ../../nbs/text/09c_packed.ipynb #090c090e
-@patch
-def close(self:PackedLoader):
-    "Stop the background thread, close the stages (the shard, the tokenizer workers or threads). Idempotent."
-    if self._closed: return
-    self._closed = True
-    LIVE.discard(self); self._drop.detach()
-    if self.cache is not None: self.cache.close(timeout=0)   # a fetch waited for is given up (a stalled one too)
-    if self._in_next == threading.get_ident(): self._later = True; return   # inside `next()`: it lets go as it returns
-    # a `next()` in another thread finishes first (its stages must not be closed under it); one waiting on busy workers
-    # is freed by killing them, and gets an error saying the loader was closed
-    if not self._lock.acquire(timeout=producer.JOIN_GRACE):
-        if hasattr(self.encoder, 'kill'): self.encoder.kill()
-        if not self._lock.acquire(timeout=producer.JOIN_TIMEOUT):
-            warnings.warn(f"a next() in another thread did not return within {producer.JOIN_TIMEOUT:.0f} s of close(): "
-                          "the loader's stages close when it is collected")
-            return
-    try: self._let_go()
-    finally: self._lock.release()
-
-@patch
-def _let_go(self:PackedLoader):
-    "Under `_lock`: close the stages and the cache (each close is idempotent)."
-    self._finalizer()
-    if self.cache is not None: self.cache.close()
-
-@patch
-def __enter__(self:PackedLoader): return self
-@patch
-def __exit__(self:PackedLoader, *exc): self.close()
 
 # %% ../../nbs/text/09c_packed.ipynb #1f1271aa
 @patch
@@ -402,8 +331,6 @@ def _setup(self:PackedLoader, tokenizer, batch_size, seq_len, split, data_dir, f
            views, pad_token, max_docs_per_row, text_column, utf8_errors, tokenize_in, read_ahead, worker_timeout,
            worker_reads, resume_state_dict, cache_dir, cache_size, refresh, renamed):
     "Build the loader from the arguments of `PackedLoader(...)` (its docments say what each is)."
-    self._closed, self._threads, self._error, self._lock = True, [], None, threading.RLock()
-    self._in_next, self._later = None, False    # the thread inside `next()`; a close() it must finish
     kw = new_names(renamed, stacklevel=4, batch_size=batch_size, seq_len=seq_len, pack=pack, pack_buffer=pack_buffer,
                    pad_token=pad_token)
     self._check(tokenizer, kw, prefetch, shuffle=shuffle, copy=copy, views=views, worker_reads=worker_reads,

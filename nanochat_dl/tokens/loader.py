@@ -186,8 +186,8 @@ def maker(self:StreamingLoader):   # what the background thread runs: the stream
 
 @patch
 def failed(self:StreamingLoader, e):
-    "The end of the data, said as this rank's; any other error as it is."
-    if not isinstance(e, StopIteration): return e
+    "The end of the data, said as this rank's; any other error as `BaseLoader.failed` says it."
+    if not isinstance(e, StopIteration): return BaseLoader.failed(self, e)
     return RuntimeError(f"rank {self.config['rank']}: no document with a token left in datasets "
                         f"{self.config['datasets']}")
 
