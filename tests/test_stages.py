@@ -1,9 +1,9 @@
 "The stage protocol's helpers used from the installed module (not from a notebook that imported extra names)."
-from nanochat_dl.pipe.stages import ListSource, Pipeline, ShuffleBuffer, draw_index, resume_check
+from nanochat_dl.pipe.stages import Chain, ListSource, ShuffleBuffer, draw_index, resume_check
 
 
 def test_resume_check_runs_from_the_module():
-    build = lambda: (lambda s: Pipeline(source=s, shuffle=ShuffleBuffer(s, window=4, seed=3)))(ListSource(range(20), epochs=2))
+    build = lambda: Chain(ShuffleBuffer(ListSource(range(20), epochs=2), window=4, seed=3))
     assert resume_check(build, 25, horizon=5) == 25
 
 

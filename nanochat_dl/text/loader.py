@@ -26,7 +26,7 @@ from ..pipe.bestfit import Packer
 from ..pipe.masks import position_ids, cu_seqlens
 from ..pipe.transfer import DeviceTransfer, TrainingTriple, resolve_device
 from ..pipe import producer
-from ..pipe.producer import pipeline_state, load_pipeline_state
+from ..pipe.stages import pipeline_state, load_pipeline_state
 from ..pipe.loader import BaseLoader
 from .tokenizer import tokenizer_fingerprint
 from .encode import make_encoder, check_timeout

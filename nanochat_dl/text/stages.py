@@ -21,7 +21,7 @@ from ..io.cachedir import pin_copies, unpin_copies
 from ..pipe.stages import Stage, Doc
 from ..pipe.packing import ReferencePacker, PackedBatch, FlatDocs, entered_runs, entered_rows
 from ..pipe.transfer import DeviceTransfer, SingleBufferTransfer
-from ..pipe.producer import pipeline_state
+from ..pipe.stages import pipeline_state
 from .encode import Request
 
 # %% ../../nbs/text/09_loader.ipynb #336c5629
