@@ -228,7 +228,7 @@ def test_strip_tokens_and_min_length_as_fms_fsdp(tmp_path):
 
 
 def test_strip_settings_are_in_the_state_and_checked(tmp_path):
-    from nanochat_dl.tokens import sealed
+    from nanochat_dl.pipe import seal
     root = eos_root(tmp_path/'root')
     kw = dict(eos_token=EOS, **SKW)
     with StreamingLoader(root, 8, 1, strip_tokens=[EOS], min_length=3, **kw) as ld:
@@ -243,7 +243,7 @@ def test_strip_settings_are_in_the_state_and_checked(tmp_path):
     assert (old['config']['strip_tokens'], old['config']['min_length']) == ([], 1)
     del old['config']['strip_tokens'], old['config']['min_length']
     with StreamingLoader(root, 8, 1, **kw) as ld:
-        ld.load_state_dict(sealed(old)); assert [next(ld).rows.tolist() for _ in range(3)] == want
+        ld.load_state_dict(seal(old)); assert [next(ld).rows.tolist() for _ in range(3)] == want
     for bad, msg in ((dict(strip_tokens=[-1]), r"strip_tokens=\[-1\] is invalid"), (dict(strip_tokens=3), "strip_tokens=3 is invalid"),
                      (dict(min_length=0), "min_length")):
         with pytest.raises(ValueError, match=msg): StreamingLoader(root, 8, 1, **bad, **kw)

@@ -12,7 +12,8 @@ from nanochat_dl.tokens.root import TokenRoot
 from nanochat_dl.tokens.meta import write_counts
 from nanochat_dl.tokens.files import write_token_file
 from nanochat_dl.text.lengths import fineweb_like_lengths
-from nanochat_dl.tokens import StreamingLoader, sealed
+from nanochat_dl.tokens import StreamingLoader
+from nanochat_dl.pipe import seal
 from test_streaming import toy_root
 
 pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")
@@ -201,7 +202,7 @@ def test_hand_edited_epochs_two_apart_on_one_rank(tmp_path):
     d = states[1]['datasets']['web']
     assert runs(d['epoch']) == [1, 1, 1]
     d['epoch'], d['draws'] = [[3, 3]], d['draws'] + 2 * 30                   # its 30 documents drawn twice more
-    sealed(states[1])                                                           # (as its loader would have handed it out)
+    seal(states[1])                                                           # (as its loader would have handed it out)
     ld = StreamingLoader(tr, 16, 2, rank=0, world_size=1, n_logical_shards=S, prefetch=0, shuffle_window=0).load_state_dict(states)
     seen = []
     for _ in range(200):

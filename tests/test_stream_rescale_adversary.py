@@ -10,7 +10,8 @@ import pytest
 
 from nanochat_dl.tokens.meta import write_counts
 from nanochat_dl.tokens.files import write_token_file
-from nanochat_dl.tokens import StreamingLoader, open_epochs, sealed
+from nanochat_dl.tokens import StreamingLoader, open_epochs
+from nanochat_dl.pipe import seal
 
 pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")
 
@@ -47,7 +48,7 @@ def test_empty_shards_far_behind_do_not_spin(tmp_path, pack, window):
     st = mk().state_dict()
     d, E = st['datasets']['web'], 10**6
     d['epoch'], d['draws'] = [[1, 1], [E, 1], [1, 1], [E, 1]], 2 * 3 * (E - 1)
-    sealed(st)                                                              # (as a loader would hand it out)
+    seal(st)                                                              # (as a loader would hand it out)
     ld = mk().load_state_dict(json.loads(json.dumps(st)))
     got = within(10, lambda: [s.key.epoch for _ in range(6) for row in next(ld).segments for s in row])
     assert got[0] == E and min(got) == E, got
@@ -70,7 +71,7 @@ def test_a_huge_parked_list_is_refused_at_once(tmp_path, kw):
     st = one.state_dict()
     p = st['datasets']['web']['parked'][0]
     st['datasets']['web']['parked'] = [list(p)] * 10**6
-    sealed(st)
+    seal(st)
     mk = lambda r, W: StreamingLoader(led.tr.root, 16, 2, rank=r, world_size=W, n_logical_shards=4, prefetch=0, **kw)
     with pytest.raises(ValueError, match=r"\['parked'\]\[1\]: .*twice|\['parked'\]\[1\]: .*also"):
         within(15, lambda: mk(0, 1).load_state_dict(st))
@@ -130,7 +131,7 @@ def test_epochs_too_far_to_count_are_refused(tmp_path, E):
     st = mk().state_dict()
     d = st['datasets']['web']
     d['epoch'], d['draws'] = [[1, 1], [E, 1], [1, 1], [E, 1]], 2 * 3 * (E - 1)
-    sealed(st)                                                              # (as a loader would hand it out)
+    seal(st)                                                              # (as a loader would hand it out)
     ld = mk()
     with pytest.raises(ValueError, match=r"\['web'\]\['epoch'\]: epoch \d+ over 12 documents"): ld.load_state_dict(st)
     assert np.array_equal(next(ld).rows, next(mk()).rows)                   # nothing half-loaded

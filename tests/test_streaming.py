@@ -445,8 +445,8 @@ def test_a_state_of_the_format_before_the_checksum_loads_unchecked(root):
         want = [next(ld).rows.copy() for _ in range(3)]
     old = {k: v for k, v in sd.items() if k != 'checksum'}
     old['format'] = 'nanochat_dl.streaming/2'
-    import nanochat_dl.tokens.state as streaming
-    streaming._UNCHECKED.discard(old['format'])
+    from nanochat_dl.pipe.state import UNCHECKED
+    UNCHECKED.discard(old['format'])
     for form in (old, [old]):
         with pytest.warns(UserWarning, match="carries no checksum: loaded unchecked") if form is old else contextlib.nullcontext():
             with StreamingLoader(root, 12, 2, **GARBAGE_KW) as fresh:
@@ -519,7 +519,7 @@ def window(d):
 
 
 def set_window(d, pieces):
-    from nanochat_dl.pipe.fields import runs_of as _rle
+    from nanochat_dl.pipe.state import runs_of as _rle
     d['shuffle'].update(doc=[p[0] for p in pieces], epoch=_rle(p[1] for p in pieces), start=_rle(p[2] for p in pieces))
 
 

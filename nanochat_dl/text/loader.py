@@ -32,7 +32,7 @@ from .tokenizer import tokenizer_fingerprint
 from .encode import make_encoder, check_timeout
 from .stages import (rank_and_world, RowGroupSource, EncodeStage, PackStage, BatchStage,
                                      TransferStage)
-from .state import (STATE_FORMAT, OLD_FORMATS, NANOCHAT_KEYS, MAX_EPOCHS, APPROX, data_fingerprint,
+from .state import (STATE_FORMAT, V3_FORMAT, OLD_FORMATS, NANOCHAT_KEYS, MAX_EPOCHS, APPROX, data_fingerprint,
                                     field_int, check_loader_state, loader_state)
 from .rescale import resume_many
 
@@ -49,8 +49,9 @@ class _Producer:
         self.transfer, self.batch, self.config, self.fingerprint = transfer, transfer.upstream, config, fingerprint
         self.pack, self.encode = self.batch.upstream, self.batch.upstream.upstream
         self.state_cpu_s = 0.0   # this thread's CPU assembling states (so far)
+        self.run = run_id(config, fingerprint)
 
-    def state_of(self, stages) -> dict: return loader_state(stages, self.config, self.fingerprint)
+    def state_of(self, stages) -> dict: return loader_state(stages, self.config, self.fingerprint, self.run)
     def state(self) -> dict: return self.state_of(pipeline_state(self.transfer))
 
     def produce(self) -> _Produced:
@@ -285,8 +286,9 @@ def _resume(self:PackedLoader, sd):
                          f"loader, which "
                          f"reads {STATE_FORMAT!r} (the states of its stages: source, encode, pack, batch, transfer); "
                          f"{APPROX}")
-    if sd['format'] != STATE_FORMAT:
-        raise ValueError(f"resume_state_dict has format {sd['format']!r:.60}: this version reads {STATE_FORMAT!r}")
+    if sd['format'] not in (STATE_FORMAT, V3_FORMAT):
+        raise ValueError(f"resume_state_dict has format {sd['format']!r:.60}: this version reads {STATE_FORMAT!r} (and "
+                         f"{V3_FORMAT!r})")
     # all, first
     check_loader_state(sd, self.config, self.fingerprint, self.reader, tuple(self.packer.metrics_state()))
     load_pipeline_state(self.transfer, sd['stages'])   # the source first; the pack stage fetches through the encoder

@@ -9,7 +9,7 @@ __all__ = ['resume_many']
 import itertools
 from .reader import RowGroupReader
 from .stages import address_columns
-from .state import (STATE_FORMAT, CONFIG_KEYS, STAGE_NAMES, BUFFER_COLUMNS, field_dict, field_int,
+from .state import (STATE_FORMAT, V3_FORMAT, CONFIG_KEYS, STAGE_NAMES, BUFFER_COLUMNS, field_dict, field_int,
                                     same_value, check_loader_state)
 
 # %% ../../nbs/text/09b_rescale.ipynb #67d2ec7f
@@ -44,11 +44,14 @@ def _check_list(states, cfg) -> tuple:
     if not states: raise ValueError("resume_state_dict is an empty list: expected the states of every rank of a run, "
                                     "saved at the same step")
     for i, sd in enumerate(states):
-        if (sd.get('format') != STATE_FORMAT or not isinstance(sd.get('config'), dict)
+        if (sd.get('format') not in (STATE_FORMAT, V3_FORMAT) or not isinstance(sd.get('config'), dict)
                 or not isinstance(sd.get('stages'), dict)):
             raise ValueError(f"resume_state_dict[{i}] is not a state of this loader (format "
                              f"{sd.get('format')!r:.60}): a list resumes only "
-                             f"from states in format {STATE_FORMAT!r}, one per rank")
+                             f"from states in format {STATE_FORMAT!r} (or {V3_FORMAT!r}), one per rank")
+        if sd['format'] != states[0].get('format'):
+            raise ValueError(f"resume_state_dict mixes formats: entry 0 is {states[0].get('format')!r:.60}, entry {i} "
+                             f"{sd['format']!r}: expected the states every rank saved at the same step")
     W = states[0]['config'].get('world_size')
     for i, sd in enumerate(states):
         c = sd['config']

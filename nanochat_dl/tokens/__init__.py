@@ -89,8 +89,6 @@ _WHERE = {
     'FORMAT': '.state',
     'OLD_FORMATS': '.state',
     'run_id': '.state',
-    'sealed': '.state',
-    'state_checksum': '.state',
     'stream_config': '.state',
     'ShardCursors': '.stream',
     'TokenStream': '.stream',

@@ -14,7 +14,8 @@ from ..core import on_drop
 from .root import TokenRoot
 from .stream import TokenStream
 from .fast import FastTokenStream
-from .state import FORMAT, stream_config, check_resume, run_id, sealed, check_checksum, data_fingerprint
+from .state import FORMAT, stream_config, check_resume, run_id, check_checksum, data_fingerprint
+from ..pipe.state import seal
 from .loader import own_copy
 from .world import World
 
@@ -79,7 +80,7 @@ def state_dict(self:StreamingDataset) -> dict:
     s = self._ensure()
     st = s.state_of(s.snapshot())
     fp = dict(data=self.fingerprint['data'], tokenizer=self.fingerprint['tokenizer'])
-    return sealed(own_copy(dict(format=FORMAT, run=self.run, step=st.pop('step'), config=s.cfg, fingerprint=fp,
+    return seal(own_copy(dict(format=FORMAT, run=self.run, step=st.pop('step'), config=s.cfg, fingerprint=fp,
                                 **st)))
 
 # %% ../../nbs/tokens/12j_dataset.ipynb #7305a844

@@ -12,7 +12,7 @@ import itertools, json, re
 from ..pipe.stages import check_state
 from pathlib import Path
 from ..core import atomic_write, check_int, get_dist_info
-from ..pipe.fields import read_field, read_int
+from ..pipe.state import read_field, read_int
 from .world import unit_states, first_differing
 
 # %% ../../nbs/tokens/13_elastic.ipynb #e1000009

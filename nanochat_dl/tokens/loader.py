@@ -19,12 +19,12 @@ from ..io.fetch import giving_up_on
 from ..pipe.bestfit import MAX_WAIT
 from ..pipe.masks import position_ids, cu_seqlens
 from ..pipe.transfer import DeviceTransfer, TrainingTriple, resolve_device
-from ..pipe.fields import read_int
+from ..pipe.state import read_int, seal
 from ..pipe.producer import JOIN_TIMEOUT
 from ..pipe.loader import BaseLoader
 from .order import shard_starts
 from .fast import FastTokenStream
-from .state import FORMAT, stream_config, check_resume, run_id, sealed, check_checksum
+from .state import FORMAT, stream_config, check_resume, run_id, check_checksum
 from .world import World
 
 # %% ../../nbs/tokens/12i_loader.ipynb #b1e5d7d5
@@ -149,7 +149,7 @@ def _full_state(self:StreamingLoader, snap) -> dict:
     st = self.stream.state_of(snap)
     fp = dict(data=self.fingerprint['data'], tokenizer=self.fingerprint['tokenizer'])
     cfg = dict(self.stream.cfg, batch_size=self.B)
-    return sealed(own_copy(dict(format=FORMAT, run=self.run, step=st.pop('step'), config=cfg, fingerprint=fp,
+    return seal(own_copy(dict(format=FORMAT, run=self.run, step=st.pop('step'), config=cfg, fingerprint=fp,
                                 **st)))
 
 @patch

@@ -13,7 +13,7 @@ import numpy as np
 from fastcore.basics import patch
 from ..core import check_int
 from ..pipe.stages import Stage, Doc, mix64, mix64s
-from ..pipe.fields import span_text
+from ..pipe.state import span_text
 from .order import shard_starts, Permutation, shard_key, CountTree, Permutations, shard_keys
 
 # %% ../../nbs/tokens/12a_sources.ipynb #fd9f1e18

@@ -13,7 +13,7 @@ from typing import NamedTuple
 from fastcore.basics import patch
 from ..pipe.stages import ShuffleBuffer
 from ..pipe.packing import HELD
-from ..pipe.fields import INT_LIMIT, read_field, read_int, read_pairs, read_runs, runs_of, ranges_of, span_text
+from ..pipe.state import INT_LIMIT, read_field, read_int, read_pairs, read_runs, runs_of, ranges_of, span_text
 from .order import shard_starts, Permutation, shard_key
 from .rows import RowStream
 

@@ -14,11 +14,11 @@ import numpy as np
 from fastcore.basics import patch
 from ..core import check_int
 from ..pipe.stages import check_state
-from ..pipe.fields import read_field, read_int, read_pairs, read_runs, runs_of, ranges_of, span_text, unit_name
+from ..pipe.state import read_field, read_int, read_pairs, read_runs, runs_of, ranges_of, span_text, unit_name, seal
 from .order import owned_shards, shard_starts
 from .stream import TokenStream, ShardCursors
 from .fast import FastTokenStream
-from .state import FORMAT, check_resume, check_checksum, sealed
+from .state import FORMAT, check_resume, check_checksum
 
 # %% ../../nbs/tokens/12h_world.ipynb #e1000002
 def unit_states(states,            # every rank's state: a loader's, a worker's, or a `StatefulDataLoader`'s
@@ -384,7 +384,7 @@ def state_for(self:World, rank:int,       # the rank of the unit ...
     config = dict(cfg, rank=r, world_size=W, worker=w, n_workers=nw,
                   **({} if self.batch_size is None else dict(batch_size=self.batch_size)))
     fp = dict(data={k: dict(v) for k, v in self.fingerprint['data'].items()}, tokenizer=self.fingerprint['tokenizer'])
-    return sealed(dict(format=FORMAT, run=_lineage(self.run, self.step, [self.W, self.nws], [W, nw]), step=self.step,
+    return seal(dict(format=FORMAT, run=_lineage(self.run, self.step, [self.W, self.nws], [W, nw]), step=self.step,
                        config=config, fingerprint=fp, datasets=datasets,
                        packer=_packer_state(entries, self.stream.packer.metrics_state(), cfg['pack'])))
 
