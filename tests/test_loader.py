@@ -573,7 +573,7 @@ def test_hand_edited_states_are_refused_naming_the_field(env, runs, monkeypatch)
         (dict(sd, checksum='0' * 16), ValueError, re.escape("resume_state_dict['checksum'] does not match the state's contents")),
         (dict(sd, format='nanochat_dl.loader/2'), ValueError,
          re.escape("resume_state_dict has format 'nanochat_dl.loader/2', written by an earlier version of this loader, which reads "
-                   "'nanochat_dl.loader/3' (the states of its stages: source, encode, pack, batch, transfer); to continue approximately, "
+                   "'nanochat_dl.loader/4' (the states of its stages: source, encode, pack, batch, transfer); to continue approximately, "
                    "as nanochat does, pass only the state's 'pq_idx', 'rg_idx' and 'epoch'")),
     ]
     assert source['last'] == {k: sd[k] for k in ('pq_idx', 'rg_idx', 'epoch')}
