@@ -33,7 +33,7 @@ from .encode import make_encoder, check_timeout
 from .stages import (rank_and_world, RowGroupSource, EncodeStage, PackStage, BatchStage,
                                      TransferStage)
 from .state import (STATE_FORMAT, V3_FORMAT, OLD_FORMATS, NANOCHAT_KEYS, MAX_EPOCHS, APPROX, data_fingerprint,
-                                    field_int, check_loader_state, loader_state)
+                                    field_int, check_loader_state, loader_state, run_id)
 from .rescale import resume_many
 
 # %% ../../nbs/text/09c_packed.ipynb #ae9cfd0e
