@@ -34,7 +34,6 @@ _WHERE = {
     'LoaderBatch': '.loader',
     'metrics_table': '.loader',
     'new_names': '.loader',
-    'PACK_NAMES': '.loader',
     'pack_strategy': '.loader',
     'PackedLoader': '.loader',
     'RENAMED': '.loader',

@@ -16,7 +16,7 @@ from .meta import file_sha256
 from ..pipe.bestfit import MAX_WAIT
 from ..pipe.state import read_field, unit_name, check_seal, run_digest
 from .pieces import check_weight
-from .rows import PACKS
+from ..pipe.packing import PACKS
 
 # %% ../../nbs/tokens/12g_state.ipynb #ebf13e75
 # /3: a checksum, 'max_wait', pieces 'parked' by a rescale; /2: bestfit entry rows, HELD
