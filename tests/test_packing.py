@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from nanochat_dl.pipe.packing import STRATEGIES, ReferencePacker, ListPull, Segment, FlatDocs
 from nanochat_dl.pipe.bestfit import Packer
 from nanochat_dl.pipe.masks import cu_seqlens, position_ids, pad_mask
-from nanochat_dl.bench.loaders import bench_pack_cli
+from nanochat_dl.bench.pack import bench_pack_cli
 
 BOS = 0
 SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -19,7 +19,6 @@ from ..text import PackedLoader, LoaderBatch, reference_loader, make_encoder, sl
 from ..pipe import ReferencePacker, STRATEGIES, percent
 from ..dataloader import tokenizing_distributed_data_loader_with_state_bos_bestfit
 from .demo import batch_digest, ensure_shards, ensure_tokenizer
-from .pack import SyntheticStream, measure_waste, bench_pack_cli   # still here (14a)
 
 # %% ../../nbs/bench/15_bench.ipynb #fe9f4a5c
 class TimedTokenizer:
