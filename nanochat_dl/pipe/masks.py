@@ -49,8 +49,7 @@ def cu_seqlens(batch,       # a `PackedBatch`
                max_seqs,    # the fixed number of sequences the result has room for
                full=False,  # over the whole rows (B*(T+1)) instead of the inputs (B*T)
               ) -> CuSeqlens:
-    "Segment boundaries over the flattened inputs (`B*T`."
-    # `B*(T+1)` with `full`), padded to a fixed `max_seqs + 1` entries.
+    "Segment boundaries over the flattened inputs (`B*T`, or `B*(T+1)` with `full`), padded to `max_seqs + 1` entries."
     max_seqs = check_int('max_seqs', max_seqs, 1)
     starts = segment_starts(batch)
     if not full: starts = starts[:, :-1]
