@@ -9,14 +9,14 @@ __all__ = ['STATE_FORMAT', 'V3_FORMAT', 'OLD_FORMATS', 'CONFIG_KEYS', 'STAGE_NAM
            'field_int', 'check_loader_state', 'run_id', 'loader_state']
 
 # %% ../../nbs/text/09a_state.ipynb #475e14ec
-import hashlib, json, struct, zlib
+import hashlib, json, math, struct, zlib
 from pathlib import Path
 from ..core import human_bytes
 from .shards import open_shard_bytes
 from ..pipe.packing import HELD
 from ..pipe.bestfit import GUARDED, MAX_WAIT
 from .stages import ColumnPlan
-from ..pipe.state import INT_LIMIT, read_int, read_dict, same_value, seal, check_seal, run_digest
+from ..pipe.state import read_int, read_dict, same_value, seal, check_seal, run_digest
 
 # %% ../../nbs/text/09a_state.ipynb #1a77854a
 STATE_FORMAT = 'nanochat_dl.loader/4'
@@ -143,7 +143,7 @@ def field_dict(v, path, keys, optional=()) -> dict:
 
 def field_int(v, path, lo=0, hi=None) -> int:
     "`read_int` of the field at `path`."
-    return read_int(field_name(path), v, lo, INT_LIMIT if hi is None else hi)
+    return read_int(field_name(path), v, lo, math.inf if hi is None else hi)   # (None: no bound, as nanochat's fields)
 
 def _check_columns(cols, ranges) -> int:
     "The buffer's five columns: lists of equal length of ints in `ranges[column]`; their length."

@@ -223,7 +223,7 @@ def _piece_doc(self:RowStream, k, n:int) -> int:
 
 @patch
 def _make_packer(self:RowStream):
-    "The packer: the packing chapter's `Packer` for concat and pad."
+    "The packer: `Packer` (`pipe/06a_bestfit`) for concat and pad, `BestFitRows` for bestfit."
     c = self.cfg
     if self.pack == 'bestfit': return self._bestfit()
     return Packer(c['seq_len'], 1, PACK_RULES[self.pack], pad_id=c['pad_token'],
