@@ -329,7 +329,10 @@ def _make_room(self:FileCache, incoming, demand, wait=False):
     "Evict least recently used copies until `incoming` more bytes fit under the cap; False or `'wait'` if they cannot."
     # never a pinned copy (here or in another process); for a prefetch never one of the plan's window, and room left
     # for the largest file; `'wait'` (if `wait`): downloads under way hold the room missing
-    entries, reserved = self._scan(), reserved_bytes(self.cache_dir/'.tmp')
+    # the downloads under way before the copies: one renamed into `files/` in between is counted twice (at worst
+    # an eviction too many, or one more 'wait'), never in neither (a fetch over the cap that no counter shows)
+    reserved = reserved_bytes(self.cache_dir/'.tmp')
+    entries = self._scan()
     need = sum(e.size for e in entries) + reserved + incoming - self.cache_size
     if not demand: need += max(self.files.values())   # a prefetch leaves room for any one file a reader asks for
     if need <= 0: return True
