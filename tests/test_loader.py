@@ -15,7 +15,7 @@ from nanochat_dl.pipe.packing import STRATEGIES
 from nanochat_dl.text.reader import RowGroupReader
 from nanochat_dl.text.shards import split_files
 from stateedit import DELETE, edited, paths   # a state's fields, and a copy with one edited
-from toytext import toy_text_env, words
+from toytext import raw_text_shard, toy_text_env, words
 
 
 @pytest.fixture(scope='module')
@@ -443,9 +443,7 @@ def test_invalid_utf8_in_a_shard(env, tmp_path):
     "The loader names the file, row group and row of text that is not UTF-8; `utf8_errors='replace'` reads it with U+FFFD."
     import numpy as np, pyarrow as pa, pyarrow.parquet as pq
     p = tmp_path / 'shard_00000.parquet'
-    rows = [b'first document here', b'second \xc3 broken', b'third one']
-    offsets = np.cumsum([0] + [len(b) for b in rows]).astype(np.int32)
-    pq.write_table(pa.table({'text': pa.Array.from_buffers(pa.string(), 3, [None, pa.py_buffer(offsets.tobytes()), pa.py_buffer(b''.join(rows))])}), p)
+    raw_text_shard(p, [[b'first document here', b'second \xc3 broken', b'third one']])
     kw = dict(files=[p], device='cpu', tokenizer_threads=1, tokenize_in='threads', pack_buffer=2, tokenizer_batch_size=2)
     with PackedLoader(env['tok'], 1, 8, **kw) as ld:
         with pytest.raises(ValueError, match=re.escape(f"{p}: row group 0, row 1: 'text' is not valid UTF-8 (invalid continuation byte at byte 7")):
@@ -738,10 +736,7 @@ def test_invalid_utf8_is_named_wherever_it_is_read(env, tmp_path, tokenize_in, w
     "Raised in a tokenizer worker (or thread, or this process), the error names the file, row group and row, with the same message."
     import numpy as np, pyarrow as pa, pyarrow.parquet as pq
     p = tmp_path / 'shard_00000.parquet'
-    with pq.ParquetWriter(p, pa.schema([('text', pa.string())])) as w:
-        for rows in ([b'one document', b'two documents'], [b'three', b'four \xf0\x28\x8c\x28 bad', b'five']):
-            offsets = np.cumsum([0] + [len(b) for b in rows]).astype(np.int32)
-            w.write_table(pa.table({'text': pa.Array.from_buffers(pa.string(), len(rows), [None, pa.py_buffer(offsets.tobytes()), pa.py_buffer(b''.join(rows))])}))
+    raw_text_shard(p, [[b'one document', b'two documents'], [b'three', b'four \xf0\x28\x8c\x28 bad', b'five']])
     kw = dict(files=[p], device='cpu', tokenizer_threads=2, tokenize_in=tokenize_in, worker_reads=worker_reads, pack_buffer=2, tokenizer_batch_size=2)
     want = f"{p}: row group 1, row 1: 'text' is not valid UTF-8 (invalid continuation byte at byte 5: b'four \\xf0(\\x8c( bad'); pass utf8_errors='replace'"
     with PackedLoader(env['tok'], 1, 8, **kw) as ld:

@@ -11,6 +11,7 @@ from hypothesis import given, settings, strategies as st, HealthCheck
 from nanochat_dl.text.reader import DocBatch, RowGroupReader, nanochat_state, resume_loss
 from nanochat_dl.text.shards import read_documents, row_group_plan, shard_layout, split_files
 from nanochat_dl.testing import toy_text, write_toy_shards
+from toytext import raw_text_shard
 
 LAYOUT = [[3, 4, 3, 5, 4], [6, 2, 5], [4, 3, 3, 4, 5, 3, 6]]   # 5, 3, 7 row groups of 2..6 documents
 MODES = [dict(), dict(shuffle=True, seed=4), dict(balanced=True), dict(shuffle=True, seed=9, balanced=True)]
@@ -301,19 +302,10 @@ def test_empty_row_groups_never_stall(tmp_path, mode):
 
 # -- invalid UTF-8 in a shard: named down to the row, or replaced on request -----------------------------------------
 
-def bad_utf8_shard(path, groups):
-    "A shard whose string column holds the given bytes, valid UTF-8 or not (pyarrow does not check them on write); `groups`: one list of bytes per row group."
-    import numpy as np
-    with pq.ParquetWriter(path, pa.schema([('text', pa.string())])) as w:
-        for rows in groups:
-            offsets = np.cumsum([0] + [len(b) for b in rows]).astype(np.int32)
-            arr = pa.Array.from_buffers(pa.string(), len(rows), [None, pa.py_buffer(offsets.tobytes()), pa.py_buffer(b''.join(rows))])
-            w.write_table(pa.table({'text': arr}))
-    return path
 
 
 def test_invalid_utf8_is_named_or_replaced(tmp_path):
-    p = bad_utf8_shard(tmp_path / 'shard_00000.parquet', [[b'one', b'two'], [b'ok', b'bad \xff\xfe byte', b'fine']])
+    p = raw_text_shard(tmp_path / 'shard_00000.parquet', [[b'one', b'two'], [b'ok', b'bad \xff\xfe byte', b'fine']])
     want = re.escape(f"{p}: row group 1, row 1: 'text' is not valid UTF-8 (invalid start byte at byte 4: b'bad \\xff\\xfe byte'); "
                      "pass utf8_errors='replace'")
     rd = RowGroupReader([p], batch_size=2)

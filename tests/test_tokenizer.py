@@ -12,6 +12,7 @@ from hypothesis import given, settings, strategies as st
 from nanochat_dl.core import atomic_write
 from nanochat_dl.text.tokenizer import (BOS_TOKEN, META_FILE, RANKS_FILE, SPECIAL_TOKENS, Tokenizer, dump_tiktoken_bpe,
                                    get_tokenizer, iter_texts, parse_tiktoken_bpe, train_tokenizer, train_tokenizer_cli)
+from toytext import raw_text_shard
 
 TOPICS = list(pydoc_data.topics.topics.values())
 MODS = ['argparse', 'asyncio', 'collections', 'csv', 'dataclasses', 'datetime', 'decimal', 'email', 'functools',
@@ -416,15 +417,6 @@ def test_from_pretrained_cached_and_unknown(tok, tmp_path, monkeypatch):
         Tokenizer.from_pretrained('nope')
 
 
-def _bad_utf8_shard(path, groups):
-    "A shard whose string column holds the given bytes, valid UTF-8 or not; `groups`: one list of bytes per row group."
-    import numpy as np
-    with pq.ParquetWriter(path, pa.schema([('text', pa.string())])) as w:
-        for rows in groups:
-            offsets = np.cumsum([0] + [len(b) for b in rows]).astype(np.int32)
-            arr = pa.Array.from_buffers(pa.string(), len(rows), [None, pa.py_buffer(offsets.tobytes()), pa.py_buffer(b''.join(rows))])
-            w.write_table(pa.table({'text': arr}))
-    return path
 
 
 def test_invalid_utf8_in_training_text(tmp_path, capsys):
@@ -432,7 +424,7 @@ def test_invalid_utf8_in_training_text(tmp_path, capsys):
     file, row group and row, and `--utf8-errors replace` trains on the text with U+FFFD in their place."""
     from nanochat_dl.cli import main
     data = _write_shards(tmp_path / 'data')
-    bad = _bad_utf8_shard(data / 'shard_00001.parquet', [[t.encode() for t in TOPICS[:3]], [b'ok', b'caf\xe9 au lait', b'x']])
+    bad = raw_text_shard(data / 'shard_00001.parquet', [[t.encode() for t in TOPICS[:3]], [b'ok', b'caf\xe9 au lait', b'x']])
     with pytest.raises(ValueError, match=re.escape(f"{bad}: row group 1, row 1: 'text' is not valid UTF-8 (invalid continuation byte at byte 3")):
         list(iter_texts([bad]))
     assert list(iter_texts([bad], utf8_errors='replace'))[3:] == ['ok', 'caf\ufffd au lait', 'x']

@@ -16,3 +16,14 @@ def toy_text_env(d, layout):
     addrs = [(f, g, r) for f, rows in enumerate(layout) for g, n in enumerate(rows) for r in range(n)]
     lens = dict(zip(addrs, map(len, tok.encode(read_documents(files, addrs), prepend=tok.get_bos_token_id()))))
     return dict(dir=d, tok=tok, tok_dir=d / 'tok', files=files, lens=lens)
+
+
+def raw_text_shard(path, groups):
+    "A shard whose 'text' column holds the given bytes, valid UTF-8 or not (pyarrow does not check them on write); `groups`: one list of bytes per row group."
+    import numpy as np, pyarrow as pa, pyarrow.parquet as pq
+    with pq.ParquetWriter(path, pa.schema([('text', pa.string())])) as w:
+        for rows in groups:
+            offsets = np.cumsum([0] + [len(b) for b in rows]).astype(np.int32)
+            arr = pa.Array.from_buffers(pa.string(), len(rows), [None, pa.py_buffer(offsets.tobytes()), pa.py_buffer(b''.join(rows))])
+            w.write_table(pa.table({'text': arr}))
+    return path
