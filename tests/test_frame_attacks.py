@@ -256,9 +256,6 @@ def test_keyboard_interrupt_in_a_real_producer_thread(env, baseline, kind):
     assert ld.state_dict() == b1.state and left_nothing(baseline)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BaseLoader keeps a StopIteration from maker() as an error: the next next() raises RuntimeError('this"
-    " loader stopped after an error: StopIteration()') instead of StopIteration"))
 @pytest.mark.parametrize('pf', PREFETCH)
 def test_the_end_of_the_data_ends_the_iteration_and_keeps_ending_it(pf):
     """A loader whose stages end (a finite source raises StopIteration) is an iterator that ends: `list(ld)` holds
@@ -359,9 +356,6 @@ def test_a_batch_and_a_state_belong_to_the_caller(env, kind, pf):
     assert pickle.dumps(rest[-1].state) == want[4][1]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    'BaseLoader.state_dict() takes the loader lock that next() holds while it waits for/makes a batch: '
-    'state_dict() from another thread blocks for the whole batch (unbounded if the batch stalls)'))
 @pytest.mark.parametrize('pf', PREFETCH)
 @pytest.mark.parametrize('kind', KINDS)
 def test_state_dict_does_not_wait_for_a_slow_batch(env, kind, pf):
@@ -378,10 +372,6 @@ def test_state_dict_does_not_wait_for_a_slow_batch(env, kind, pf):
     assert pickle.dumps(got) == want and dt < 0.5, f"state_dict() took {dt:.2f} s"
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    'BaseLoader._next() calls deliver() outside its error handling: when deliver (the transfer) raises, '
-    'the item is dropped, the loader is neither stopped nor rewound, and the next next() hands out the '
-    'batch after it (a batch silently skipped)'))
 @pytest.mark.parametrize('pf', PREFETCH)
 @pytest.mark.parametrize('kind', KINDS)
 def test_an_error_handing_out_a_batch_skips_nothing(env, kind, pf):
@@ -421,9 +411,6 @@ def test_a_next_outliving_close_lets_go_as_it_returns(monkeypatch):
     assert ld.released == [True]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    'end_producer() warns and returns when the thread outlives JOIN_TIMEOUT, and nothing ever calls '
-    'release() after that thread ends: what the loader holds leaks'))
 def test_a_thread_outliving_close_still_lets_go_when_it_ends(monkeypatch):
     """prefetch=2, the thread inside a batch slower than close()'s wait: close() warns and keeps open what the thread
     uses (it must not be released under it); once that thread ends, what the loader held is released: nothing leaks."""
@@ -436,9 +423,6 @@ def test_a_thread_outliving_close_still_lets_go_when_it_ends(monkeypatch):
     assert until(lambda: ld.released == [True], 2), "the thread ended, but what the loader holds was never released"
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "StreamingLoader: after the thread outlives close()'s wait, root.release() is never called: the root "
-    'stays held and its files mapped for good'))
 def test_a_streaming_thread_outliving_close_unmaps_when_it_ends(env, baseline, monkeypatch):
     "The same for the streaming loader: its root's files stay mapped while the thread runs, and are unmapped after."
     monkeypatch.setattr(producer, 'JOIN_TIMEOUT', 0.2)
@@ -452,9 +436,6 @@ def test_a_streaming_thread_outliving_close_unmaps_when_it_ends(env, baseline, m
     assert until(lambda: ld.root.users == 0, 2) and left_nothing(baseline), "the root stays held and mapped for good"
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BaseLoader._next raises 'closed while it made a batch' `from None`: the batch's own error (e.g. the "
-    "killed worker's) is dropped, where the old PackedLoader chained it"))
 def test_closed_while_it_made_a_batch_keeps_the_cause_and_not_the_error():
     """prefetch=0: close() from another thread while next() makes a batch, and the batch fails because of it (a worker
     killed): next() says the loader was closed, with the batch's error as its cause (for whoever debugs it); the error
@@ -504,3 +485,42 @@ def test_a_text_loader_with_tokenizing_threads_waits_for_its_batch_on_close(env,
         with pytest.raises(RuntimeError, match='closed while it made a batch'): next(ld)
         t.join(15)
     assert res and 1.0 < res[0] < 5 and left_nothing(baseline)
+
+
+@pytest.mark.parametrize('kind', KINDS)
+def test_load_state_dict_twice_and_a_refused_one_before_the_first_batch(env, kind):
+    """Before the first batch: a loaded state is what state_dict() says; a second load wins; a state refused (its
+    checksum edited) leaves the loader as it was."""
+    with make(env, kind, prefetch=2) as ld:
+        start = ld.state_dict()
+        s = [next(ld).state for _ in range(4)]
+        want = [rows(next(ld)) for _ in range(2)]
+    with make(env, kind, prefetch=2) as ld:
+        ld.load_state_dict(s[0]); assert ld.state_dict() == s[0]
+        ld.load_state_dict(s[3]); assert ld.state_dict() == s[3]
+        bad = dict(s[1], checksum=('0' if s[1]['checksum'][0] != '0' else '1') + s[1]['checksum'][1:])
+        with pytest.raises(ValueError, match='checksum'): ld.load_state_dict(bad)
+        assert ld.state_dict() == s[3]
+        assert all(same(rows(next(ld)), w) for w in want)
+    with make(env, kind, prefetch=0) as ld:
+        with pytest.raises(ValueError, match='checksum'): ld.load_state_dict(bad)
+        assert ld.state_dict() == start
+
+
+@pytest.mark.parametrize('pf', PREFETCH)
+@pytest.mark.parametrize('kind', KINDS)
+def test_close_in_a_signal_handler_during_next(env, baseline, kind, pf):
+    """close() from a signal handler that interrupts the caller's own next() (making or waiting for a slow batch): that
+    next() says the loader was closed and lets go as it returns; nothing is left open."""
+    import signal
+    ld = make(env, kind, prefetch=pf)
+    slow_down(ld, kind, 0.5, after=1)
+    next(ld)
+    old = signal.signal(signal.SIGALRM, lambda *a: ld.close())
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.2)
+        with pytest.raises(RuntimeError, match='closed'):
+            for _ in range(5): next(ld)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0); signal.signal(signal.SIGALRM, old)
+    assert left_nothing(baseline)
