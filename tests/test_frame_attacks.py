@@ -524,3 +524,38 @@ def test_close_in_a_signal_handler_during_next(env, baseline, kind, pf):
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0); signal.signal(signal.SIGALRM, old)
     assert left_nothing(baseline)
+
+
+def test_closed_streaming_loader_leaves_no_file_mapped(env, baseline):
+    "After close(), no token file of the root is mapped, though batches are kept and their segments and metrics read."
+    maps = lambda: [l for l in open('/proc/self/maps') if str(env.root) in l]
+    ld = make(env, 'stream', prefetch=2)
+    bs = [next(ld) for _ in range(5)]
+    assert maps()
+    ld.close(); gc.collect()
+    assert not maps()
+    assert [b.segments for b in bs] and [b.metrics['step'] for b in bs] == [1, 2, 3, 4, 5]
+    gc.collect()
+    assert not maps() and left_nothing(baseline)
+
+
+def test_a_loader_collected_on_its_own_thread(env, baseline):
+    """A streaming loader in a reference cycle, dropped: the cyclic GC may collect it on its producer thread (here it
+    does, inside a batch). The release runs there (it cannot join itself): the thread stops, the root is let go."""
+    ld = make(env, 'stream', prefetch=2)
+    root, seen = ld.root, []
+    real, n = ld.stream.next_rows, [0]
+    def rows_then_collect(B):
+        n[0] += 1
+        if n[0] == 4:
+            time.sleep(0.3); gc.collect(); seen.append((threading.current_thread().name, root.users))
+        return real(B)
+    ld.stream.next_rows = rows_then_collect
+    gc.disable()                                     # (only the producer's gc.collect() collects it)
+    try:
+        next(ld)
+        ld.cycle = ld
+        del ld
+        assert until(lambda: bool(seen), 5) and seen[0] == ('nanochat_dl-stream', 0)
+    finally: gc.enable()
+    assert left_nothing(baseline)
