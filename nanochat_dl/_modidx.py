@@ -569,6 +569,7 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                             'nanochat_dl/pipe/loader.py'),
                                          'nanochat_dl.pipe.loader._after': ('pipe/loader.html#_after', 'nanochat_dl/pipe/loader.py'),
                                          'nanochat_dl.pipe.loader._ended': ('pipe/loader.html#_ended', 'nanochat_dl/pipe/loader.py'),
+                                         'nanochat_dl.pipe.loader._reap': ('pipe/loader.html#_reap', 'nanochat_dl/pipe/loader.py'),
                                          'nanochat_dl.pipe.loader.check_seal': ( 'pipe/loader.html#check_seal',
                                                                                  'nanochat_dl/pipe/loader.py'),
                                          'nanochat_dl.pipe.loader.end_producer': ( 'pipe/loader.html#end_producer',

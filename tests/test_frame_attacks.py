@@ -559,3 +559,23 @@ def test_a_loader_collected_on_its_own_thread(env, baseline):
         assert until(lambda: bool(seen), 5) and seen[0] == ('nanochat_dl-stream', 0)
     finally: gc.enable()
     assert left_nothing(baseline)
+
+
+@pytest.mark.parametrize('kill', [False, True])
+def test_close_interrupted_by_ctrl_c_still_lets_go(kill):
+    """close() interrupted (Ctrl-C: a KeyboardInterrupt from a signal handler) while it waits for the thread to finish a
+    slow batch: the KeyboardInterrupt reaches the caller, and what the loader holds is still let go once the thread
+    stops (not never: the loader is marked closed, so a second close() does nothing)."""
+    import signal
+    ld = Toy(range(20), 2, prefetch=2, delay=0.8, kill=kill)
+    next(ld)                                                   # the thread goes on to batch 2: 0.8 s
+    def interrupt(*a): raise KeyboardInterrupt
+    old = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.2)
+        with pytest.raises(KeyboardInterrupt): ld.close()
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0); signal.signal(signal.SIGALRM, old)
+    ld.close()
+    assert until(lambda: not ld._thread.is_alive(), 5)
+    assert until(lambda: ld.released == [True], 2), "the thread stopped, but what the loader holds was never released"

@@ -71,22 +71,25 @@ def end_producer(threads,     # `[thread]` once started, else `[]`
     stop.set()
     th = threads[0] if threads else None
     if th is not None and th is not threading.current_thread():
-        th.join(producer.JOIN_TIMEOUT if kill is None else producer.JOIN_GRACE)   # (read now: a test may shorten them)
-        if th.is_alive() and kill is not None: kill(); th.join(producer.JOIN_TIMEOUT)
+        try:
+            th.join(producer.JOIN_TIMEOUT if kill is None else producer.JOIN_GRACE)   # (read now: a test may shorten)
+            if th.is_alive() and kill is not None: kill(); th.join(producer.JOIN_TIMEOUT)
+        except BaseException: _reap(th, q, release); raise   # (a Ctrl-C while it waits: let go once the thread stops)
         if th.is_alive():   # its stages stay open under it: released once it stops
             warnings.warn(f"the loader's background thread did not stop within {producer.JOIN_TIMEOUT:.0f} s: what the "
                           f"loader holds is released when it stops")
-            try: threading.Thread(target=_after, args=(th, q, release), name='nanochat_dl-reaper', daemon=True).start()
-            except RuntimeError: pass   # (at interpreter shutdown: no new thread, and nothing left to leak)
-            return
+            return _reap(th, q, release)
     _after(None, q, release)
+
+def _reap(th, q, release):
+    "`_after(th, q, release)` in a thread of its own."
+    try: threading.Thread(target=_after, args=(th, q, release), name='nanochat_dl-reaper', daemon=True).start()
+    except RuntimeError: pass   # (at interpreter shutdown: no new thread, and nothing left to leak)
 
 def _after(th, q, release):
     "Once `th` stopped: empty the queue, then `release()`."
     if th is not None: th.join()
-    while True:
-        try: q.get_nowait()
-        except queue.Empty: break
+    while not q.empty(): q.get_nowait()   # (no one else takes from it now: the loader is closed or gone)
     release()
 
 # %% ../../nbs/pipe/07c_loader.ipynb #93b9378a
