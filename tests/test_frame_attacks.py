@@ -579,3 +579,27 @@ def test_close_interrupted_by_ctrl_c_still_lets_go(kill):
     ld.close()
     assert until(lambda: not ld._thread.is_alive(), 5)
     assert until(lambda: ld.released == [True], 2), "the thread stopped, but what the loader holds was never released"
+
+
+@pytest.mark.parametrize('pf', PREFETCH)
+def test_closing_one_of_two_loaders_on_a_root_leaves_the_other_reading(env, baseline, pf):
+    """Two streaming loaders share one `TokenRoot`, each iterated in its own thread; the first is closed from a third
+    thread mid-run: the second reads on, its batches those of a loader alone; the root is let go when both are closed."""
+    from nanochat_dl.tokens import TokenRoot
+    with make(env, 'stream', prefetch=0, seed=1) as ld: want = [rows(b) for b in batches(ld, 30)]
+    tr = TokenRoot(env.root)
+    a, b = StreamingLoader(tr, 32, 2, prefetch=pf), StreamingLoader(tr, 32, 2, prefetch=pf, seed=1)
+    slow_down(a, 'stream', 0.01); slow_down(b, 'stream', 0.01)
+    got, err = [], []
+    def run_a():
+        try:
+            for _ in range(1000): next(a)
+        except RuntimeError as e: err.append(str(e))
+    ta, tb = threading.Thread(target=run_a), threading.Thread(target=lambda: got.extend(rows(x) for x in batches(b, 30)))
+    ta.start(); tb.start()
+    time.sleep(0.1); a.close()
+    ta.join(10); tb.join(30)
+    assert len(err) == 1 and 'closed' in err[0] and tr.users == 1
+    assert len(got) == 30 and all(same(x, y) for x, y in zip(got, want))
+    b.close()
+    assert tr.users == 0 and left_nothing(baseline)
