@@ -37,6 +37,8 @@ _WHERE = {
     'LIVE': '.producer',
     'produce_loop': '.producer',
     'put_unless_stopped': '.producer',
+    'reap': '.producer',
+    'release_after': '.producer',
     'run_producer': '.producer',
     'Chain': '.stages',
     'check_state': '.stages',

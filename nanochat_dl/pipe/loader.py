@@ -34,6 +34,7 @@ class BaseLoader:
         self._threads, self._stop, self._give_up = [], threading.Event(), threading.Event()
         self._q, self._kill = queue.Queue(maxsize=max(1, self.prefetch)), kill
         self._lock, self._in_next, self._gone = threading.RLock(), None, False
+        self._state_lock = threading.RLock()   # the state and the last batch change together (`deliver`) under it
         self._started, self._error, self._last, self._state, self._yielded, self._t_first = (
             False, None, None, None, 0, None)
         self._end = weakref.finalize(self, end_producer, self._threads, self._stop, self._q, release, kill)
@@ -46,6 +47,12 @@ def _ended(end) -> bool: end(); return True
 @patch(as_prop=True)
 def _thread(self:BaseLoader):   # the background thread, once started
     return self._threads[0] if getattr(self, '_threads', None) else None
+@patch
+def __iter__(self:BaseLoader): return self
+@patch(as_prop=True)
+def last_metrics(self:BaseLoader) -> dict:
+    "The metrics of the last batch handed out (None before the first)."
+    return None if self._last is None else self._last.metrics
 
 @patch
 def _start(self:BaseLoader, t0):
@@ -85,6 +92,7 @@ def __next__(self:BaseLoader):
 
 @patch
 def _next(self:BaseLoader):
+    if isinstance(self._error, StopIteration): raise StopIteration     # the data ended: it stays ended
     if self._error is not None: raise RuntimeError(f"this loader stopped after an error: {self._error!r}")
     if self._closed: raise RuntimeError("this loader is closed")
     t0 = time.perf_counter()
@@ -94,10 +102,14 @@ def _next(self:BaseLoader):
         err = self.failed(e)
         if not self._closed: self._error = err; self.close()   # (closed by another thread: not an error of the data)
         if err is e: raise
-        raise err from None
+        raise err from (None if isinstance(e, StopIteration) else e)
     if self._closed: raise RuntimeError("this loader was closed while it made a batch")   # (by a signal handler)
     self._yielded += 1
-    self._last = self.deliver(item, t0, time.perf_counter())
+    try:
+        with self._state_lock: self._last = self.deliver(item, t0, time.perf_counter())
+    except BaseException as e:   # the batch is lost: going on would skip it (the state is still the last batch's)
+        if not self._closed: self._error = e; self.close()
+        raise
     return self._last
 
 @patch
@@ -106,12 +118,6 @@ def failed(self:BaseLoader, e):
     return RuntimeError("this loader was closed while it made a batch") if self._closed else e
 @patch
 def on_close(self:BaseLoader): pass        # what `close()` does at once, before it waits for anything
-@patch
-def __iter__(self:BaseLoader): return self
-@patch(as_prop=True)
-def last_metrics(self:BaseLoader) -> dict:
-    "The metrics of the last batch handed out (None before the first)."
-    return None if self._last is None else self._last.metrics
 
 # %% ../../nbs/pipe/07c_loader.ipynb #ee109c93
 @patch
@@ -147,7 +153,7 @@ def __exit__(self:BaseLoader, *exc): self.close()
 @patch
 def state_dict(self:BaseLoader) -> dict:
     "The state after the last batch handed out (before the first: the start), a copy of the caller's own."
-    with self._lock:   # (a `next()` in another thread would make it stale)
+    with self._state_lock:   # (not `next()`'s lock: a slow batch does not hold it up)
         if self._state is None: self._state = pickle.dumps(self.state_body(), pickle.HIGHEST_PROTOCOL)
         return pickle.loads(self._state)
 
@@ -155,5 +161,7 @@ def state_dict(self:BaseLoader) -> dict:
 def load_state_dict(self:BaseLoader, state):   # a state from `state_dict()` (a subclass may take more)
     "Continue exactly after the batch whose `state` this is; only before the first batch."
     if self._started: raise RuntimeError(self.too_late)
-    self.load_body(state)
+    with self._lock, self._state_lock:   # (a first `next()` in another thread: one of the two comes first)
+        if self._started: raise RuntimeError(self.too_late)
+        self.load_body(state)
     return self
