@@ -133,7 +133,7 @@ def close(self:BaseLoader):
     if not self._lock.acquire(timeout=wait):   # a `next()` making a batch finishes it (its stages stay open)
         if self._kill is not None: self._kill()    # ... unless it waits on workers busy with a batch nobody takes
         if self._kill is None or not self._lock.acquire(timeout=producer.JOIN_TIMEOUT):
-            warnings.warn(self.close_warning); return
+            warnings.warn(self.close_warning.format(timeout=producer.JOIN_TIMEOUT)); return
     try: self._let_go()
     finally: self._lock.release()
 

@@ -20,12 +20,12 @@ from ..core import check_int
 from .reader import RowGroupReader, Slice
 from .shards import split_shards
 from ..io.cache import cache_metrics
+from ..io.fetch import giving_up_on
 from ..pipe.stages import Stage
 from ..pipe.packing import PackedBatch, STRATEGIES, PACK_RULES
 from ..pipe.bestfit import Packer
 from ..pipe.masks import position_ids, cu_seqlens
 from ..pipe.transfer import DeviceTransfer, TrainingTriple, resolve_device
-from ..pipe import producer
 from ..pipe.stages import pipeline_state, load_pipeline_state
 from ..pipe.loader import BaseLoader
 from .tokenizer import tokenizer_fingerprint
@@ -310,7 +310,8 @@ def on_close(self:PackedLoader):   # a fetch waited for is given up (a stalled o
     if self.cache is not None: self.cache.close(timeout=0)
 
 PackedLoader.too_late = "load_state_dict works before the first batch: build a new loader with resume_state_dict=..."
-PackedLoader.close_warning = (f"a next() in another thread did not return within {producer.JOIN_TIMEOUT:.0f} s of "
+PackedLoader.wrap = staticmethod(giving_up_on)   # a fetch its thread waits for ends when the loader closes or is dropped
+PackedLoader.close_warning = ("a next() in another thread did not return within {timeout:g} s of "
                               "close(): the loader's stages close as it returns")
 
 # %% ../../nbs/text/09c_packed.ipynb #da76d7af

@@ -20,7 +20,6 @@ from ..pipe.bestfit import MAX_WAIT
 from ..pipe.masks import position_ids, cu_seqlens
 from ..pipe.transfer import DeviceTransfer, TrainingTriple, resolve_device
 from ..pipe.state import read_int, seal
-from ..pipe.producer import JOIN_TIMEOUT
 from ..pipe.loader import BaseLoader
 from .order import shard_starts
 from .fast import FastTokenStream
@@ -226,7 +225,7 @@ def _metrics(self:StreamingLoader, packed, snap, produce_s, wait_s, transfer_s, 
                 epochs={d: x[-1] for d, x in zip(names, snap[1])}, cache=cache)
 
 # %% ../../nbs/tokens/12i_loader.ipynb #0db1fd5b
-StreamingLoader.close_warning = (f"a next() in another thread ran on {JOIN_TIMEOUT:.0f} s after close(): its files "
+StreamingLoader.close_warning = ("a next() in another thread ran on {timeout:g} s after close(): its files "
                                  "are released when it returns")
 
 @patch
