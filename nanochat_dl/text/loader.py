@@ -310,7 +310,7 @@ def on_close(self:PackedLoader):   # a fetch waited for is given up (a stalled o
     if self.cache is not None: self.cache.close(timeout=0)
 
 PackedLoader.too_late = "load_state_dict works before the first batch: build a new loader with resume_state_dict=..."
-PackedLoader.wrap = staticmethod(giving_up_on)   # a fetch its thread waits for ends when the loader closes or is dropped
+PackedLoader.wrap = staticmethod(giving_up_on)   # a fetch its thread waits for ends when the loader closes
 PackedLoader.close_warning = ("a next() in another thread did not return within {timeout:g} s of "
                               "close(): the loader's stages close as it returns")
 
