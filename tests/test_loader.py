@@ -734,6 +734,14 @@ def test_fastokens_gives_the_batches_of_tiktoken(env, monkeypatch):
         assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) and a[2] == b[2] for a, b in zip(plain, fast))
         again = _stream(env['tok'], 10, tokenize_in=how, resume_state_dict=plain[9][2], **kw)
         assert all(torch.equal(a[0], b[0]) and a[2] == b[2] for a, b in zip(again, plain[10:]))
+    monkeypatch.setenv('NANOCHAT_DL_DATA_DIR', str(env['data']))
+    def dropin(fast):   # nanochat's loader, as a training script calls it
+        monkeypatch.setenv(FAST_ENV, fast)
+        dl = tokenizing_distributed_data_loader_with_state_bos_bestfit(env['tok'], 4, 512, 'train', device='cpu')
+        try: return [(x.clone(), y.clone(), json.loads(json.dumps(s))) for x, y, s in itertools.islice(dl, 12)]
+        finally: dl.close()
+    plain, fast = dropin('0'), dropin('1')
+    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) and a[2] == b[2] for a, b in zip(plain, fast))
 
 def test_no_text_is_read_in_the_training_process(env, monkeypatch):
     """With worker processes, the training process reads footers only: no row group is decoded and no text is sent, neither
