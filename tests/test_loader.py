@@ -714,6 +714,33 @@ def test_workers_reading_rows_give_the_batches_of_the_text_path(env, strategy):
         assert all(torch.equal(a[0], b[0]) and a[2] == b[2] for a, b in zip(again, reads[10:]))
 
 
+def test_fastokens_gives_the_batches_of_tiktoken(env, monkeypatch):
+    """Where fastokens is installed (the `fast-encode` extra) the loader encodes with it: the same batches and states
+    as with tiktoken alone (NANOCHAT_DL_FAST_ENCODE=0), in worker processes and in threads, and a resume from one to
+    the other."""
+    pytest.importorskip('fastokens')
+    from nanochat_dl.text._tokworker import FAST_ENV, fast_core
+    kw = dict(files=split_files('train', env['data']), batch_size=4, seq_len=512, tokenizer_batch_size=32,
+              pack_buffer=40, device='cpu', tokenizer_threads=2)
+    for how in ('processes', 'threads'):
+        monkeypatch.setenv(FAST_ENV, '0')
+        assert fast_core(env['tok'].enc) is None
+        plain = _stream(env['tok'], 20, tokenize_in=how, **kw)
+        monkeypatch.setenv(FAST_ENV, '1')
+        assert fast_core(env['tok'].enc) is not None
+        fast = _stream(env['tok'], 20, tokenize_in=how, **kw)
+        assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) and a[2] == b[2] for a, b in zip(plain, fast))
+        again = _stream(env['tok'], 10, tokenize_in=how, resume_state_dict=plain[9][2], **kw)
+        assert all(torch.equal(a[0], b[0]) and a[2] == b[2] for a, b in zip(again, plain[10:]))
+    monkeypatch.setenv('NANOCHAT_DL_DATA_DIR', str(env['data']))
+    def dropin(fast):   # nanochat's loader, as a training script calls it
+        monkeypatch.setenv(FAST_ENV, fast)
+        dl = tokenizing_distributed_data_loader_with_state_bos_bestfit(env['tok'], 4, 512, 'train', device='cpu')
+        try: return [(x.clone(), y.clone(), json.loads(json.dumps(s))) for x, y, s in itertools.islice(dl, 12)]
+        finally: dl.close()
+    plain, fast = dropin('0'), dropin('1')
+    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) and a[2] == b[2] for a, b in zip(plain, fast))
+
 def test_no_text_is_read_in_the_training_process(env, monkeypatch):
     """With worker processes, the training process reads footers only: no row group is decoded and no text is sent, neither
     while streaming nor when a resume rebuilds the packing buffer (the workers fetch it)."""

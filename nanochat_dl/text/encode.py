@@ -18,7 +18,7 @@ from fastcore.basics import patch
 from ..core import check_int
 from ..pipe.packing import FlatDocs
 from .shards import RowGroupTexts, check_utf8_errors
-from ._tokworker import encode_flat, read_texts, worker_cmd, module_files
+from ._tokworker import encode_flat, fast_core, read_texts, worker_cmd, module_files
 
 # %% ../../nbs/text/08a_encode.ipynb #0ca9ab41
 _CORE_ATTRS = ('name', '_pat_str', '_mergeable_ranks', '_special_tokens', 'encode_to_numpy')
@@ -46,17 +46,18 @@ class DocEncoder:
         self.tokenizer, self.threads = tokenizer, check_int('tokenizer_threads', threads)
         self.bos = int(tokenizer.get_bos_token_id())
         self._enc, self._pool = _tiktoken_core(tokenizer), None   # no tiktoken core: the tokenizer's own encode
+        self._fast = None if self._enc is None else fast_core(self._enc)   # fastokens, when installed
         self.encode_cpu_s = self.read_cpu_s = 0.0                  # CPU seconds encoding (tiktoken core) and reading
         self._lock, self._local, self._readers = threading.Lock(), threading.local(), []
 
     def _encode(self, texts) -> FlatDocs:
         t0 = time.thread_time()
-        docs = FlatDocs(*encode_flat(self._enc, texts, self.bos))
+        docs = FlatDocs(*encode_flat(self._enc, texts, self.bos, self._fast))
         with self._lock: self.encode_cpu_s += time.thread_time() - t0
         return docs
 
     def __repr__(self):
-        how = 'tiktoken' if self._enc is not None else 'tokenizer.encode'
+        how = 'tokenizer.encode' if self._enc is None else 'tiktoken' if self._fast is None else 'fastokens'
         return f"DocEncoder({how}, threads={self.threads}, bos={self.bos})"
 
 # %% ../../nbs/text/08a_encode.ipynb #7466796c
