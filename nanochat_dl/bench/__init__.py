@@ -61,7 +61,11 @@ _WHERE = {
     'bench_stream': '.stream',
     'bench_stream_cli': '.stream',
     'format_bench_stream': '.stream',
+    'format_profile': '.stream',
     'per_document_rows': '.stream',
+    'profile_group': '.stream',
+    'PROFILE_GROUPS': '.stream',
+    'profile_loader': '.stream',
     'SimpleLoader': '.stream',
     'stage_costs': '.stream',
 }
