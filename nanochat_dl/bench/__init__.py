@@ -62,6 +62,7 @@ _WHERE = {
     'bench_stream_cli': '.stream',
     'format_bench_stream': '.stream',
     'format_profile': '.stream',
+    'memcpy_tokens_per_s': '.stream',
     'per_document_rows': '.stream',
     'profile_group': '.stream',
     'PROFILE_GROUPS': '.stream',

@@ -6,7 +6,7 @@ against a plain per-document reader, its state's size and the time to resume fro
 # %% auto #0
 __all__ = ['BENCH_DATASETS', 'PROFILE_GROUPS', 'bench_root', 'per_document_rows', 'SimpleLoader', 'bench_stream',
            'format_bench_stream', 'bench_stream_cli', 'stage_costs', 'profile_group', 'profile_loader',
-           'format_profile']
+           'format_profile', 'memcpy_tokens_per_s']
 
 # %% ../../nbs/bench/16_bench_stream.ipynb #a96682b6
 import json, math, os, shutil, sys, tempfile, time
@@ -263,13 +263,14 @@ def profile_loader(root=None,            # a token root (default: `bench_root()`
     groups = {}
     for f, t in own.items(): groups[profile_group(f)] = groups.get(profile_group(f), 0.0) + t / tot
     fns = sorted(own.items(), key=lambda x: -x[1])[:top]
-    return dict(pack=pack, cpu_us=cpu, pieces_per_batch=pieces, groups=dict(sorted(groups.items(), key=lambda x: -x[1])),
+    return dict(pack=pack, cpu_us=cpu, pieces_per_batch=pieces,
+                groups=dict(sorted(groups.items(), key=lambda x: -x[1])),
                 top=[(f"{Path(f[0]).parent.name}/{Path(f[0]).name}:{f[2]}", t / tot) for f, t in fns])
 
 # %% ../../nbs/bench/16_bench_stream.ipynb #a48e900c
 def format_profile(ps,   # `profile_loader` results, one per packing mode
                    ) -> str:
-    "`profile_loader`'s results side by side: us per batch of each group (its share of the CPU time), the top functions."
+    "`profile_loader`'s results side by side: us a batch per group (its share of the CPU time), the top functions."
     cols = [f"{p['pack']!r}: {p['cpu_us']:.0f} us, {p['pieces_per_batch']:.1f} pieces" for p in ps]
     w = max(30, *map(len, cols))
     groups = list(dict.fromkeys(g for p in ps for g in p['groups']))
@@ -280,3 +281,17 @@ def format_profile(ps,   # `profile_loader` results, one per packing mode
     for p in ps:
         lines.append(f"top functions, {p['pack']!r}: " + ', '.join(f"{f} {100 * s:.0f}%" for f, s in p['top']))
     return '\n'.join(lines)
+
+# %% ../../nbs/bench/16_bench_stream.ipynb #e34849cc
+def memcpy_tokens_per_s(B:int=8, T:int=2048,   # rows per batch, tokens per input row
+                        n:int=200,             # batches copied per run
+                        repeats:int=5) -> float:   # runs (the best counts)
+    """Tokens/s (T a row, as the loaders count them) of a plain copy of a batch's bytes, `B` rows of `T + 1` int64
+    ids, out of 64 MiB of rows (more than the caches hold) into one buffer: the memory's limit on a loader here."""
+    src = np.ones((max(2, (64 << 20) // (8 * B * (T + 1))), B, T + 1), np.int64)   # (its pages written: resident)
+    dst, best = np.empty((B, T + 1), np.int64), math.inf
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for i in range(n): np.copyto(dst, src[i % len(src)])
+        best = min(best, time.perf_counter() - t0)
+    return n * B * T / best
