@@ -205,7 +205,8 @@ def stage_costs(root=None,           # a token root (default: `bench_root()`)
         out = dict(source=_cpu_us(lambda: next(s.sources[big]), 40 * n, repeats),
                    feed=_cpu_us(lambda: next(s.mixer.ups[big]), 40 * n, repeats))
         out['pull'] = _cpu_us(s.pull, 2 * n, repeats) / 16
-        pulls = iter([s.pull() for _ in range(repeats * n * 3 // 4 + 10)])   # enough for the packer's batches below
+        pull = s._pull_pieces if simple and getattr(s.packer, 'takes_pieces', False) else s.pull   # as `next_rows`
+        pulls = iter([pull() for _ in range(repeats * n * 3 // 4 + 10)])   # enough for the packer's batches below
         out['pack'] = _cpu_us(lambda: s.packer.next_batch(B, lambda: next(pulls)), n // 2, repeats)
         d0, b0 = s.packer.metrics_state()['docs_in'], s.step
         out['batch'] = _cpu_us(lambda: next(ld), n, repeats)
