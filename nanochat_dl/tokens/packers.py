@@ -192,21 +192,21 @@ class BestFitRows(PackerBase):
         self._q, self._lens, self._n = {}, [], 0
         # the journal: (key, row entered) once, then per batch (those in, keys placed)
         self._base, self._log, self._added = [], [], []
-        # key -> (row it entered at, length, document tokens); keys in the order they entered
+        # key -> (row it entered at, length); keys in the order they entered
         self._at, self._order = {}, deque()
-        # dataset -> {epoch: pieces buffered}; (tokens, length, key, document tokens) kept aside
+        # dataset -> {epoch: pieces buffered}; (tokens, length, key) kept aside
         self._ep, self._held = {}, []
         # rows made before the one being made; the last batch's oldest wait
         self._row = self._wait = 0
     def __len__(self): return self._n + len(self._held)
 
 @patch
-def _put(self:BestFitRows, p, L, k, dl=0):   # dl: its document tokens (`doc_len`), kept for when it is placed
+def _put(self:BestFitRows, p, L, k):
     q = self._q.get(L)
     if q is None: q = self._q[L] = deque()
     if not q: bisect.insort(self._lens, L)
     q.append((p, k))
-    self._n += 1; self._at[k] = (self._row, L, dl); self._order.append(k); self._added.append((k, self._row))
+    self._n += 1; self._at[k] = (self._row, L); self._order.append(k); self._added.append((k, self._row))
     if self.guard:
         d = self._ep.get(k[0])
         if d is None: d = self._ep[k[0]] = {}
@@ -220,13 +220,11 @@ def _intake(self:BestFitRows, pull):
     self.buffered_tokens += s
     t = self._tot
     t['docs_in'] += len(keys); t['doc_tokens'] += s; t['tokens_in'] += s
-    dls = repeat(0)
-    if self.ds_tokens is not None:            # each piece's document tokens, worked out once
-        dls, dt, dl = [], self.ds_tokens, self._doc_len
-        for k, L in zip(keys, lens): n = dl(k, L); dt[k[0]] += n; dls.append(n)
+    if self.ds_tokens is not None:
+        for k, L in zip(keys, lens): self.ds_tokens[k[0]] += self._doc_len(k, L)
     if not self.guard:
-        for x in zip(pieces, lens, keys, dls): self._put(*x)
-    else: self._held += zip(pieces, lens, keys, dls); self._release()
+        for x in zip(pieces, lens, keys): self._put(*x)
+    else: self._held += zip(pieces, lens, keys); self._release()
 
 # %% ../../nbs/tokens/12c_packers.ipynb #ep13bf02
 @patch
@@ -235,11 +233,11 @@ def _release(self:BestFitRows) -> bool:
     held, ep, lo = self._held, self._ep, {}
     for d, es in ep.items():
         if es: lo[d] = min(es)
-    for _, _, k, _ in held: lo[k[0]] = min(lo.get(k[0], k[2]), k[2])
-    keep, put = [], self._put
+    for _, _, k in held: lo[k[0]] = min(lo.get(k[0], k[2]), k[2])
+    keep = []
     for x in held:
         if x[2][2] >= lo[x[2][0]] + 2: keep.append(x)
-        else: put(*x)
+        else: self._put(*x)
     self._held = keep
     return not keep
 
@@ -257,17 +255,16 @@ def _late(self:BestFitRows, now:int) -> bool:
     return bool(self._held) or (self.max_wait is not None and now - self._at[self._head()][0] > self.max_wait)
 
 @patch
-def _close_batch(self:BestFitRows, B, rows, pieces, segments, placed, padded, before) -> LazyBatch:
-    "The batch made: its tokens copied into `rows` at once, the counters and the journal brought up to date."
-    C, tot = self.C, self._tot
-    tot['padded'] += padded
-    np.concatenate(pieces, out=rows.reshape(-1), casting='unsafe')
-    self.buffered_tokens -= B * C - padded
-    tot['placed'] += len(placed); tot['emitted'] += B * C; tot['rows'] += B
-    self._row = tot['rows']
-    self._log.append((self._added, placed))
-    if len(self._log) > 256: self._base, self._log = self.entries(self.snap()), []   # new lists: snapshots keep the old
-    return LazyBatch(rows, segments, self, before, B)
+def _placed(self:BestFitRows, k, now:int):
+    "Book piece `k` placed in row `now`: its wait, and its epoch's count."
+    r0, L = self._at.pop(k)
+    if now - r0 > self._wait: self._wait = now - r0
+    if self.ds_tokens is not None: self.ds_tokens[k[0]] -= self._doc_len(k, L)
+    if self.guard:
+        d = self._ep[k[0]]
+        c = d[k[2]] - 1
+        if c: d[k[2]] = c
+        else: del d[k[2]]
 
 # %% ../../nbs/tokens/12c_packers.ipynb #ep13bf03
 @patch
@@ -276,7 +273,6 @@ def next_batch(self:BestFitRows, B:int, pull, out=None) -> PackedBatch:
     B, C, tot, size = self._check_B(B), self.C, self._tot, self.buffer_size
     before, rows, pieces, segments, placed, qs, lens = dict(tot), self._rows(B, out), [], [], [], self._q, self._lens
     right, padrow, padded, self._added, self._wait = bisect.bisect_right, self._padrow, 0, [], 0
-    at, dt, ep = self._at, self.ds_tokens, self._ep if self.guard else None
     for r in range(B):
         pos, segs, now = 0, [], tot['rows'] + r
         self._row = now
@@ -295,22 +291,24 @@ def next_batch(self:BestFitRows, B:int, pull, out=None) -> PackedBatch:
             if not q: del lens[i]
             pieces += p; segs.append((pos, L, k, 0, 0)); placed.append(k)
             self._n -= 1; pos += L
-            r0, _, dl = at.pop(k)                          # booked as placed: its wait, its dataset and epoch counts
-            if now - r0 > self._wait: self._wait = now - r0
-            if dt is not None: dt[k[0]] -= dl
-            if ep is not None:
-                d = ep[k[0]]; c = d[k[2]] - 1
-                if c: d[k[2]] = c
-                else: del d[k[2]]
+            self._placed(k, now)
             if pos == C: break
         if pos < C: pieces.append(padrow[pos:])
         segments.append(segs)
         padded += C - pos
-    return self._close_batch(B, rows, pieces, segments, placed, padded, before)
+    tot['padded'] += padded
+    np.concatenate(pieces, out=rows.reshape(-1), casting='unsafe')
+    self.buffered_tokens -= B * C - padded
+    tot['placed'] += len(placed); tot['emitted'] += B * C; tot['rows'] += B
+    self._row = tot['rows']
+    self._log.append((self._added, placed))
+    # a new list: snapshots keep the old one
+    if len(self._log) > 256: self._base, self._log = self.entries(self.snap()), []
+    return LazyBatch(rows, segments, self, before, B)
 
 # %% ../../nbs/tokens/12c_packers.ipynb #ep13bf04
 @patch
-def snap(self:BestFitRows): return self._base, self._log, len(self._log), [x[2] for x in self._held]
+def snap(self:BestFitRows): return self._base, self._log, len(self._log), [k for _, _, k in self._held]
 
 @patch
 def entries(self:BestFitRows, snap) -> list:
@@ -337,9 +335,9 @@ def restore(self:BestFitRows, items,   # `(tokens, key, offset)` in order, offse
     rows = iter([now] * len(items) if entered is None else entered)
     if self.ds_tokens is not None: self.ds_tokens[:] = [0] * len(self.ds_tokens)
     for t, k, o in items:
-        x = ([np.asarray(t)], len(t), k, self._doc_len(k, len(t)))
+        x = ([np.asarray(t)], len(t), k)
         self.buffered_tokens += len(t)
-        if self.ds_tokens is not None: self.ds_tokens[k[0]] += x[3]
+        if self.ds_tokens is not None: self.ds_tokens[k[0]] += self._doc_len(k, len(t))
         if o == HELD: self._held.append(x)
         else: self._row = next(rows); self._put(*x)
     self._row = now
@@ -352,18 +350,18 @@ def restore(self:BestFitRows, items,   # `(tokens, key, offset)` in order, offse
 def _overdue(self:BestFitRows) -> bool:
     "Whether a buffered piece is two epochs past the oldest of its dataset buffered or held."
     lo = {d: min(es) for d, es in self._ep.items() if es}
-    for _, _, k, _ in self._held: lo[k[0]] = min(lo.get(k[0], k[2]), k[2])
+    for _, _, k in self._held: lo[k[0]] = min(lo.get(k[0], k[2]), k[2])
     return any(max(es) >= lo[d] + 2 for d, es in self._ep.items() if es)
 
 @patch
 def _pop_all(self:BestFitRows) -> list:
-    "Empty the buffer (not what is held), returning `(tokens, length, key, document tokens)` in the order they entered."
+    "Empty the buffer (not what is held), returning `(tokens, length, key)` in the order they entered."
     out = []
     for k in list(self._at):
-        _, L, dl = self._at[k]
+        L = self._at[k][1]
         q = self._q[L]
         p, k2 = q.popleft()
-        out.append((p, L, k2, dl))
+        out.append((p, L, k2))
     self._q, self._lens, self._n, self._at, self._order, self._ep, self._added = {}, [], 0, {}, deque(), {}, []
     return out
 
