@@ -61,7 +61,12 @@ _WHERE = {
     'bench_stream': '.stream',
     'bench_stream_cli': '.stream',
     'format_bench_stream': '.stream',
+    'format_profile': '.stream',
+    'memcpy_tokens_per_s': '.stream',
     'per_document_rows': '.stream',
+    'profile_group': '.stream',
+    'PROFILE_GROUPS': '.stream',
+    'profile_loader': '.stream',
     'SimpleLoader': '.stream',
     'stage_costs': '.stream',
 }

@@ -19,11 +19,10 @@ import torch
 from fastcore.script import call_parse
 from ..core import check_int, get_base_dir
 from ..tokens import TokenRoot, StreamingLoader, open_epochs
-from .stream import bench_root, per_document_rows
+from .stream import bench_root, per_document_rows, memcpy_tokens_per_s
 
 # %% ../../nbs/bench/17_bench_peers.ipynb #50d6a89f
-PEER_DATASETS = {'web': (8, 2000)}   # files, documents per file: about 16M tokens
-EOS = 2
+PEER_DATASETS, EOS = {'web': (8, 2000)}, 2   # files, documents per file (about 16M tokens); the id after a document
 
 def peer_rows(root,          # a token root
               T:int,         # tokens per input row (rows hold T + 1)
@@ -217,14 +216,14 @@ def _make(spec):
     return PEERS[p](spec['data'], spec['B'], spec['T'], spec['seed'], spec['rank'], spec['world'], **kw)
 
 def _speed(ad, spec) -> dict:
-    "The best of `repeats` runs of `n` batches, epochs wrapping: tokens/s."
-    best = float('inf')
+    "The best of `repeats` runs of `n` batches, epochs wrapping: tokens/s, and this process's CPU seconds a batch."
+    best = cpu = float('inf')
     for _ in range(spec.get('repeats', 3)):
-        busy = 0.0
+        busy, c0 = 0.0, time.process_time()
         for _ in range(spec['n']):
             t = time.perf_counter(); ad.next(wrap=True); busy += time.perf_counter() - t
-        best = min(best, busy)
-    return dict(tokens_per_s=spec['n'] * spec['B'] * spec['T'] / best)
+        best, cpu = min(best, busy), min(cpu, time.process_time() - c0)
+    return dict(tokens_per_s=spec['n'] * spec['B'] * spec['T'] / best, cpu_s_per_batch=cpu / spec['n'])
 
 # %% ../../nbs/bench/17_bench_peers.ipynb #f4d746e6
 def _drain(ad, spec, b, ids) -> dict:
@@ -276,8 +275,7 @@ def run_rank(spec:dict,   # peer, data, B, T, seed, rank, world, mode, n; option
 # %% ../../nbs/bench/17_bench_peers.ipynb #35a519c6
 def _child():
     spec = json.loads(Path(sys.argv[1]).read_text())
-    res = run_rank(spec)
-    Path(spec['out']).write_text(json.dumps(res))
+    Path(spec['out']).write_text(json.dumps(run_rank(spec)))
 
 def launch(specs,         # one `run_rank` spec per rank, each with a `tag`
            work,          # a folder for the specs, results and states
@@ -341,10 +339,11 @@ def _coverage(peer, ids, data, ended=True) -> dict:
     return dict(c, ended=ended)
 
 def _speed_ranks(base, tag, W, epoch, repeats, work, r, out):
-    "Speed on `W` ranks, into `r`: their tokens/s added, their peak and starting memory."
+    "Speed on `W` ranks, into `r`: their tokens/s added, the most CPU us a batch, their peak and starting memory."
     sp = launch([dict(base, tag=f'{tag}_speed', rank=k, world=W, mode='speed', n=epoch // W - 1, repeats=repeats)
                  for k in range(W)], work)
     r[f'tokens_per_s_{W}'] = sum(x['tokens_per_s'] for x in sp)
+    r[f'cpu_us_{W}'] = 1e6 * max(x['cpu_s_per_batch'] for x in sp)
     r[f'peak_mib_{W}'] = max(x['peak_mib'] for x in sp); r[f'rss0_mib_{W}'] = max(x['rss0_mib'] for x in sp)
     if out: out(f"  {base['peer']}: {W} rank(s): {r[f'tokens_per_s_{W}'] / 1e6:.1f}M tokens/s, "
                 f"peak RSS {r[f'peak_mib_{W}']:.0f} MiB")
@@ -381,9 +380,8 @@ def bench_peer(peer,                 # a name from `PEERS`
                out=print) -> dict:
     "One loader measured: tokens/s on 1 and 2 ranks, peak RSS, state size, resume time and exactness, exactly-once."
     work = Path(work or tempfile.mkdtemp(prefix=f'peers_{peer}_')); work.mkdir(parents=True, exist_ok=True)
-    epoch = data['rows'] // B
+    epoch, r = data['rows'] // B, dict(peer=peer)
     base = dict(peer=peer, data=data, B=B, T=T, seed=seed, window=window, next=next_batches)
-    r = dict(peer=peer)
     if peer != 'perdoc':    # the control: one uninterrupted epoch on one rank
         ep = launch([dict(base, tag=f'{peer}_epoch', rank=0, world=1, mode='drain', n=8 * epoch, ids=True)], work)[0]
         r['epoch'] = _coverage(peer, ep['ids'], data, ep['ended'])
@@ -420,14 +418,14 @@ def bench_peers(peers=None,          # names from `PEERS` (default: all; not ins
     if REFERENCE not in names: names.append(REFERENCE)       # a peer alone is a number, not a comparison
     skipped = [p for p in names if not available(p)]
     data = peer_data(T, path, seed, datasets, out=out)
-    load0, results = os.getloadavg(), []
+    load0, results, memcpy = os.getloadavg(), [], memcpy_tokens_per_s(B, T)
     with tempfile.TemporaryDirectory(prefix='peers_') as work:
         for p in names:
             if p in skipped: continue
             if out: out(f"{p}:")
             results.append(bench_peer(p, data, B, T, seed, window, work=Path(work)/p, out=out))
     return dict(B=B, T=T, window=window, rows=data['rows'], tokens=data['rows'] * (T + 1), results=results,
-                skipped=skipped, load=(load0, os.getloadavg()), cpus=os.cpu_count())
+                skipped=skipped, load=(load0, os.getloadavg()), cpus=os.cpu_count(), memcpy=memcpy)
 
 # %% ../../nbs/bench/17_bench_peers.ipynb #b2a014f8
 def _once(c) -> str:
@@ -440,16 +438,19 @@ def _fmt(v, f) -> str: return '—' if v is None else f.format(v)
 
 def peer_table(r,   # what `bench_peers` returned
                ) -> str:
-    "`bench_peers`' result as a markdown table; the ratio column is each loader's tokens/s on 1 rank over REFERENCE's."
-    lines = [f"| loader | tokens/s, 1 rank | / {REFERENCE} | tokens/s, 2 ranks | peak RSS (MiB) | state (bytes) | "
-             "resume (s) | exact resume (1 / 2 ranks) | one epoch, exactly once | 2 ranks -> 1, exactly once |",
-             "|---|---:|---:|---:|---:|---:|---:|---|---|---|"]
+    """`bench_peers`' result as a markdown table; the ratio column is each loader's tokens/s on 1 rank over REFERENCE's,
+    the memcpy column over a plain copy of a batch's bytes (`memcpy_tokens_per_s`); CPU: the rank's process a batch."""
+    lines = [f"| loader | tokens/s, 1 rank | / {REFERENCE} | / memcpy | CPU (us/batch) | tokens/s, 2 ranks | peak RSS "
+             "(MiB) | state (bytes) | resume (s) | exact resume (1 / 2 ranks) | one epoch, exactly once | "
+             "2 ranks -> 1, exactly once |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---|"]
     yes = lambda v: '—' if v is None else 'yes' if v else 'NO'
     ref = next((x.get('tokens_per_s_1') for x in r['results'] if x['peer'] == REFERENCE), None)
     for x in r['results']:
-        g = x.get
+        g, mc = x.get, r.get('memcpy')
         ratio = g('tokens_per_s_1') / ref if ref and g('tokens_per_s_1') is not None else None
+        share = g('tokens_per_s_1') / mc if mc and g('tokens_per_s_1') is not None else None
         lines.append(f"| {PEER_NAMES[x['peer']]} | {_fmt(g('tokens_per_s_1'), '{:,.0f}')} | {_fmt(ratio, '{:.2f}x')} | "
+                     f"{_fmt(share, '{:.1%}')} | {_fmt(g('cpu_us_1'), '{:,.0f}')} | "
                      f"{_fmt(g('tokens_per_s_2'), '{:,.0f}')} | {_fmt(g('peak_mib_1'), '{:.0f}')} | "
                      f"{_fmt(g('state_bytes_1'), '{:,}')} | {_fmt(g('resume_s_1'), '{:.2f}')} | "
                      f"{yes(g('exact_1'))} / {yes(g('exact_2'))} | {_once(g('epoch'))} | {_once(g('rescale'))} |")
@@ -466,8 +467,7 @@ def peer_plot(r,            # what `bench_peers` returned
         a.barh(y + 0.2 * (1 - 2 * k), [(x.get(f'tokens_per_s_{W}') or 0) / 1e6 for x in xs], 0.4, color=c,
                label=f'{W} rank{"s" * (W > 1)}')
     a.set_yticks(y, names); a.invert_yaxis(); a.set_xlabel('delivered tokens/s (millions)'); a.legend(loc='lower right')
-    b.barh(y, [x.get('state_bytes_1') or 0 for x in xs], 0.5, color='C2'); b.set_xscale('log')
-    b.set_xlabel('checkpoint state (bytes, log)')
+    b.barh(y, [x.get('state_bytes_1') or 0 for x in xs], 0.5, color='C2'); b.set(xscale='log', xlabel='state (bytes)')
     fig.suptitle(f"B={r['B']}, T={r['T']}, {r['tokens'] / 1e6:.1f}M tokens, {r['cpus']} cores", fontsize=10)
     fig.tight_layout()
     if path is not None: fig.savefig(path, dpi=100); plt.close(fig)
@@ -492,7 +492,8 @@ def bench_peers_cli(batch_size:int=8,    # rows per batch
     except ValueError as e:
         print(f"nanochat-dl bench-peers: error: {e}", file=sys.stderr); return 2
     print(peer_table(r))
-    print(f"load average before and after: {r['load'][0][0]:.2f}, {r['load'][1][0]:.2f} on {r['cpus']} cores")
+    print(f"load average before and after: {r['load'][0][0]:.2f}, {r['load'][1][0]:.2f} on {r['cpus']} cores; a plain "
+          f"memcpy of a batch's bytes: {r['memcpy'] / 1e6:,.0f}M tokens/s")
     if r['skipped']: print(f"not installed, skipped: {', '.join(r['skipped'])} (pip install -e '.[bench]')")
     if plot: peer_plot(r, plot)
     if json_out: Path(json_out).write_text(json.dumps(r, indent=1))

@@ -46,9 +46,11 @@ class FastTokenStream(TokenStream):
 # %% ../../nbs/tokens/12f_fast.ipynb #ec76b4db
 @patch
 def _pull_locals(self:FastTokenStream) -> tuple:
-    "What `pull` reads once per call, as locals (faster than attributes): settings, the mixer's lists, the framing."
+    """What `pull` reads once per call, as locals (faster than attributes): settings, the mixer's lists, per dataset
+    what gives its next piece (`Feed.taker`), the framing."""
     mx, h, nt = self.mixer, self.framing.head, len(self._tail)
-    return (self.C, self.mc, self.pack != 'concat', mx.tokens, mx.w, mx.active, mx.ups, self.sources,
+    if getattr(self, '_takers', None) is None: self._takers = [None if u is None else u.taker() for u in mx.ups]
+    return (self.C, self.mc, self.pack != 'concat', mx.tokens, mx.w, mx.active, self._takers, self.sources,
             h, nt, self._bos, self._tail, not (h or nt), h and nt, h + nt)
 
 
@@ -81,7 +83,7 @@ def pull(self:FastTokenStream) -> tuple:
             for k in active:
                 d = w[k] * total - tok[k]
                 if i < 0 or d > best or (d == best and w[k] > bw): i, best, bw = k, d, w[k]
-        try: g, e, a, L, f, fi = next(feeds[i])
+        try: g, e, a, L, f, fi = feeds[i]()
         except StopIteration: active.remove(i); continue
         n += 1; U = L + ex
         if mc is None: tok[i] += L; total += L; b = U

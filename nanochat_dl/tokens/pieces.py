@@ -8,6 +8,7 @@ __all__ = ['Framing', 'Chunker', 'check_weight', 'Mixer', 'Trim', 'TrimmedFile',
 
 # %% ../../nbs/tokens/12b_pieces.ipynb #3e2862d5
 import math
+from functools import partial
 from operator import itemgetter
 from typing import NamedTuple
 import numpy as np
@@ -207,6 +208,9 @@ class Feed(Stage):
         return x if a == 0 else (x[0], x[1], a, x[3], x[4], x[5])
     def cut(self): return None if self.cur is None else (self.cur[0][0], self.cur[0][1], self.cur[1])
     def fetch(self, addresses) -> list: return self.src.fetch(addresses)
+    def taker(self):
+        "`__next__` with a call less a piece: the window's `draw` bound to what fills it (or the pieces as they come)."
+        return self._next if self.shuffle is None else partial(self.shuffle.draw, self._next)
 
 class _Pieces(Stage):
     "A `Feed`'s pieces before its shuffle window: the upstream of the `ShuffleBuffer` that holds the window's state."

@@ -239,10 +239,14 @@ def _fill(self:BlockSource):
     "Draw the next block within this epoch: the draws `__next__` of a `ShardSource` would make, in the same order."
     self._commit()
     if self.remaining == 0: self._new_epoch()
-    m, rem, ahead, take = min(self.block, self.remaining), self.remaining, list(self.pos), self._tree.take
+    m, rem, ahead, t, P = min(self.block, self.remaining), self.remaining, list(self.pos), self._tree.t, self._tree.P
     js, ks = [], []
     for h in mix64s(self._draw_key, self.draws, m):          # the hashes of draws draws..draws+m-1
-        j = take((h * rem) >> 64); rem -= 1
+        u, v = (h * rem) >> 64, 1; rem -= 1
+        while v < P:                                          # `CountTree.take(u)`, inline
+            t[v] -= 1; v += v
+            if u >= t[v]: u -= t[v]; v += 1
+        t[v] -= 1; j = v - P
         js.append(j); ks.append(ahead[j]); ahead[j] += 1
     if not self._keyed:
         self._keyed = bool(self._orders.rekey(shard_keys(self.seed, self.dataset, self.shards, self.epoch)))
@@ -253,11 +257,9 @@ def _fill(self:BlockSource):
     L = self._L[G]
     k = np.flatnonzero(L)                                     # the draws of non-empty documents, which become items
     items = list(zip(G[k].tolist(), np.asarray(self.epoch)[J[k]].tolist(), repeat(0, len(k)), L[k].tolist(),
-                     F[k].tolist(),
-                     (G - self._fstarts[F])[k].tolist()))
+                     F[k].tolist(), (G - self._fstarts[F])[k].tolist()))
     self._live += len(items)
-    # nd: draws used once an item is out
-    self._js, self._items, self._nd, self._t, self._ahead = js, items, (k + 1).tolist(), 0, ahead
+    self._js, self._items, self._nd, self._t, self._ahead = js, items, (k + 1).tolist(), 0, ahead   # nd: draws used
 
 @patch
 def __next__(self:BlockSource) -> tuple:
