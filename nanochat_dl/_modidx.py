@@ -1311,6 +1311,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                              'nanochat_dl/text/stages.py'),
                                          'nanochat_dl.text.stages.TransferStage.put': ( 'text/loader.html#transferstage.put',
                                                                                         'nanochat_dl/text/stages.py'),
+                                         'nanochat_dl.text.stages.TransferStage.stats': ( 'text/loader.html#transferstage.stats',
+                                                                                          'nanochat_dl/text/stages.py'),
                                          'nanochat_dl.text.stages._Unit': ('text/loader.html#_unit', 'nanochat_dl/text/stages.py'),
                                          'nanochat_dl.text.stages._Unit.__init__': ( 'text/loader.html#_unit.__init__',
                                                                                      'nanochat_dl/text/stages.py'),

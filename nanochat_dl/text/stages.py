@@ -428,3 +428,6 @@ class TransferStage(Stage):
     def __next__(self) -> tuple:
         packed = next(self.upstream)
         return (*self.put(packed), packed)
+    def stats(self) -> dict:
+        "What its `DeviceTransfer` moved (`DeviceTransfer.stats`)."
+        return self.transfer.stats()
