@@ -50,6 +50,9 @@ COMMANDS = {   # name: (the subpackage that has its function, the function, what
     'bench-peers':     ('nanochat_dl.bench',  'bench_peers_cli',
                         "benchmark the pre-tokenized loader against Mosaic streaming, LitData and torchdata "
                         "(the 'bench' extra)"),
+    'check-resume':    ('nanochat_dl.bench',  'check_resume_cli',
+                        'stop, save, resume (and rescale) a loader with your settings; compare with a run that never '
+                        'stopped'),
 }
 
 def _usage():

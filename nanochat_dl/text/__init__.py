@@ -42,6 +42,7 @@ _WHERE = {
     'resume_loss': '.reader',
     'RowGroupReader': '.reader',
     'Slice': '.reader',
+    'open_epoch': '.rescale',
     'resume_many': '.rescale',
     'CHARS_PER_TOKEN': '.sample',
     'fineweb_like_documents': '.sample',
