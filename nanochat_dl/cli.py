@@ -53,6 +53,8 @@ COMMANDS = {   # name: (the subpackage that has its function, the function, what
     'check-resume':    ('nanochat_dl.bench',  'check_resume_cli',
                         'stop, save, resume (and rescale) a loader with your settings; compare with a run that never '
                         'stopped'),
+    'inspect':         ('nanochat_dl.bench',  'inspect_cli',
+                        'the documents of each row of steps A..B, replayed from the nearest saved loader state'),
 }
 
 def _usage():

@@ -1,0 +1,72 @@
+"""`nanochat-dl inspect` as a user runs it (issue 22, section 2): a loss-spike hunt from saved states. A run saves its
+loader state into checkpoint folders; the command, in a subprocess, replays from the nearest state before the step
+asked for and prints each row's documents, which must be those the run actually trained on at that step."""
+import contextlib, io, json, shutil, subprocess, sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from nanochat_dl.text.loader import PackedLoader
+from nanochat_dl.text.sample import make_sample_shards, sample_documents
+from nanochat_dl.text.tokenizer import train_tokenizer
+from nanochat_dl.tokens.elastic import save_loader_states
+from nanochat_dl.tokens.loader import StreamingLoader
+from nanochat_dl.tokens.tokenizing import tokenize
+
+CLI = shutil.which('nanochat-dl') or str(Path(sys.executable).parent / 'nanochat-dl')
+
+
+@pytest.fixture(scope='module')
+def run(tmp_path_factory):
+    "Both loaders' runs of 12 batches, a checkpoint folder every 4 steps, and what each step's rows held."
+    d = tmp_path_factory.mktemp('inspect')
+    make_sample_shards(d/'text', n_shards=3, row_group_size=16, docs=sample_documents()[:300])
+    tok = train_tokenizer(d/'text', vocab_size=512, out_dir=d/'tok', progress=False)
+    with contextlib.redirect_stdout(io.StringIO()):
+        tokenize(d/'text', d/'root', 'web', tokenizer_dir=d/'tok', workers=1, progress=False, verbose=False)
+    made = {'text': lambda: PackedLoader(tok, 4, 128, data_dir=d/'text', pack='bestfit-pad', pack_buffer=32,
+                                         tokenizer_threads=1, device='cpu'),
+            'tokens': lambda: StreamingLoader(d/'root', 128, 4, eos_token=tok.get_bos_token_id(), shuffle_window=50,
+                                              pack='bestfit', device='cpu')}
+    out = {}
+    for kind, make in made.items():
+        segs = []
+        with make() as ld:
+            for step in range(12):
+                b = next(ld)
+                segs.append([[(s.start, s.length, s.offset) for s in row] for row in b.segments])
+                if step % 4 == 3: save_loader_states(d/kind/f'step{step}', b.state, step, rank=0, world_size=1)
+        out[kind] = segs
+    return d, out
+
+
+def cli(*args):
+    return subprocess.run([CLI, 'inspect', *map(str, args)], capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize('kind', ['text', 'tokens'])
+def test_the_rows_of_a_step_are_those_trained_on(run, kind):
+    d, segs = run
+    data = d/'text' if kind == 'text' else d/'root'
+    r = cli(d/kind, '--steps', '9..10', '--data', data, '--tokenizer-dir', d/'tok')
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0] == f"replayed 1 batches from the state at step 8 to reach step 9 in " + lines[0].split(' in ')[-1]
+    for step in (9, 10):
+        i = lines.index(f'step {step}')
+        rows = [l for l in lines[i + 1:] if l.startswith('  row')][:sum(map(len, segs[kind][step]))]
+        got = [(int(l.split('[')[1].split(':')[0]), l.split('tokens ')[1].split(' ')[0].rstrip(',')) for l in rows]
+        want = [(a, f"{o:,}..{o + n:,}") for row in segs[kind][step] for a, n, o in row]
+        assert got == want, (step, got, want)
+
+
+def test_bad_input_exits_2_naming_it(run):
+    d, _ = run
+    for args, msg in [((d/'tokens', '--steps', '2', '--data', d/'root'), 'every state at'),
+                      ((d/'tokens', '--steps', '5..4', '--data', d/'root'), 'expected 0 <= A <= B'),
+                      ((d/'nowhere', '--steps', '5', '--data', d/'root'), 'no such state file'),
+                      ((d/'tokens', '--data', d/'root'), '--steps A..B is needed'),
+                      ((d/'tokens', '--steps', '5', '--data', d/'root', '--rank', '1'), '--rank 1 is not one')]:
+        r = cli(*args)
+        assert r.returncode == 2 and msg in r.stderr and 'Traceback' not in r.stderr, (args, r.stderr)
