@@ -8,7 +8,7 @@ __all__ = ['state_loader', 'loader_from_state', 'replay_steps', 'segment_info', 
            'step_figure', 'nearest_state', 'inspect_cli']
 
 # %% ../../nbs/bench/20_inspect.ipynb #5d1fbf3e
-import bisect, json, sys, time
+import json, sys, time
 from pathlib import Path
 import torch
 from ..text.loader import PackedLoader
