@@ -52,7 +52,8 @@ def test_the_rows_of_a_step_are_those_trained_on(run, kind):
     r = cli(d/kind, '--steps', '9..10', '--data', data, '--tokenizer-dir', d/'tok')
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
-    assert lines[0] == f"replayed 1 batches from the state at step 8 to reach step 9 in " + lines[0].split(' in ')[-1]
+    assert lines[0] == 'replaying from the state at step 8 (1 batches to step 9) ...', lines[0]
+    assert lines[1].startswith('replayed 1 batches to reach step 9 in '), lines[1]
     for step in (9, 10):
         i = lines.index(f'step {step}')
         rows = [l for l in lines[i + 1:] if l.startswith('  row')][:sum(map(len, segs[kind][step]))]

@@ -5,7 +5,7 @@ row of steps A to B, their text, and a picture of the batch, replayed from the s
 
 # %% auto #0
 __all__ = ['state_loader', 'loader_from_state', 'replay_steps', 'segment_info', 'batch_rows', 'step_rows', 'format_steps',
-           'step_figure', 'nearest_state', 'inspect_cli']
+           'step_figure', 'dropin_state', 'nearest_state', 'inspect_cli']
 
 # %% ../../nbs/bench/20_inspect.ipynb #5d1fbf3e
 import json, sys, time
@@ -125,13 +125,18 @@ def step_figure(batches,     # `[(step, batch)]`
     return fig
 
 # %% ../../nbs/bench/20_inspect.ipynb #c8dc9fa0
+def dropin_state(st):
+    "The loader state inside a drop-in's (nanochat's triple's `state_dict`: `at_batch`, the state its batch came after)."
+    return st['at_batch'] if isinstance(st, dict) and isinstance(st.get('at_batch'), dict) else st
+
 def _states_in(path, rank) -> list:
     "`[(step, state)]` of rank `rank` found at `path`: a state file, a checkpoint folder, or a folder of them."
     p = Path(path).expanduser()
     if p.is_file():
         try: st = json.loads(p.read_text())
         except json.JSONDecodeError as e: raise ValueError(f"{p} is not a JSON loader state: {e}") from None
-        return [(st.get('step'), st)]
+        st = dropin_state(st)
+        return [(st.get('step') if isinstance(st, dict) else None, st)]
     if not p.is_dir(): raise FileNotFoundError(f"{p}: no such state file or checkpoint folder")
     folders = [p] if any(q.name.startswith('loader_state.') for q in p.iterdir()) else sorted(q for q in p.iterdir()
                                                                                                if q.is_dir())
@@ -140,7 +145,8 @@ def _states_in(path, rank) -> list:
         try: sts = load_loader_states(f)
         except FileNotFoundError: continue
         if rank >= len(sts): raise ValueError(f"{f} holds the states of {len(sts)} ranks: --rank {rank} is not one")
-        out.append((sts[rank].get('step'), sts[rank]))
+        st = dropin_state(sts[rank])
+        out.append((st.get('step'), st))
     if not out: raise FileNotFoundError(f"{p} holds no loader state (loader_state.rank*.json) in it or its folders")
     return sorted(out, key=lambda x: x[0])
 
@@ -164,6 +170,14 @@ def _steps(text) -> tuple:
     if not 0 <= A <= B: raise ValueError(f"--steps {text!r}: expected 0 <= A <= B")
     return A, B
 
+def _rows(text, B) -> list:
+    "`'0,3'` as `[0, 3]`, each a row of a batch of `B`."
+    try: rs = [int(r) for r in str(text).split(',')]
+    except ValueError: raise ValueError(f"--rows {text!r}: expected row numbers separated by commas, e.g. 0,3") from None
+    bad = [r for r in rs if not 0 <= r < B]
+    if bad: raise ValueError(f"--rows {text!r}: the batches have {B} rows (0..{B - 1}), not {bad}")
+    return rs
+
 def inspect_cli(state:str,             # a state file, a checkpoint folder, or a folder of checkpoint folders
                 steps:str=None,        # A..B: the steps to show (or one step A); required
                 # the data the run read: text shards (default: $NANOCHAT_DL_DATA_DIR or the cache's), or the token root
@@ -183,13 +197,14 @@ def inspect_cli(state:str,             # a state file, a checkpoint folder, or a
         if data is None and kind == 'tokens': raise ValueError("--data is needed: the token root the run read")
         data = get_data_dir() if data is None else data   # text: $NANOCHAT_DL_DATA_DIR, else the cache's shards
         tok = get_tokenizer(tokenizer_dir) if kind == 'text' or decode else None
-        rs = None if rows is None else [int(r) for r in rows.split(',')]
+        rs = None if rows is None else _rows(rows, st['config'].get('B', st['config'].get('batch_size')))
+        print(f"replaying from the state at step {st['step']} ({A - st['step']:,} batches to step {A}) ...")
         with loader_from_state(st, data, tok if kind == 'text' else None) as ld:
             got, reach = replay_steps(ld, st['step'], A, B)
             files = getattr(ld, 'files', None)
     except (FileNotFoundError, ValueError, TypeError, RuntimeError) as e:
         print(f"nanochat-dl inspect: error: {e}", file=sys.stderr); return 2
-    print(f"replayed {A - st['step']:,} batches from the state at step {st['step']} to reach step {A} in {reach:.2f} s")
+    print(f"replayed {A - st['step']:,} batches to reach step {A} in {reach:.2f} s")
     print(format_steps([(A + i, step_rows(b, kind, tok if decode else None, rs, files)) for i, b in enumerate(got)]))
     if picture:
         step_figure(list(zip(range(A, B + 1), got)), rs).savefig(picture, dpi=90)
