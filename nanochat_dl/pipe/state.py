@@ -6,7 +6,8 @@ take what they expect from it, or refuse it with a message naming the field."""
 
 # %% auto #0
 __all__ = ['INT_LIMIT', 'UNCHECKED', 'read_int', 'read_field', 'read_dict', 'same_value', 'state_checksum', 'seal', 'check_seal',
-           'run_digest', 'runs_of', 'ranges_of', 'read_pairs', 'read_runs', 'span_text', 'unit_name']
+           'run_digest', 'runs_of', 'ranges_of', 'read_pairs', 'read_runs', 'add_skipped', 'read_skipped', 'span_text',
+           'unit_name']
 
 # %% ../../nbs/pipe/07b_state.ipynb #e6a12041
 INT_LIMIT = 1 << 63   # no count, index or epoch in a state reaches this
@@ -137,6 +138,27 @@ def read_runs(runs,        # `runs_of`'s runs, as read from a state
         read_int(f"{where}[{j}][0]", v, lo); total += read_int(f"{where}[{j}][1]", c, 1)
     if total != n: raise ValueError(f"{where}: its runs hold {total} values, expected {n}")
     return [v for v, c in runs for _ in range(c)]
+
+# %% ../../nbs/pipe/07b_state.ipynb #d4dc4c0d
+def add_skipped(runs:list,   # `[[first step, batches], ...]` so far
+                step:int     # the step skipped now (after every step in `runs`)
+               ) -> list:
+    "`runs` with `step` added: the last run extended when `step` follows it."
+    if runs and runs[-1][0] + runs[-1][1] == step: return runs[:-1] + [[runs[-1][0], runs[-1][1] + 1]]
+    return runs + [[step, 1]]
+
+def read_skipped(runs,        # a state's `skipped`
+                 step:int,    # the state's step: no skipped batch at or after it
+                 where:str    # its path in the state, for the message
+                ) -> list:
+    "A state's skipped runs, checked: each `[first step, batches >= 1]`, in order, before `step`."
+    end = 0
+    for j, (a, n) in enumerate(read_pairs(runs, where)):
+        if n < 1 or a < end or a + n > step:
+            raise ValueError(f"{where}[{j}]={[a, n]} is invalid: expected runs of skipped steps in order, "
+                             f"none overlapping, all before the state's step {step}")
+        end = a + n
+    return [list(r) for r in runs]
 
 # %% ../../nbs/pipe/07b_state.ipynb #b11dc2ba
 def span_text(shards) -> str:

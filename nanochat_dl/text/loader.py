@@ -33,8 +33,10 @@ from .encode import make_encoder, check_timeout
 from .stages import (rank_and_world, RowGroupSource, EncodeStage, PackStage, BatchStage,
                                      TransferStage)
 from .state import (STATE_FORMAT, V3_FORMAT, OLD_FORMATS, NANOCHAT_KEYS, MAX_EPOCHS, APPROX, data_fingerprint,
-                                    field_int, check_loader_state, loader_state, run_id)
+                                    field_int, check_loader_state, loader_state, run_id,
+                                    state_checksum)
 from .rescale import resume_many
+from ..pipe.state import seal
 
 # %% ../../nbs/text/09c_packed.ipynb #ae9cfd0e
 class _Produced(NamedTuple):
@@ -267,7 +269,7 @@ def load_body(self:PackedLoader, state): # a batch's `state`, nanochat's `{pq_id
     # epoch, but the batches are nanochat's (token for token) only at the same world size, where the list resumes
     # this rank's own state exactly.
     self._resume(state)
-    self._state = pickle.dumps(self._producer.state())
+    self._state = pickle.dumps(self._with_skipped(self._producer.state()))
 
 # %% ../../nbs/text/09c_packed.ipynb #381ba807
 @patch
@@ -277,7 +279,9 @@ def _resume(self:PackedLoader, sd):
         if bad is not None:
             raise TypeError(f"resume_state_dict[{bad}] must be a dict (the state one rank saved), got "
                             f"{type(sd[bad]).__name__}")
-        return resume_many(self, list(sd))
+        out = resume_many(self, list(sd))
+        self.skipped = [list(r) for r in sd[0].get('skipped', [])]   # (every rank skipped the same steps)
+        return out
     if not isinstance(sd, dict):
         raise TypeError("resume_state_dict must be a dict (a batch's state, or nanochat's {pq_idx, rg_idx, epoch}), "
                         f"got {type(sd).__name__}")
@@ -293,7 +297,7 @@ def _resume(self:PackedLoader, sd):
     # all, first
     check_loader_state(sd, self.config, self.fingerprint, self.reader, tuple(self.packer.metrics_state()))
     load_pipeline_state(self.transfer, sd['stages'])   # the source first; the pack stage fetches through the encoder
-    self.resumed = 'exact'
+    self.resumed, self.skipped = 'exact', [list(r) for r in sd.get('skipped', [])]
 
 # %% ../../nbs/text/09c_packed.ipynb #1a7579ad
 @patch
@@ -325,8 +329,23 @@ def deliver(self:PackedLoader, item, t0, t1) -> LoaderBatch:
              transfer_s=t2 - t1, tokens_per_s=self.B * self.T / tm['produce_s'] if tm['produce_s'] > 0 else math.inf,
              delivered_per_s=self._yielded * self.B * self.T / (t2 - self._t_first),
              cache=None if self.cache is None else cache_metrics(self.cache))
-    self._state = item.saved
-    return LoaderBatch(x, y, item.state, m, item.packed)
+    state = self._with_skipped(item.state)
+    self._state = item.saved if state is item.state else pickle.dumps(state, pickle.HIGHEST_PROTOCOL)
+    return LoaderBatch(x, y, state, m, item.packed)
+
+@patch
+def _with_skipped(self:PackedLoader, st:dict) -> dict:
+    "`st` as handed out: with the steps skipped so far (`skip`), sealed again, when there are any."
+    return st if not self.skipped else seal(dict(st, skipped=[list(r) for r in self.skipped]), state_checksum)
+
+@patch
+def step_of(self:PackedLoader, item) -> int: return item.state['step'] - 1   # (its state is the one after it)
+
+@patch
+def pass_over(self:PackedLoader, item):
+    "Take `item`'s state without handing it out (`skip`): its packed batch."
+    self._state = pickle.dumps(self._with_skipped(item.state), pickle.HIGHEST_PROTOCOL)
+    return item.packed
 
 # %% ../../nbs/text/09c_packed.ipynb #1f1271aa
 @patch

@@ -16,7 +16,7 @@ from .shards import open_shard_bytes
 from ..pipe.packing import HELD
 from ..pipe.bestfit import GUARDED, MAX_WAIT
 from .stages import ColumnPlan
-from ..pipe.state import read_int, read_dict, same_value, seal, check_seal, run_digest
+from ..pipe.state import read_int, read_dict, same_value, seal, check_seal, run_digest, read_skipped
 
 # %% ../../nbs/text/09a_state.ipynb #1a77854a
 STATE_FORMAT = 'nanochat_dl.loader/4'
@@ -307,7 +307,7 @@ def check_loader_state(sd, cfg, fingerprint, reader, counters):
                          f"{', '.join(repr(k) for k in NANOCHAT_KEYS if k not in sd)}: a loader's state has the three "
                          f"or none")
     v3 = sd.get('format') == V3_FORMAT
-    field_dict(sd, (), (_V3_KEYS if v3 else _STATE_KEYS) + tuple(present))
+    field_dict(sd, (), (_V3_KEYS if v3 else _STATE_KEYS) + tuple(present), optional=() if v3 else ('skipped',))
     for k in present: field_int(sd[k], (k,), 1 if k == 'epoch' else 0)
     fp = field_dict(sd['fingerprint'], ('fingerprint',), ('data', 'tokenizer'))
     _check_data(field_dict(fp['data'], ('fingerprint', 'data'), _DATA_KEYS + ('footers',)), fingerprint['data'],
@@ -322,6 +322,7 @@ def check_loader_state(sd, cfg, fingerprint, reader, counters):
     for k in ('encode', 'transfer'): field_dict(st[k], ('stages', k), ())   # they hold nothing
     cursor = _check_source(st['source'], cfg, reader, present, sd)
     field_int(field_dict(st['batch'], ('stages', 'batch'), ('step',))['step'], ('stages', 'batch', 'step'))
+    if 'skipped' in sd: read_skipped(sd['skipped'], sd['step'], field_name(('skipped',)))
     pack = field_dict(st['pack'], ('stages', 'pack'), ('buffer', 'metrics'), optional=('entered',))   # since issue 18
     for k in field_dict(pack['metrics'], ('stages', 'pack', 'metrics'), counters):
         field_int(pack['metrics'][k], ('stages', 'pack', 'metrics', k))

@@ -19,7 +19,7 @@ from ..io.fetch import giving_up_on
 from ..pipe.bestfit import MAX_WAIT
 from ..pipe.masks import position_ids, cu_seqlens
 from ..pipe.transfer import DeviceTransfer, TrainingTriple, resolve_device
-from ..pipe.state import read_int, seal
+from ..pipe.state import read_int, seal, read_skipped
 from ..pipe.loader import BaseLoader
 from .order import shard_starts
 from .fast import FastTokenStream
@@ -148,8 +148,9 @@ def _full_state(self:StreamingLoader, snap) -> dict:
     st = self.stream.state_of(snap)
     fp = dict(data=self.fingerprint['data'], tokenizer=self.fingerprint['tokenizer'])
     cfg = dict(self.stream.cfg, batch_size=self.B)
+    sk = {'skipped': [list(r) for r in self.skipped]} if self.skipped else {}   # (the steps `skip` stepped over)
     return seal(own_copy(dict(format=FORMAT, run=self.run, step=st.pop('step'), config=cfg, fingerprint=fp,
-                                **st)))
+                                **st, **sk)))
 
 @patch
 def state_body(self:StreamingLoader) -> dict:
@@ -161,6 +162,8 @@ def state_body(self:StreamingLoader) -> dict:
 def load_body(self:StreamingLoader,
               state):  # this rank's state, or the list of every rank's (or every DataLoader worker's)
     "Continue exactly after the batch whose `state` this is (`load_state_dict`, before the first batch)."
+    skipped = state[0].get('skipped', []) if isinstance(state, (list, tuple)) and state and isinstance(
+        state[0], dict) else state.get('skipped', []) if isinstance(state, dict) else []
     if isinstance(state, (list, tuple)):
         state = World(state, self.root, self.config,
                       self.fingerprint).state_for(*(self.config[k] for k in ('rank', 'world_size')))
@@ -171,6 +174,7 @@ def load_body(self:StreamingLoader,
     fresh = self.stream_class(self.root, self.config).load_state(state)   # a bad state leaves this loader as it was
     check_checksum(state, stacklevel=4)   # last: a damaged field is named by the checks before, when one refuses it
     self.stream, self._snap, self._state, self.run = fresh, fresh.snapshot(), None, state.get('run', self.run)
+    self.skipped = read_skipped(skipped, state['step'], "state['skipped']")
 
 # %% ../../nbs/tokens/12i_loader.ipynb #687cea8c
 def _produce(stream, B):
@@ -204,9 +208,20 @@ def deliver(self:StreamingLoader, item, t0, t1) -> StreamBatch:
     self._snap, self._state, n, cs = snap, None, self._yielded, self.root.cache_stats()
     me = SimpleNamespace(stream=self.stream, run=self.run, B=self.B, fingerprint=self.fingerprint, config=self.config,
                          # what the batch needs of the loader, not the loader: no cycle through `_last`
-                         _t_first=self._t_first)
+                         _t_first=self._t_first, skipped=self.skipped)
     metrics = lambda: StreamingLoader._metrics(me, packed, snap, produce_s, t1 - t0, t2 - t1, t2, n, cs)
     return StreamBatch(x, y, packed, self.stream, metrics, lambda: StreamingLoader._full_state(me, snap))
+
+@patch
+def step_of(self:StreamingLoader, item) -> int: return item[1][0] - 1   # (its snapshot is the state after it)
+
+@patch
+def pass_over(self:StreamingLoader, item):
+    "Take `item`'s state without handing it out (`skip`): its rows' document segments (as `segments` gives them)."
+    self._snap, self._state = item[1], None
+    return SimpleNamespace(segments=self.stream.doc_segments(item[0]))
+
+StreamingLoader.epoch_of_key = staticmethod(lambda key: key.epoch)   # a segment's key is a `DocKey`
 
 # %% ../../nbs/tokens/12i_loader.ipynb #d9a9f298
 @patch
