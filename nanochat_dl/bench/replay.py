@@ -178,6 +178,7 @@ def _rows(text, B) -> list:
     if bad: raise ValueError(f"--rows {text!r}: the batches have {B} rows (0..{B - 1}), not {bad}")
     return rs
 
+# %% ../../nbs/bench/20_inspect.ipynb #1fd4f3e5
 def inspect_cli(state:str,             # a state file, a checkpoint folder, or a folder of checkpoint folders
                 steps:str=None,        # A..B: the steps to show (or one step A); required
                 # the data the run read: text shards (default: $NANOCHAT_DL_DATA_DIR or the cache's), or the token root
