@@ -793,6 +793,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                                   'nanochat_dl/pipe/transfer.py'),
                                            'nanochat_dl.pipe.transfer.DeviceTransfer._halves': ( 'pipe/transfer.html#devicetransfer._halves',
                                                                                                  'nanochat_dl/pipe/transfer.py'),
+                                           'nanochat_dl.pipe.transfer.DeviceTransfer._put_host': ( 'pipe/transfer.html#devicetransfer._put_host',
+                                                                                                   'nanochat_dl/pipe/transfer.py'),
                                            'nanochat_dl.pipe.transfer.DeviceTransfer._wait': ( 'pipe/transfer.html#devicetransfer._wait',
                                                                                                'nanochat_dl/pipe/transfer.py'),
                                            'nanochat_dl.pipe.transfer.DeviceTransfer.put': ( 'pipe/transfer.html#devicetransfer.put',
