@@ -284,6 +284,25 @@ def read(self:TokenFile, i,       # the document
     if self._unchecked is not None and self._unchecked[i]: self._check(i, a)
     return a
 
+# %% ../../nbs/tokens/11_files.ipynb #61ce93f1
+@patch
+def read_into(self:TokenFile, i,   # the document
+              out,                 # a contiguous array of `dtype`: gets ids `lo:lo + len(out)` of the document
+              lo:int=0):           # the first id read
+    "`read`, straight into `out` by `preadv` (no bytes object); the caller calls `check()` before using the ids."
+    if not 0 <= i < len(self.lens): raise IndexError(f"{self.path}: no document {i}, the file has {len(self.lens)}")
+    if lo < 0 or lo + len(out) > self.lens[i]:
+        raise IndexError(f"{self.path}: document {i} has no ids {lo}:{lo + len(out)}")
+    if not self.mapped or self._unchecked is not None and self._unchecked[i]:   # (the whole document read and checked)
+        out[:] = self.read(i, False)[lo:lo + len(out)]; return
+    k = self.dtype.itemsize
+    n, at = len(out) * k, (int(self._starts[i]) + lo) * k
+    with self._lock:                                             # (a `close()` in another thread frees the descriptor)
+        if self._flat is None: raise ValueError(f"{self.path}: read after close()")
+        got = os.preadv(self._fd, [out], at) if n else 0
+        if got < n: self.check()
+    if got < n: raise _changed(self.path, self.identity, (*self.identity[:2], at + got, self.identity[3]))
+
 # %% ../../nbs/tokens/11_files.ipynb #ae74944d
 @patch
 def edge_ids(self:TokenFile) -> tuple:

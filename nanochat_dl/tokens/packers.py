@@ -47,7 +47,7 @@ class _Counted:
 
 # %% ../../nbs/tokens/12c_packers.ipynb #28f68471
 class ConcatRows(PackerBase):
-    "`Packer(strategy='concat')` for pulls of `(pieces, lengths, keys)`, a piece a list of token arrays."
+    "`Packer(strategy='concat')` for pulls of `(pieces, lengths, keys)`: a piece a list of token arrays, or all in one."
     strategy = 'concat'
     def __init__(self, T:int):    # tokens per input row (rows hold T + 1)
         super().__init__(T, 1, None)
@@ -62,7 +62,7 @@ class ConcatRows(PackerBase):
 @patch
 def _intake(self:ConcatRows, pull):
     pieces, lens, keys = pull()
-    flat = np.concatenate([x for p in pieces for x in p])
+    flat = pieces if isinstance(pieces, np.ndarray) else np.concatenate([x for p in pieces for x in p])
     ends, e, C = [], 0, self.C
     for L in lens: e += L; ends.append(e)
     self._chunks.append((flat, ends, keys, self._tot['rows'] + self._r))

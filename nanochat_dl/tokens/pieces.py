@@ -166,6 +166,10 @@ class TrimmedFile:
     def read(self, i, check:bool=True) -> np.ndarray:   # as `TokenFile.read`: copied out of the file, then trimmed
         o = int(self.off[i])
         return self.tf.read(i, check)[o:o + int(self.lens[i])]
+    def read_into(self, i, out, lo:int=0):           # as `TokenFile.read_into`: ids `lo:` of what is left
+        if lo < 0 or lo + len(out) > self.lens[i]: raise IndexError(f"{self.path}: document {i} has no ids {lo}:"
+                                                                    f"{lo + len(out)} after the trim")
+        self.tf.read_into(i, out, lo + int(self.off[i]))
     def __getattr__(self, k): return getattr(self.tf, k)
 
 # %% ../../nbs/tokens/12b_pieces.ipynb #8c7bbcbd
