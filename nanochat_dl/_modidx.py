@@ -1573,6 +1573,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                      'nanochat_dl/tokens/files.py'),
                                           'nanochat_dl.tokens.files.file_identity': ( 'tokens/files.html#file_identity',
                                                                                       'nanochat_dl/tokens/files.py'),
+                                          'nanochat_dl.tokens.files.read_pieces': ( 'tokens/files.html#read_pieces',
+                                                                                    'nanochat_dl/tokens/files.py'),
                                           'nanochat_dl.tokens.files.tail_sha256': ( 'tokens/files.html#tail_sha256',
                                                                                     'nanochat_dl/tokens/files.py'),
                                           'nanochat_dl.tokens.files.what_changed': ( 'tokens/files.html#what_changed',

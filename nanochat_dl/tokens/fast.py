@@ -13,6 +13,7 @@ from fastcore.basics import patch
 from ..pipe.stages import mix64
 from ..pipe.packing import PackedBatch
 from .order import Permutations, shard_keys
+from .files import read_pieces
 from .sources import BlockSource
 from .pieces import Feed
 from .packers import ConcatRows, PadRows
@@ -174,19 +175,23 @@ def pull_flat(self:FastTokenStream) -> tuple:
 @patch
 def gather(self:FastTokenStream, reads, total:int) -> np.ndarray:
     "`total` tokens: pieces `(dataset, file, index, start, end, length)` end to end, framed, the files checked after."
-    h, bos, tail, srcs = self.framing.head, self.framing.bos, self._tail, self.sources
-    flat, at, files = np.empty(total, np.uint32), 0, set()
+    h, nt, tail, srcs = self.framing.head, len(self._tail), self._tail, self.sources
+    flat, at, files, pieces, heads, tails = np.empty(total, np.uint32), 0, set(), [], [], []
     for i, f, fi, a, b, L in reads:
-        if a < h: flat[at] = bos; at += 1
+        if a < h: heads.append(at); at += 1
         lo, hi = (a - h if a > h else 0), min(b - h, L)
         if hi > lo:
             tf = srcs[i]._tf[f]
             if tf is None or tf.closed: tf, t_ = self._reopen_read(i, f, fi); flat[at:at + hi - lo] = t_[lo:hi]
-            elif tf.dtype == np.uint32: tf.read_into(fi, flat[at:at + hi - lo], lo)
-            else: flat[at:at + hi - lo] = tf.read(fi, False)[lo:hi]   # (narrower or wider ids: read, then cast)
+            else: pieces.append((tf, fi, lo, at, hi - lo))
             files.add(tf); at += hi - lo
         if b > h + L:
             t0, t1 = (a - h - L if a > h + L else 0), b - h - L
-            flat[at:at + t1 - t0] = tail[t0:t1]; at += t1 - t0
+            if t1 - t0 == nt: tails.append(at)           # the whole tail: written below, with the others
+            else: flat[at:at + t1 - t0] = tail[t0:t1]
+            at += t1 - t0
+    read_pieces(flat, pieces)
+    if heads: flat[heads] = self.framing.bos
+    if tails: flat[np.add.outer(tails, np.arange(nt))] = tail
     for tf in files: tf.check()                         # a file rewritten in place: refused, naming it
     return flat

@@ -158,6 +158,7 @@ class Trim(NamedTuple):
 
 class TrimmedFile:
     "A `TokenFile` as a `Trim` leaves it: `lens` and `doc(i)` of what is left; the rest is the file's."
+    direct = False                                   # (`read_pieces` reads it by `read_into`: offsets differ)
     def __init__(self, tf, cut): self.tf, (self.off, self.lens) = tf, cut
     def __len__(self): return len(self.lens)
     def doc(self, i) -> np.ndarray:
