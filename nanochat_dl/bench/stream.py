@@ -204,7 +204,7 @@ def stage_costs(root=None,           # a token root (default: `bench_root()`)
         big = max(range(len(s.names)), key=lambda i: s.sources[i].total)
         out = dict(source=_cpu_us(lambda: next(s.sources[big]), 40 * n, repeats),
                    feed=_cpu_us(lambda: next(s.mixer.ups[big]), 40 * n, repeats))
-        pull = s.pull_flat if pack == 'concat' and not simple else s.pull   # as `next_rows`
+        pull = s.pull_flat if pack != 'bestfit' and not simple else s.pull   # as `next_rows`
         out['pull'] = _cpu_us(pull, 2 * n, repeats) / 16
         if simple and getattr(s.packer, 'takes_pieces', False): pull = s._pull_pieces
         pulls = iter([pull() for _ in range(repeats * n * 3 // 4 + 10)])   # enough for the packer's batches below

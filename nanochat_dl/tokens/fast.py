@@ -114,7 +114,7 @@ def pull(self:FastTokenStream) -> tuple:
 @patch
 def next_rows(self:FastTokenStream, B:int) -> PackedBatch:
     "The next `B` rows of `seq_len + 1` tokens, as `TokenStream.next_rows` makes them."
-    packed = self.packer.next_batch(B, self.pull_flat if self.pack == 'concat' else self.pull)
+    packed = self.packer.next_batch(B, self.pull if self.pack == 'bestfit' else self.pull_flat)
     self.step += 1
     return packed
 
@@ -148,7 +148,7 @@ def _check_window(self:FastTokenStream, i, doc, ep, at, cur, w, first=0):
 # %% ../../nbs/tokens/12f_fast.ipynb #67f21e4d
 @patch
 def pull_flat(self:FastTokenStream) -> tuple:
-    "`pull` for `ConcatRows`: `(tokens, lengths, keys)`, every piece's tokens in one array (`gather`)."
+    "`pull` for `ConcatRows` and `PadRows`: `(tokens, lengths, keys)`, every piece's tokens in one array (`gather`)."
     if any(self.parked): return self.pull()                # (after a rescale: parked pieces first, as `pull` has them)
     C, mc, split, tok, w, active, feeds, srcs, h, nt, bos, tail, plain, both, ex = self._pull_locals()
     lens, keys, reads, n, total = [], [], [], 0, sum(tok)
@@ -168,7 +168,9 @@ def pull_flat(self:FastTokenStream) -> tuple:
             b = min(a - a % mc + mc, U)
             lo, hi = (a - h if a > h else 0), min(b - h, L)
             if hi > lo: tok[i] += hi - lo; total += hi - lo
-        lens.append(b - a); keys.append((i, g, e, a, L)); reads.append((i, f, fi, a, b, L))
+        for s in (range(a, b, C) if split and b - a > C else (a,)):   # (`pad`: pieces of at most a row)
+            t = min(s + C, b) if split else b
+            lens.append(t - s); keys.append((i, g, e, s, L)); reads.append((i, f, fi, s, t, L))
     return self.gather(reads, sum(lens)), lens, keys
 
 # %% ../../nbs/tokens/12f_fast.ipynb #ea2fa048
