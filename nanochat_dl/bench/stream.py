@@ -204,8 +204,9 @@ def stage_costs(root=None,           # a token root (default: `bench_root()`)
         big = max(range(len(s.names)), key=lambda i: s.sources[i].total)
         out = dict(source=_cpu_us(lambda: next(s.sources[big]), 40 * n, repeats),
                    feed=_cpu_us(lambda: next(s.mixer.ups[big]), 40 * n, repeats))
-        out['pull'] = _cpu_us(s.pull, 2 * n, repeats) / 16
-        pull = s._pull_pieces if simple and getattr(s.packer, 'takes_pieces', False) else s.pull   # as `next_rows`
+        pull = s.pull_flat if pack != 'bestfit' and not simple else s.pull   # as `next_rows`
+        out['pull'] = _cpu_us(pull, 2 * n, repeats) / 16
+        if simple and getattr(s.packer, 'takes_pieces', False): pull = s._pull_pieces
         pulls = iter([pull() for _ in range(repeats * n * 3 // 4 + 10)])   # enough for the packer's batches below
         out['pack'] = _cpu_us(lambda: s.packer.next_batch(B, lambda: next(pulls)), n // 2, repeats)
         d0, b0 = s.packer.metrics_state()['docs_in'], s.step
@@ -218,7 +219,7 @@ PROFILE_GROUPS = (   # (name, where: module paths or function names); a function
     ('state snapshot', ('snapshot', 'cursor', 'snap', 'buffer_keys', 'metrics_state', 'progress', '_packer_snap')),
     ('draws (source)', ('tokens/sources.py', 'tokens/order.py')),
     ('shuffle window', ('pipe/stages.py', 'tokens/pieces.py')),
-    ('reads (pread, checks)', ('tokens/files.py', 'posix.pread', 'posix.fstat', 'numpy.frombuffer')),
+    ('reads (pread, checks)', ('gather', 'tokens/files.py', 'posix.pread', 'posix.fstat', 'numpy.frombuffer')),
     ('pull: mixer, framing', ('tokens/fast.py', 'tokens/rows.py', 'tokens/stream.py')),
     ('packer', ('tokens/packers.py', 'pipe/packing.py')),
     ('transfer to tensors', ('pipe/transfer.py', 'torch')),

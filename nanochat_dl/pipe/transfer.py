@@ -147,11 +147,28 @@ def _wait(self:DeviceTransfer, s):
     self._wait_s += time.perf_counter() - t0
     self._stalls += 1
 
+# %% ../../nbs/pipe/07_transfer.ipynb #7589e34e
+_NP_DTYPE = {torch.int64: np.int64, torch.int32: np.int32}
+
+@patch
+def _put_host(self:DeviceTransfer, rows) -> tuple:
+    "`put` on the CPU of numpy integer rows: each half one `np.copyto` into the output, no torch call but the wrap."
+    B, T = self.B, self.T
+    if self.views: h = self.host_buffers[self._batches % self.slots].view(2, B, T); a = h.numpy()
+    else: a = np.empty((2, B, T), _NP_DTYPE[self.dtype]); h = torch.from_numpy(a)   # (owned: a new one each batch)
+    # (as torch's copy_: a narrowing cast wraps)
+    np.copyto(a[0], rows[:, :-1], casting='unsafe'); np.copyto(a[1], rows[:, 1:], casting='unsafe')
+    self._staged += a.nbytes; self._batches += 1
+    return h[0], h[1]
+
 # %% ../../nbs/pipe/07_transfer.ipynb #c7e0a1b2
 @patch
 def put(self:DeviceTransfer, rows):  # `[B, T+1]` token ids on the host (torch or numpy integers)
     "Stage one batch of rows `[B, T+1]`."
     # (torch or numpy integers) and return `(inputs, targets)`, each `[B, T]` on the device.
+    if not self.cuda and isinstance(rows, np.ndarray) and rows.dtype.kind in 'iu' and rows.shape == (self.B,
+                                                                                                     self.T + 1):
+        return self._put_host(rows)                        # (the CPU: numpy alone, a third of the time)
     rows = _as_rows(rows, self.B, self.T)
     s, n = self._batches % self.slots, 2 * self.B * self.T
     if self.cuda: self._wait(s)

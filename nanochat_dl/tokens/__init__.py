@@ -10,6 +10,7 @@ _WHERE = {
     'FastTokenStream': '.fast',
     'file_identity': '.files',
     'FileRecord': '.files',
+    'read_pieces': '.files',
     'TAIL_BYTES': '.files',
     'tail_sha256': '.files',
     'TokenFile': '.files',

@@ -13,6 +13,7 @@ from fastcore.basics import patch
 from ..pipe.stages import mix64
 from ..pipe.packing import PackedBatch
 from .order import Permutations, shard_keys
+from .files import read_pieces
 from .sources import BlockSource
 from .pieces import Feed
 from .packers import ConcatRows, PadRows
@@ -113,7 +114,7 @@ def pull(self:FastTokenStream) -> tuple:
 @patch
 def next_rows(self:FastTokenStream, B:int) -> PackedBatch:
     "The next `B` rows of `seq_len + 1` tokens, as `TokenStream.next_rows` makes them."
-    packed = self.packer.next_batch(B, self.pull)
+    packed = self.packer.next_batch(B, self.pull if self.pack == 'bestfit' else self.pull_flat)
     self.step += 1
     return packed
 
@@ -143,3 +144,56 @@ def _check_window(self:FastTokenStream, i, doc, ep, at, cur, w, first=0):
         # Python ints, as a state holds
         TokenStream._check_window(self, i, *(np.asarray(x[j:j + 1]).tolist() for x in (doc, ep, at)), cur, w, j)
         raise AssertionError(f"{w} piece {j}: refused in bulk but not alone")    # (cannot happen: the two checks agree)
+
+# %% ../../nbs/tokens/12f_fast.ipynb #67f21e4d
+@patch
+def pull_flat(self:FastTokenStream) -> tuple:
+    "`pull` for `ConcatRows` and `PadRows`: `(tokens, lengths, keys)`, every piece's tokens in one array (`gather`)."
+    if any(self.parked): return self.pull()                # (after a rescale: parked pieces first, as `pull` has them)
+    C, mc, split, tok, w, active, feeds, srcs, h, nt, bos, tail, plain, both, ex = self._pull_locals()
+    lens, keys, reads, n, total = [], [], [], 0, sum(tok)
+    while n < PULL_GROUP:
+        if len(active) == 1: i = active[0]
+        elif not active: raise StopIteration
+        else:   # the Mixer's rule, as in `pull`
+            i, best, bw = -1, 0.0, 0.0
+            for k in active:
+                d = w[k] * total - tok[k]
+                if i < 0 or d > best or (d == best and w[k] > bw): i, best, bw = k, d, w[k]
+        try: g, e, a, L, f, fi = feeds[i]()
+        except StopIteration: active.remove(i); continue
+        n += 1; U = L + ex
+        if mc is None: tok[i] += L; total += L; b = U
+        else:
+            b = min(a - a % mc + mc, U)
+            lo, hi = (a - h if a > h else 0), min(b - h, L)
+            if hi > lo: tok[i] += hi - lo; total += hi - lo
+        for s in (range(a, b, C) if split and b - a > C else (a,)):   # (`pad`: pieces of at most a row)
+            t = min(s + C, b) if split else b
+            lens.append(t - s); keys.append((i, g, e, s, L)); reads.append((i, f, fi, s, t, L))
+    return self.gather(reads, sum(lens)), lens, keys
+
+# %% ../../nbs/tokens/12f_fast.ipynb #ea2fa048
+@patch
+def gather(self:FastTokenStream, reads, total:int) -> np.ndarray:
+    "`total` tokens: pieces `(dataset, file, index, start, end, length)` end to end, framed, the files checked after."
+    h, nt, tail, srcs = self.framing.head, len(self._tail), self._tail, self.sources
+    flat, at, files, pieces, heads, tails = np.empty(total, np.uint32), 0, set(), [], [], []
+    for i, f, fi, a, b, L in reads:
+        if a < h: heads.append(at); at += 1
+        lo, hi = (a - h if a > h else 0), min(b - h, L)
+        if hi > lo:
+            tf = srcs[i]._tf[f]
+            if tf is None or tf.closed: tf, t_ = self._reopen_read(i, f, fi); flat[at:at + hi - lo] = t_[lo:hi]
+            else: pieces.append((tf, fi, lo, at, hi - lo))
+            files.add(tf); at += hi - lo
+        if b > h + L:
+            t0, t1 = (a - h - L if a > h + L else 0), b - h - L
+            if t1 - t0 == nt: tails.append(at)           # the whole tail: written below, with the others
+            else: flat[at:at + t1 - t0] = tail[t0:t1]
+            at += t1 - t0
+    read_pieces(flat, pieces)
+    if heads: flat[heads] = self.framing.bos
+    if tails: flat[np.add.outer(tails, np.arange(nt))] = tail
+    for tf in files: tf.check()                         # a file rewritten in place: refused, naming it
+    return flat

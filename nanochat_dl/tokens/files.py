@@ -5,7 +5,7 @@ document, written atomically with its hash, and read through a memory map as num
 
 # %% auto #0
 __all__ = ['TOKENS', 'TAIL_BYTES', 'FileRecord', 'tail_sha256', 'TokenWriter', 'write_token_file', 'file_identity',
-           'what_changed', 'TokenFile']
+           'what_changed', 'TokenFile', 'read_pieces']
 
 # %% ../../nbs/tokens/11_files.ipynb #fc42a4ed
 import contextlib, errno, hashlib, os, tempfile, threading
@@ -208,6 +208,8 @@ class TokenFile:
         k = self.dtype.itemsize
         if self.mapped: self._flat = np.frombuffer(whole, dtype=np.uint8)[:(len(whole) // k) * k].view(self.dtype)
         else: self._copy_out(reader, c)
+        # `read_pieces` may `preadv` its ids straight into a uint32 array
+        self.direct = self.mapped and self._unchecked is None and self.dtype == np.uint32
     def __len__(self): return len(self.lens)
     @property
     def ntokens(self) -> int: return int(self.lens.sum())
@@ -283,6 +285,42 @@ def read(self:TokenFile, i,       # the document
     a = np.frombuffer(b, self.dtype)
     if self._unchecked is not None and self._unchecked[i]: self._check(i, a)
     return a
+
+# %% ../../nbs/tokens/11_files.ipynb #61ce93f1
+@patch
+def read_into(self:TokenFile, i,   # the document
+              out,                 # a contiguous array of `dtype`: gets ids `lo:lo + len(out)` of the document
+              lo:int=0):           # the first id read
+    "`read`, straight into `out` by `preadv` (no bytes object); the caller calls `check()` before using the ids."
+    if not 0 <= i < len(self.lens): raise IndexError(f"{self.path}: no document {i}, the file has {len(self.lens)}")
+    if lo < 0 or lo + len(out) > self.lens[i]:
+        raise IndexError(f"{self.path}: document {i} has no ids {lo}:{lo + len(out)}")
+    if not self.mapped or self._unchecked is not None and self._unchecked[i]:   # (the whole document read and checked)
+        out[:] = self.read(i, False)[lo:lo + len(out)]; return
+    k = self.dtype.itemsize
+    n, at = len(out) * k, (int(self._starts[i]) + lo) * k
+    with self._lock:                                             # (a `close()` in another thread frees the descriptor)
+        if self._flat is None: raise ValueError(f"{self.path}: read after close()")
+        got = os.preadv(self._fd, [out], at) if n else 0
+        if got < n: self.check()
+    if got < n: raise _changed(self.path, self.identity, (*self.identity[:2], at + got, self.identity[3]))
+
+# %% ../../nbs/tokens/11_files.ipynb #a41fc330
+def read_pieces(out,       # a contiguous uint32 array
+                pieces):   # `(file, document, first id, at, n)`: ids `first:first + n` of the document go to `out[at:]`
+    "`read_into` for many pieces, with less Python each; the caller calls each file's `check()` before using the ids."
+    if out.dtype != np.uint32 or not out.flags.c_contiguous: raise ValueError("out must be a contiguous uint32 array")
+    mv = memoryview(out).cast('B')
+    for tf, i, lo, at, n in pieces:
+        if not tf.direct: tf.read_into(i, out[at:at + n], lo); continue   # (not mapped, to be checked, other ids)
+        if not 0 <= i < len(tf.lens) or lo < 0 or lo + n > tf.lens[i]:
+            raise IndexError(f"{tf.path}: document {i} has no ids {lo}:{lo + n}")
+        off = (int(tf._starts[i]) + lo) * 4
+        with tf._lock:                                           # (a `close()` in another thread frees the descriptor)
+            if tf._flat is None: raise ValueError(f"{tf.path}: read after close()")
+            got = os.preadv(tf._fd, [mv[4 * at:4 * (at + n)]], off) if n else 0
+            if got < 4 * n: tf.check()
+        if got < 4 * n: raise _changed(tf.path, tf.identity, (*tf.identity[:2], off + got, tf.identity[3]))
 
 # %% ../../nbs/tokens/11_files.ipynb #ae74944d
 @patch

@@ -10,7 +10,7 @@ __all__ = ['LazyBatch', 'ConcatRows', 'PadRows', 'BestFitRows']
 # %% ../../nbs/tokens/12c_packers.ipynb #31a44758
 import bisect
 from collections import deque
-from itertools import repeat
+from itertools import accumulate, repeat
 import numpy as np
 from fastcore.basics import patch
 from ..pipe.packing import HELD, PackedBatch, PackerBase
@@ -47,7 +47,7 @@ class _Counted:
 
 # %% ../../nbs/tokens/12c_packers.ipynb #28f68471
 class ConcatRows(PackerBase):
-    "`Packer(strategy='concat')` for pulls of `(pieces, lengths, keys)`, a piece a list of token arrays."
+    "`Packer(strategy='concat')` for pulls of `(pieces, lengths, keys)`: a piece a list of token arrays, or all in one."
     strategy = 'concat'
     def __init__(self, T:int):    # tokens per input row (rows hold T + 1)
         super().__init__(T, 1, None)
@@ -62,7 +62,7 @@ class ConcatRows(PackerBase):
 @patch
 def _intake(self:ConcatRows, pull):
     pieces, lens, keys = pull()
-    flat = np.concatenate([x for p in pieces for x in p])
+    flat = pieces if isinstance(pieces, np.ndarray) else np.concatenate([x for p in pieces for x in p])
     ends, e, C = [], 0, self.C
     for L in lens: e += L; ends.append(e)
     self._chunks.append((flat, ends, keys, self._tot['rows'] + self._r))
@@ -140,7 +140,7 @@ def _concat_segs(runs, B, C) -> list:
 
 # %% ../../nbs/tokens/12c_packers.ipynb #66b9d5ea
 class PadRows(PackerBase):
-    "`Packer(strategy='greedy', max_docs_per_row=1)` for pulls of `(pieces, lengths, keys)`."
+    "`Packer(strategy='greedy', max_docs_per_row=1)` for pulls of `(pieces, lengths, keys)` (pieces as `ConcatRows` takes)."
     strategy = 'greedy'
     def __init__(self, T:int, pad_id:int):
         super().__init__(T, 1, None)
@@ -150,6 +150,8 @@ class PadRows(PackerBase):
     def __len__(self): return len(self._q)
     def _intake(self, pull):
         pieces, lens, keys = pull()
+        if isinstance(pieces, np.ndarray):                 # all in one array: each piece a view of it
+            pieces = [[pieces[e - L:e]] for L, e in zip(lens, accumulate(lens))]
         self._q.extend(zip(pieces, lens, keys, repeat(self._tot['rows'] + self._r)))   # with the row each entered at
         s, t = sum(lens), self._tot
         t['docs_in'] += len(keys); t['doc_tokens'] += s; t['tokens_in'] += s

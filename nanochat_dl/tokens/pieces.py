@@ -158,6 +158,7 @@ class Trim(NamedTuple):
 
 class TrimmedFile:
     "A `TokenFile` as a `Trim` leaves it: `lens` and `doc(i)` of what is left; the rest is the file's."
+    direct = False                                   # (`read_pieces` reads it by `read_into`: offsets differ)
     def __init__(self, tf, cut): self.tf, (self.off, self.lens) = tf, cut
     def __len__(self): return len(self.lens)
     def doc(self, i) -> np.ndarray:
@@ -166,6 +167,10 @@ class TrimmedFile:
     def read(self, i, check:bool=True) -> np.ndarray:   # as `TokenFile.read`: copied out of the file, then trimmed
         o = int(self.off[i])
         return self.tf.read(i, check)[o:o + int(self.lens[i])]
+    def read_into(self, i, out, lo:int=0):           # as `TokenFile.read_into`: ids `lo:` of what is left
+        if lo < 0 or lo + len(out) > self.lens[i]: raise IndexError(f"{self.path}: document {i} has no ids {lo}:"
+                                                                    f"{lo + len(out)} after the trim")
+        self.tf.read_into(i, out, lo + int(self.off[i]))
     def __getattr__(self, k): return getattr(self.tf, k)
 
 # %% ../../nbs/tokens/12b_pieces.ipynb #8c7bbcbd
