@@ -69,6 +69,8 @@ _WHERE = {
     'write_litdata': '.peers',
     'write_mds': '.peers',
     'write_plain': '.peers',
+    'batch_rows': '.replay',
+    'dropin_state': '.replay',
     'format_steps': '.replay',
     'inspect_cli': '.replay',
     'loader_from_state': '.replay',
