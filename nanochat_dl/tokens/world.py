@@ -215,10 +215,19 @@ def _check_parked(self:World, i, cur, parked) -> list:
     return out
 
 # %% ../../nbs/tokens/12h_world.ipynb #e1000006
+@patch(as_prop=True)
+def own_bounds(self:World) -> tuple:
+    "Each unit's first and past-last logical shard, two int64 arrays, made once (`_check_owned` runs once a piece)."
+    b = self.__dict__.get('_own_bounds')
+    if b is None:
+        b = self._own_bounds = tuple(np.array([getattr(o, a) for o in self.owns], dtype=np.int64)
+                                     for a in ('start', 'stop'))
+    return b
+
 @patch
 def _check_owned(self:World, i, G, Sh, U, where):
     "Refuse a piece of document `G[k]` (in shard `Sh[k]`) held by unit `U[k]` unless that unit walks the shard."
-    lo, hi = (np.array([getattr(o, a) for o in self.owns], dtype=np.int64)[U] for a in ('start', 'stop'))
+    lo, hi = (a[U] for a in self.own_bounds)
     bad = np.flatnonzero((Sh < lo) | (Sh >= hi))
     if len(bad):
         k, u = int(bad[0]), int(U[bad[0]])
