@@ -214,7 +214,7 @@ def _check_parked(self:World, i, cur, parked) -> list:
             out.append((g, e, a, n, L, s, u))
     return out
 
-# %% ../../nbs/tokens/12h_world.ipynb #e1000006
+# %% ../../nbs/tokens/12h_world.ipynb #7569fc30
 @patch(as_prop=True)
 def own_bounds(self:World) -> tuple:
     "Each unit's first and past-last logical shard, two int64 arrays, made once (`_check_owned` runs once a piece)."
@@ -224,6 +224,7 @@ def own_bounds(self:World) -> tuple:
                                      for a in ('start', 'stop'))
     return b
 
+# %% ../../nbs/tokens/12h_world.ipynb #e1000006
 @patch
 def _check_owned(self:World, i, G, Sh, U, where):
     "Refuse a piece of document `G[k]` (in shard `Sh[k]`) held by unit `U[k]` unless that unit walks the shard."
