@@ -287,6 +287,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                          'nanochat_dl/bench/scale.py'),
                                          'nanochat_dl.bench.scale.worker_figures': ( 'bench/bench_scale.html#worker_figures',
                                                                                      'nanochat_dl/bench/scale.py'),
+                                         'nanochat_dl.bench.scale.write_manifest': ( 'bench/bench_scale.html#write_manifest',
+                                                                                     'nanochat_dl/bench/scale.py'),
                                          'nanochat_dl.bench.scale.write_synthetic': ( 'bench/bench_scale.html#write_synthetic',
                                                                                       'nanochat_dl/bench/scale.py')},
             'nanochat_dl.bench.stream': { 'nanochat_dl.bench.stream.SimpleLoader': ( 'bench/bench_stream.html#simpleloader',

@@ -6,9 +6,9 @@ memory, state size and time, and the rescale to 768 ranks, measured as the docum
 
 # %% auto #0
 __all__ = ['SCALE_EOS', 'DATASET_MIX', 'DOCS_PER_FILE', 'GOALS', 'hash64', 'name_key', 'paired_counts', 'synthetic_ids',
-           'SyntheticFile', 'scale_spec', 'synthetic_manifest', 'SyntheticRoot', 'write_synthetic', 'peak_rss_mb',
-           'scale_root', 'worker_figures', 'save_world', 'rescale_figures', 'in_subprocess', 'rank_row', 'bench_scale',
-           'scale_table', 'scale_plot', 'bench_scale_cli']
+           'SyntheticFile', 'scale_spec', 'synthetic_manifest', 'write_manifest', 'SyntheticRoot', 'write_synthetic',
+           'peak_rss_mb', 'scale_root', 'worker_figures', 'save_world', 'rescale_figures', 'in_subprocess', 'rank_row',
+           'bench_scale', 'scale_table', 'scale_plot', 'bench_scale_cli']
 
 # %% ../../nbs/bench/18_bench_scale.ipynb #d93308a2
 import gc, hashlib, json, os, resource, shutil, subprocess, sys, tempfile, threading, time
@@ -84,7 +84,7 @@ class SyntheticFile:
         s, v = self.starts, np.uint64(self.vocab)
         return tuple((hash64(self.key, p) % v).astype(np.int64) for p in (s, s + self.lens - 1))
 
-# %% ../../nbs/bench/18_bench_scale.ipynb #70ee92c9
+# %% ../../nbs/bench/18_bench_scale.ipynb #76b71ceb
 SCALE_EOS = 1   # the id after each document (the loaders' `eos_token`)
 DATASET_MIX = (('web', 0.5, 1000), ('code', 0.3, 600), ('books', 0.2, 2000))   # name, share of files and docs, mean len
 
@@ -111,19 +111,27 @@ def synthetic_manifest(spec:dict, seed:int=0) -> dict:
             for i, k in enumerate(n)})
     return dict(format=MANIFEST_FORMAT, datasets=ds)
 
-# %% ../../nbs/bench/18_bench_scale.ipynb #bee439df
+def write_manifest(path, spec:dict, seed:int=0) -> Path:
+    "Write the synthetic root's manifest to `path` (once: opening the root then costs what a real root's open costs)."
+    path = Path(path); path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(synthetic_manifest(spec, seed)))
+    return path
+
+# %% ../../nbs/bench/18_bench_scale.ipynb #7d96fbc1
 class SyntheticRoot(TokenRoot):
     "A `TokenRoot` whose files exist only as metadata: the manifest from a seed, each file a `SyntheticFile`."
     def __init__(self, spec:dict,        # `{dataset: (files, documents, mean length)}` (`scale_spec`)
                  seed:int=0,             # decides the counts, the lengths and the ids
                  vocab:int=65536,        # ids are below this
-                 max_open:int=64):       # files kept open, as `TokenRoot`'s
+                 max_open:int=64,        # files kept open, as `TokenRoot`'s
+                 manifest=None):         # its manifest file, written by `write_manifest` (None: made here)
         self.column, self.cache, self._users, self._lock, self._ids = 'tokens', None, 0, threading.RLock(), {}
         self.max_open, self.verify, self.root = check_int('max_open', max_open, 1), 'off', Path(f'synthetic-{seed}')
         self.seed, self.vocab, self.spec = seed, vocab, dict(spec)
         self.datasets, self.tokenizer, self._given, self.skipped = list(spec), None, None, {d: [] for d in spec}
-        raw = json.dumps(synthetic_manifest(spec, seed)).encode()   # read back by the real parser, as a root reads it
-        self.manifest, self._open = parse_manifest(raw, self.root/'meta'/'manifest.json'), OrderedDict()
+        raw = (Path(manifest).read_bytes() if manifest is not None   # read and checked as a root reads its manifest
+               else json.dumps(synthetic_manifest(spec, seed)).encode())
+        self.manifest, self._open = parse_manifest(raw, manifest or self.root/'meta'/'manifest.json'), OrderedDict()
         self.files = {d: [FileInfo(d, f, r['documents'], r['tokens']) for f, r in e['files'].items()]
                       for d, e in self.manifest['datasets'].items()}
     def map_file(self, dataset, file) -> SyntheticFile:
@@ -144,7 +152,7 @@ def write_synthetic(root:SyntheticRoot,   # a (small) synthetic root
             write_token_file(path/d/i.file, (tf.doc(k) for k in range(len(tf))))
     return path
 
-# %% ../../nbs/bench/18_bench_scale.ipynb #34e34b3f
+# %% ../../nbs/bench/18_bench_scale.ipynb #5a2bb3f7
 from ..tokens.state import stream_config, data_fingerprint, run_id, FORMAT
 from ..tokens.fast import FastTokenStream
 from ..tokens.dataset import worker_state
@@ -156,20 +164,20 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 def scale_root(docs:int, files:int, ranks:int, rank:int, workers:int=4, seq_len:int=2048, seed:int=0,
-               shuffle_window:int=10_000, shards:int|None=None) -> tuple:
+               shuffle_window:int=10_000, shards:int|None=None, manifest=None) -> tuple:
     "`(root, config, fingerprint)` of `rank` of `ranks` over a synthetic root (`shards` logical: `ranks * workers`)."
-    root = SyntheticRoot(scale_spec(docs, files), seed)
+    root = SyntheticRoot(scale_spec(docs, files), seed, manifest=manifest)
     return stream_config(root, seq_len, rank=rank, world_size=ranks, n_logical_shards=shards or ranks * workers, seed=seed,
                          shuffle_window=shuffle_window, eos_token=SCALE_EOS)
 
-# %% ../../nbs/bench/18_bench_scale.ipynb #aebc759c
+# %% ../../nbs/bench/18_bench_scale.ipynb #d6a73160
 def worker_figures(docs:int, files:int, ranks:int, rank:int, worker:int=0, workers:int=4, batch_size:int=8,
-                   seq_len:int=2048, seed:int=0, shuffle_window:int=10_000, repeat:int=5) -> dict:
+                   seq_len:int=2048, seed:int=0, shuffle_window:int=10_000, repeat:int=5, manifest=None) -> dict:
     "One DataLoader worker of `rank` from its start: open the root, check it, build its stream, `batch_size` rows."
-    t0 = time.perf_counter()
-    root, cfg, fp = scale_root(docs, files, ranks, rank, workers, seq_len, seed, shuffle_window)   # the main process
-    t1 = time.perf_counter()
-    wroot = SyntheticRoot(root.spec, seed)                                    # the worker opens the root again ...
+    base, t0 = peak_rss_mb(), time.perf_counter()                          # (the process with its imports)
+    root, cfg, fp = scale_root(docs, files, ranks, rank, workers, seq_len, seed, shuffle_window, None, manifest)
+    t1 = time.perf_counter()                                                # (that was the training process's part)
+    wroot = SyntheticRoot(root.spec, seed, manifest=manifest)               # the worker opens the root again ...
     assert data_fingerprint(wroot, cfg['datasets']) == fp['data']           # ... and checks it (`StreamingDataset`)
     t2 = time.perf_counter()
     s = FastTokenStream(wroot, cfg, worker, workers)
@@ -180,14 +188,14 @@ def worker_figures(docs:int, files:int, ranks:int, rank:int, worker:int=0, worke
     for _ in range(repeat):
         a = time.perf_counter(); js = json.dumps(worker_state(s, fp, run)); times.append(time.perf_counter() - a)
     return dict(config_s=t1 - t0, open_s=t2 - t1, stream_s=t3 - t2, rows_s=t4 - t3, first_batch_s=t4 - t0,
-                state_bytes=len(js), state_s=float(np.median(times)), rss_mb=peak_rss_mb())
+                state_bytes=len(js), state_s=float(np.median(times)), rss_mb=peak_rss_mb(), base_mb=base)
 
-# %% ../../nbs/bench/18_bench_scale.ipynb #f23305cd
+# %% ../../nbs/bench/18_bench_scale.ipynb #f393309a
 def save_world(folder, docs:int, files:int, ranks:int, workers:int=4, batch_size:int=8, seq_len:int=2048,
-               seed:int=0, shuffle_window:int=10_000) -> dict:
+               seed:int=0, shuffle_window:int=10_000, manifest=None) -> dict:
     "Every rank's state after each of its workers made one batch's rows, saved as a checkpoint does (`save_loader_states`)."
     t0 = time.perf_counter()
-    root, cfg, fp = scale_root(docs, files, ranks, 0, workers, seq_len, seed, shuffle_window)
+    root, cfg, fp = scale_root(docs, files, ranks, 0, workers, seq_len, seed, shuffle_window, None, manifest)
     run, total = run_id(cfg, fp), 0
     for r in range(ranks):
         snaps = {}
@@ -201,10 +209,10 @@ def save_world(folder, docs:int, files:int, ranks:int, workers:int=4, batch_size
     return dict(save_s=time.perf_counter() - t0, saved_bytes=total, rss_mb=peak_rss_mb())
 
 def rescale_figures(folder, docs:int, files:int, new_ranks:int, rank:int, shards:int, workers:int=4,
-                    seq_len:int=2048, seed:int=0, shuffle_window:int=10_000) -> dict:
+                    seq_len:int=2048, seed:int=0, shuffle_window:int=10_000, manifest=None) -> dict:
     "Rank `rank` of `new_ranks` resuming from the states in `folder`: read them all, merge them, plan its workers."
     t0 = time.perf_counter()
-    root, cfg, fp = scale_root(docs, files, new_ranks, rank, workers, seq_len, seed, shuffle_window, shards)
+    root, cfg, fp = scale_root(docs, files, new_ranks, rank, workers, seq_len, seed, shuffle_window, shards, manifest)
     t1 = time.perf_counter()
     states = load_loader_states(folder)
     t2 = time.perf_counter()
@@ -215,7 +223,7 @@ def rescale_figures(folder, docs:int, files:int, new_ranks:int, rank:int, shards
     return dict(open_s=t1 - t0, read_s=t2 - t1, merge_s=t3 - t2, deal_s=t4 - t3, rescale_s=t4 - t1,
                 plan_bytes=sum(len(json.dumps(p)) for p in plans), rss_mb=peak_rss_mb())
 
-# %% ../../nbs/bench/18_bench_scale.ipynb #b7636f53
+# %% ../../nbs/bench/18_bench_scale.ipynb #4b97d494
 DOCS_PER_FILE = 10_000   # documents per token file when the file count is not given (10^9 documents: 100,000 files)
 GOALS = dict(first_batch_s=2.0, rss_rank_mb=1024, state_kb=64, rescale_s=5.0)   # per rank
 
@@ -229,18 +237,20 @@ def in_subprocess(fn:str,   # the name of a function of this module that returns
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 def rank_row(docs:int, files:int, ranks:int, rank:int, workers:int, batch_size:int, seq_len:int, seed:int,
-             shuffle_window:int) -> dict:
+             shuffle_window:int, manifest=None) -> dict:
     "Rank `rank`'s figures: each of its workers measured in its own process (the way a DataLoader runs them)."
     kw = dict(docs=docs, files=files, ranks=ranks, rank=rank, workers=workers, batch_size=batch_size, seq_len=seq_len,
-              seed=seed, shuffle_window=shuffle_window)
+              seed=seed, shuffle_window=shuffle_window, manifest=manifest)
     ws = [in_subprocess('worker_figures', worker=w, **kw) for w in range(workers)]
     w0 = ws[0]
     return dict(first_batch_s=w0['first_batch_s'], config_s=w0['config_s'], open_s=w0['open_s'],
                 stream_s=w0['stream_s'], rows_s=w0['rows_s'], rss_worker_mb=max(w['rss_mb'] for w in ws),
-                rss_rank_mb=sum(w['rss_mb'] for w in ws), state_kb=sum(w['state_bytes'] for w in ws) / 1000,
+                rss_base_mb=w0['base_mb'],      # forked workers share the imports: the rank holds them once
+                rss_rank_mb=w0['base_mb'] + sum(w['rss_mb'] - w['base_mb'] for w in ws),
+                state_kb=sum(w['state_bytes'] for w in ws) / 1000,
                 state_ms=1000 * max(w['state_s'] for w in ws))
 
-# %% ../../nbs/bench/18_bench_scale.ipynb #ce58e6f9
+# %% ../../nbs/bench/18_bench_scale.ipynb #d47588e4
 def bench_scale(docs=(10**6,),        # documents in all, one run per value
                 files=None,           # token files per run (default: one per `DOCS_PER_FILE` documents)
                 ranks:int=1024, rank:int=517, workers:int=4, new_ranks:int=768, batch_size:int=8,
@@ -251,17 +261,20 @@ def bench_scale(docs=(10**6,),        # documents in all, one run per value
     rows = []
     for k, D in enumerate(docs):
         F = files[k] if files else max(len(DATASET_MIX), D // DOCS_PER_FILE)
-        before, t0 = load_average(), time.perf_counter()
-        kw = dict(docs=D, files=F, workers=workers, seq_len=seq_len, seed=seed, shuffle_window=shuffle_window)
-        row = dict(docs=D, files=F, ranks=ranks, rank=rank, workers=workers,
-                   **rank_row(ranks=ranks, rank=rank, batch_size=batch_size, **kw))
+        tmp = Path(tempfile.mkdtemp(prefix='bench-scale-'))
+        try:
+            man = str(write_manifest(tmp/'meta'/'manifest.json', scale_spec(D, F), seed))   # the root's metadata
+            before, t0 = load_average(), time.perf_counter()
+            kw = dict(docs=D, files=F, workers=workers, seq_len=seq_len, seed=seed, shuffle_window=shuffle_window,
+                      manifest=man)
+            row = dict(docs=D, files=F, ranks=ranks, rank=rank, workers=workers,
+                       **rank_row(ranks=ranks, rank=rank, batch_size=batch_size, **kw))
+            if D <= rescale_upto:
+                sv = in_subprocess('save_world', folder=str(tmp/'ckpt'), ranks=ranks, batch_size=batch_size, **kw)
+                rs = in_subprocess('rescale_figures', folder=str(tmp/'ckpt'), new_ranks=new_ranks,
+                                   rank=min(rank, new_ranks - 1), shards=ranks * workers, **kw)
+        finally: shutil.rmtree(tmp, ignore_errors=True)
         if D <= rescale_upto:
-            folder = tempfile.mkdtemp(prefix='bench-scale-')
-            try:
-                sv = in_subprocess('save_world', folder=folder, ranks=ranks, batch_size=batch_size, **kw)
-                rs = in_subprocess('rescale_figures', folder=folder, new_ranks=new_ranks, rank=min(rank, new_ranks - 1),
-                                   shards=ranks * workers, **kw)
-            finally: shutil.rmtree(folder, ignore_errors=True)
             row.update(new_ranks=new_ranks, saved_mb=sv['saved_bytes'] / 1e6, save_s=sv['save_s'],
                        rescale_s=rs['rescale_s'], read_s=rs['read_s'], merge_s=rs['merge_s'], deal_s=rs['deal_s'],
                        rss_rescale_mb=rs['rss_mb'])
@@ -270,9 +283,10 @@ def bench_scale(docs=(10**6,),        # documents in all, one run per value
         if log: log(scale_table(rows[-1:], head=k == 0))
     return rows
 
-# %% ../../nbs/bench/18_bench_scale.ipynb #22d94e84
+# %% ../../nbs/bench/18_bench_scale.ipynb #f55ce36c
 _COLS = (('docs', 'documents', '{:.0e}'), ('files', 'files', '{:,}'), ('first_batch_s', 'first batch s', '{:.2f}'),
-         ('rss_worker_mb', 'RSS/worker MiB', '{:.0f}'), ('rss_rank_mb', 'RSS/rank MiB', '{:.0f}'),
+         ('rss_base_mb', 'imports MiB', '{:.0f}'), ('rss_worker_mb', 'RSS/worker MiB', '{:.0f}'),
+         ('rss_rank_mb', 'RSS/rank MiB', '{:.0f}'),
          ('state_kb', 'state/rank KB', '{:.1f}'), ('state_ms', 'state_dict ms', '{:.1f}'),
          ('saved_mb', 'all states MB', '{:.0f}'), ('read_s', 'read s', '{:.2f}'), ('merge_s', 'merge s', '{:.2f}'),
          ('rescale_s', 'rescale s', '{:.2f}'), ('rss_rescale_mb', 'rescale RSS MiB', '{:.0f}'))
