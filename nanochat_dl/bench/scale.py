@@ -7,8 +7,8 @@ memory, state size and time, and the rescale to 768 ranks, measured as the docum
 # %% auto #0
 __all__ = ['SCALE_EOS', 'DATASET_MIX', 'DOCS_PER_FILE', 'GOALS', 'hash64', 'name_key', 'paired_counts', 'synthetic_ids',
            'SyntheticFile', 'scale_spec', 'synthetic_manifest', 'write_manifest', 'SyntheticRoot', 'write_synthetic',
-           'peak_rss_mb', 'scale_root', 'worker_figures', 'save_world', 'rescale_figures', 'in_subprocess', 'rank_row',
-           'bench_scale', 'scale_table', 'scale_plot', 'bench_scale_cli']
+           'peak_rss_mb', 'rss_mb', 'scale_root', 'worker_figures', 'save_world', 'rescale_figures', 'in_subprocess',
+           'rank_row', 'bench_scale', 'scale_table', 'scale_plot', 'bench_scale_cli']
 
 # %% ../../nbs/bench/18_bench_scale.ipynb #d93308a2
 import gc, hashlib, json, os, resource, shutil, subprocess, sys, tempfile, threading, time
@@ -152,16 +152,27 @@ def write_synthetic(root:SyntheticRoot,   # a (small) synthetic root
             write_token_file(path/d/i.file, (tf.doc(k) for k in range(len(tf))))
     return path
 
-# %% ../../nbs/bench/18_bench_scale.ipynb #5a2bb3f7
+# %% ../../nbs/bench/18_bench_scale.ipynb #8938cb44
 from ..tokens.state import stream_config, data_fingerprint, run_id, FORMAT
 from ..tokens.fast import FastTokenStream
 from ..tokens.dataset import worker_state
 from ..tokens.world import World
 from ..tokens.elastic import save_loader_states, load_loader_states
 
+def _status_mb(key) -> float|None:
+    "A `VmHWM`/`VmRSS` line of /proc/self/status in MiB (None where there is none)."
+    try: return next(int(l.split()[1]) / 1024 for l in open('/proc/self/status') if l.startswith(key + ':'))
+    except (OSError, StopIteration): return None
+
 def peak_rss_mb() -> float:
-    "This process's peak resident memory so far, in MiB (`getrusage`; Linux counts KiB)."
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    "This process's peak resident memory so far, in MiB: `VmHWM` (not `getrusage`, which keeps the parent's across exec)."
+    hwm = _status_mb('VmHWM')
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 if hwm is None else hwm
+
+def rss_mb() -> float:
+    "This process's resident memory now, in MiB (`VmRSS`; the peak where there is none)."
+    now = _status_mb('VmRSS')
+    return peak_rss_mb() if now is None else now
 
 def scale_root(docs:int, files:int, ranks:int, rank:int, workers:int=4, seq_len:int=2048, seed:int=0,
                shuffle_window:int=10_000, shards:int|None=None, manifest=None) -> tuple:
@@ -170,11 +181,11 @@ def scale_root(docs:int, files:int, ranks:int, rank:int, workers:int=4, seq_len:
     return stream_config(root, seq_len, rank=rank, world_size=ranks, n_logical_shards=shards or ranks * workers, seed=seed,
                          shuffle_window=shuffle_window, eos_token=SCALE_EOS)
 
-# %% ../../nbs/bench/18_bench_scale.ipynb #d6a73160
+# %% ../../nbs/bench/18_bench_scale.ipynb #6da927fd
 def worker_figures(docs:int, files:int, ranks:int, rank:int, worker:int=0, workers:int=4, batch_size:int=8,
                    seq_len:int=2048, seed:int=0, shuffle_window:int=10_000, repeat:int=5, manifest=None) -> dict:
     "One DataLoader worker of `rank` from its start: open the root, check it, build its stream, `batch_size` rows."
-    base, t0 = peak_rss_mb(), time.perf_counter()                          # (the process with its imports)
+    base, t0 = rss_mb(), time.perf_counter()                               # (the process with its imports)
     root, cfg, fp = scale_root(docs, files, ranks, rank, workers, seq_len, seed, shuffle_window, None, manifest)
     t1 = time.perf_counter()                                                # (that was the training process's part)
     wroot = SyntheticRoot(root.spec, seed, manifest=manifest)               # the worker opens the root again ...
