@@ -63,7 +63,8 @@ class SyntheticFile:
                  mean:int,            # their mean length in tokens (the file holds exactly `docs * mean`)
                  seed:int=0,          # decides the lengths and the ids
                  vocab:int=65536):    # ids are below this
-        self.path, self.vocab, self.dtype, self.mapped = Path('synthetic')/dataset/file, vocab, np.dtype(np.uint32), True
+        self.path, self.vocab, self.dtype = Path('synthetic')/dataset/file, vocab, np.dtype(np.uint32)
+        self.mapped = True
         self.key = name_key(seed, dataset, file)
         self.lens = paired_counts(docs, mean, self.key)
         self.starts = np.cumsum(self.lens) - self.lens          # each document's first position in the file
@@ -92,7 +93,7 @@ def scale_spec(docs:int,              # documents in all
                files:int,             # token files in all
                mix=DATASET_MIX,       # `(name, share, mean length)` per dataset
               ) -> dict:
-    "`{dataset: (files, documents, mean length)}`: `docs` and `files` shared out by `mix` (each dataset 1 file at least)."
+    "`{dataset: (files, documents, mean length)}`: `docs` and `files` shared out by `mix` (1+ file each)."
     out, left_d, left_f = {}, docs, files
     for k, (name, share, mean) in enumerate(mix):
         last = k == len(mix) - 1
@@ -165,7 +166,7 @@ def _status_mb(key) -> float|None:
     except (OSError, StopIteration): return None
 
 def peak_rss_mb() -> float:
-    "This process's peak resident memory so far, in MiB: `VmHWM` (not `getrusage`, which keeps the parent's across exec)."
+    "This process's peak resident memory so far, in MiB: `VmHWM` (`getrusage` keeps the parent's across exec)."
     hwm = _status_mb('VmHWM')
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 if hwm is None else hwm
 
@@ -178,7 +179,8 @@ def scale_root(docs:int, files:int, ranks:int, rank:int, workers:int=4, seq_len:
                shuffle_window:int=10_000, shards:int|None=None, manifest=None) -> tuple:
     "`(root, config, fingerprint)` of `rank` of `ranks` over a synthetic root (`shards` logical: `ranks * workers`)."
     root = SyntheticRoot(scale_spec(docs, files), seed, manifest=manifest)
-    return stream_config(root, seq_len, rank=rank, world_size=ranks, n_logical_shards=shards or ranks * workers, seed=seed,
+    return stream_config(root, seq_len, rank=rank, world_size=ranks, n_logical_shards=shards or ranks * workers,
+                         seed=seed,
                          shuffle_window=shuffle_window, eos_token=SCALE_EOS)
 
 # %% ../../nbs/bench/18_bench_scale.ipynb #6da927fd
@@ -204,7 +206,7 @@ def worker_figures(docs:int, files:int, ranks:int, rank:int, worker:int=0, worke
 # %% ../../nbs/bench/18_bench_scale.ipynb #f393309a
 def save_world(folder, docs:int, files:int, ranks:int, workers:int=4, batch_size:int=8, seq_len:int=2048,
                seed:int=0, shuffle_window:int=10_000, manifest=None) -> dict:
-    "Every rank's state after each of its workers made one batch's rows, saved as a checkpoint does (`save_loader_states`)."
+    "Every rank's state after each of its workers made a batch's rows, saved as a checkpoint does it."
     t0 = time.perf_counter()
     root, cfg, fp = scale_root(docs, files, ranks, 0, workers, seq_len, seed, shuffle_window, None, manifest)
     run, total = run_id(cfg, fp), 0
@@ -360,21 +362,24 @@ def bench_scale_cli(docs:str='1e6',          # documents in all, comma-separated
                     seq_len:int=2048,        # tokens per input row
                     seed:int=0,              # of the synthetic root and the loader
                     shuffle_window:int=10_000,   # the loader's shuffle window (documents per dataset)
-                    rescale_upto:str='1e7',  # save every rank's state and time the rescale for runs up to this many docs
+                    rescale_upto:str='1e7',  # save all states and time the rescale for runs up to this many documents
                     plot:str=None,           # also write the plot to this PNG
                     json_out:str=None):      # also write the rows to this JSON file
     """Run one rank of a big job (pre-tokenized, three datasets mixed) over a synthetic root whose files exist only as
     metadata: time to first batch, peak memory, state size and time, and the rescale, per size."""
     try:
         D = _sizes(docs); F = _sizes(files) if files else None
-        if not D or (F and len(F) != len(D)): raise ValueError(f"--files {files!r} must give one count per --docs value")
-        for name, v, lo in (('ranks', ranks, 1), ('rank', rank, 0), ('workers', workers, 1), ('new_ranks', new_ranks, 1),
+        if not D or (F and len(F) != len(D)):
+            raise ValueError(f"--files {files!r} must give one count per --docs value")
+        for name, v, lo in (('ranks', ranks, 1), ('rank', rank, 0), ('workers', workers, 1),
+                            ('new_ranks', new_ranks, 1),
                             ('batch_size', batch_size, 1), ('seq_len', seq_len, 1), ('seed', seed, 0)):
             check_int(name, v, lo)
         if rank >= ranks: raise ValueError(f"rank={rank} is invalid for ranks={ranks}")
     except ValueError as e:
         print(f"nanochat-dl bench-scale: error: {e}", file=sys.stderr); return 2
-    print(f"rank {rank} of {ranks} x {workers} workers, {len(DATASET_MIX)} datasets mixed, B={batch_size}, T={seq_len}, "
+    print(f"rank {rank} of {ranks} x {workers} workers, {len(DATASET_MIX)} datasets mixed, B={batch_size}, "
+          f"T={seq_len}, "
           f"shuffle window {shuffle_window}; rescale to {new_ranks} ranks; {os.cpu_count()} CPUs")
     rows = bench_scale(D, F, ranks, rank, workers, new_ranks, batch_size, seq_len, seed, shuffle_window,
                        int(float(rescale_upto)))
