@@ -3,6 +3,7 @@
 
 _WHERE = {
     'StreamingDataset': '.dataset',
+    'worker_state': '.dataset',
     'CHECKPOINT_FORMAT': '.elastic',
     'load_loader_states': '.elastic',
     'loader_state_path': '.elastic',

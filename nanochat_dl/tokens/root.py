@@ -135,13 +135,21 @@ def _map(self:TokenRoot, dataset, file) -> TokenFile:
     if tf is not None: self._open.move_to_end(key); return tf
     while self.cache is not None and len(self._open) >= self.max_open:   # room first
         self._shut(*self._open.popitem(last=False))
-    tf = self._mapped(dataset, file)
-    info = next((i for i in self.files.get(dataset, ()) if i.file == file), None)
+    tf = self.map_file(dataset, file)
+    info = self.file_info(dataset, file)
     if info is not None and info.docs != len(tf): tf.close(); raise _stale(tf.path, len(tf), info.docs, self._at(META))
     if info is not None and info.tokens != tf.ntokens: _tokens_differ(tf.path, info.tokens, tf.ntokens)
     self._open[key] = tf
     while len(self._open) > self.max_open: self._shut(*self._open.popitem(last=False))
     return tf
+
+@patch
+def file_info(self:TokenRoot, dataset, file):
+    "`file` of `dataset`'s `FileInfo` (None if not listed), from a name index made once per list of files."
+    fs, idx = self.files.get(dataset, ()), self.__dict__.setdefault('_by_name', {})
+    got = idx.get(dataset)
+    if got is None or got[0] is not fs: got = idx[dataset] = (fs, {i.file: i for i in fs})   # (a new list: again)
+    return got[1].get(file)
 
 @patch
 def _shut(self:TokenRoot, key, tf):
@@ -237,8 +245,9 @@ def _stale(path, holds, said, meta) -> ValueError:
 
 # %% ../../nbs/tokens/11b_root.ipynb #aae6ab79
 @patch
-def _mapped(self:TokenRoot, dataset, file) -> TokenFile:
-    "`file` of `dataset` mapped; one that changed since the root was opened is refused so, not blamed on its bytes."
+def map_file(self:TokenRoot, dataset, file) -> TokenFile:
+    "`file` of `dataset` mapped (the one place a root reads a token file: a synthetic root overrides it)."
+    # one that changed since the root was opened is refused so, not blamed on its bytes
     path = self.path(dataset, file) if self.cache is None else self._local(dataset, file)
     was, vocab = self._ids.get((dataset, file)), (getattr(self, '_given', None) or {}).get('vocab_size')
     try: tf = TokenFile(path, self.column, vocab, mtime=self.cache is None)

@@ -7,7 +7,7 @@ shards, and the documents they had in flight, go to the new units, each exactly 
 __all__ = ['unit_states', 'World', 'first_differing']
 
 # %% ../../nbs/tokens/12h_world.ipynb #e1000001
-import hashlib, json
+import bisect, hashlib, json
 from collections import Counter, defaultdict
 from typing import NamedTuple
 import numpy as np
@@ -209,16 +209,26 @@ def _check_parked(self:World, i, cur, parked) -> list:
     for u, ps in parked:
         where = self._where(u, 'datasets', name, 'parked')
         for k, (g, e, a, n, L) in enumerate(self.stream._parse_parked(i, ps, cur, where)):
-            s = int(np.searchsorted(cur.bounds, g, 'right')) - 1
+            s = bisect.bisect_right(cur.bounds, g) - 1
             self._check_owned(i, [g], np.array([s]), np.array([u]), lambda _: f"{where}[{k}]")
             out.append((g, e, a, n, L, s, u))
     return out
+
+# %% ../../nbs/tokens/12h_world.ipynb #7569fc30
+@patch(as_prop=True)
+def own_bounds(self:World) -> tuple:
+    "Each unit's first and past-last logical shard, two int64 arrays, made once (`_check_owned` runs once a piece)."
+    b = self.__dict__.get('_own_bounds')
+    if b is None:
+        b = self._own_bounds = tuple(np.array([getattr(o, a) for o in self.owns], dtype=np.int64)
+                                     for a in ('start', 'stop'))
+    return b
 
 # %% ../../nbs/tokens/12h_world.ipynb #e1000006
 @patch
 def _check_owned(self:World, i, G, Sh, U, where):
     "Refuse a piece of document `G[k]` (in shard `Sh[k]`) held by unit `U[k]` unless that unit walks the shard."
-    lo, hi = (np.array([getattr(o, a) for o in self.owns], dtype=np.int64)[U] for a in ('start', 'stop'))
+    lo, hi = (a[U] for a in self.own_bounds)
     bad = np.flatnonzero((Sh < lo) | (Sh >= hi))
     if len(bad):
         k, u = int(bad[0]), int(U[bad[0]])
@@ -250,7 +260,7 @@ def _check_cuts(self:World, i, cur, cuts) -> list:
     for u, cut in cuts:
         where = self._where(u, 'datasets', name, 'cut')
         g, e, a, L = self.stream._parse_cut(i, cut, cur, where)
-        s = int(np.searchsorted(cur.bounds, g, 'right')) - 1
+        s = bisect.bisect_right(cur.bounds, g) - 1
         self._check_owned(i, [g], np.array([s]), np.array([u]), lambda k: where)
         out.append((g, e, a, L, s, u))
     return out
@@ -265,7 +275,7 @@ def _merge_entries(self:World) -> list:
         try: items = self.stream._parse_entries(pk, curs); self.stream._parse_metrics(pk, items)
         except ValueError as e: raise ValueError(f"{self._where(u)} ({unit_name(s['config'])}): {e}") from None
         for k, (i, g, e, a, off, n, L) in enumerate(items):
-            sh = int(np.searchsorted(self.sets[i].cur.bounds, g, 'right')) - 1
+            sh = bisect.bisect_right(self.sets[i].cur.bounds, g) - 1
             self._check_owned(i, [g], np.array([sh]), np.array([u]),
                               lambda _: f"{self._where(u, 'packer', 'entries')}[{k}]")
             off = max(off, 0)                                # a piece held aside is whole
