@@ -25,6 +25,7 @@ _WHERE = {
     'writing_data_dir': '.dataset',
     'check_timeout': '.encode',
     'DocEncoder': '.encode',
+    'LAZY_DOCS': '.encode',
     'make_encoder': '.encode',
     'ProcessEncoder': '.encode',
     'Request': '.encode',
