@@ -18,7 +18,7 @@ from .demo import batch_digest, ensure_shards, ensure_tokenizer
 
 # %% ../../nbs/bench/15a_bench_startup.ipynb #a9806351
 def tiny_model(vocab:int,   # the tokenizer's vocabulary
-               dim:int=64,  # the embedding's width
+               dim:int=32,  # the embedding's width
                seed:int=0): # the weights' seed
     "A tiny language model for the CPU (embedding, MLP, output layer) and its AdamW optimizer."
     import torch
@@ -81,7 +81,7 @@ def _timed_loop(kind, tok, model, opt, data_dir, B, T, steps, eval_every, eval_b
 def startup_run(kind,                # one of `STARTUP_KINDS`
                 data_dir=None,       # the shard folder
                 tokenizer_dir=None,  # the tokenizer folder
-                B:int=4,             # rows per batch
+                B:int=1,             # rows per batch
                 T:int=512,           # tokens per row
                 steps:int=40,        # training steps
                 eval_every:int=10,   # steps between evaluations (each builds a new validation loader)
@@ -116,7 +116,7 @@ def _later(r) -> float:
 
 # %% ../../nbs/bench/15a_bench_startup.ipynb #ac69904d
 def run_startup(data_dir=None, tokenizer_dir=None, # the shard and tokenizer folders
-                B:int=4, T:int=512,                  # rows per batch, tokens per row
+                B:int=1, T:int=512,                  # rows per batch, tokens per row
                 steps:int=40, eval_every:int=10,     # training steps, steps between evaluations
                 eval_batches:int=2,                  # validation batches per evaluation
                 repeats:int=2,                       # rounds; each contender's best (by whole run) is kept
@@ -176,7 +176,7 @@ def bench_startup_cli(
         data_dir: str = None,        # shard folder (default: $NANOCHAT_DL_DATA_DIR or the cache; sample shards if none)
         tokenizer_dir: str = None,   # tokenizer folder (default: the cache's; one is trained there if it has none)
         vocab_size: int = 8192,      # vocabulary of a tokenizer trained here
-        B: int = 4,                  # rows per batch
+        B: int = 1,                  # rows per batch
         T: int = 512,                # tokens per row
         steps: int = 40,             # training steps
         eval_every: int = 10,        # steps between evaluations (each builds a new validation loader)
