@@ -43,12 +43,11 @@ class Request(NamedTuple):
 class DocEncoder:
     "Documents -> a `FlatDocs` of int32 token arrays that start with BOS (the ids of `encode(texts, prepend=bos)`)."
     def __init__(self, tokenizer,     # with `get_bos_token_id()` and `encode(texts, prepend, num_threads)`, or `.enc`
-                 threads:int=4,       # encoding threads
-                 fast:bool=True):     # fastokens when installed (False: tiktoken, the reference, always)
+                 threads:int=4):      # encoding threads
         self.tokenizer, self.threads = tokenizer, check_int('tokenizer_threads', threads)
         self.bos = int(tokenizer.get_bos_token_id())
         self._enc, self._pool = _tiktoken_core(tokenizer), None   # no tiktoken core: the tokenizer's own encode
-        self._fast = None if self._enc is None or not fast else fast_core(self._enc)   # fastokens, when installed
+        self._fast = None if self._enc is None else fast_core(self._enc)   # fastokens, when installed
         self.encode_cpu_s = self.read_cpu_s = 0.0                  # CPU seconds encoding (tiktoken core) and reading
         self._lock, self._local, self._readers = threading.Lock(), threading.local(), []
 
@@ -478,7 +477,7 @@ def _start(self: ProcessEncoder, tokenizer, init, start_timeout, lazy):
         WORKER_POOL.started += 1
     # fresh ones, and warm ones left before they were ready
     starting, self._t0, self._start_timeout = [w for w in self._w if w.unchecked], time.monotonic(), start_timeout
-    if lazy and starting: self._starting, self._local = starting, DocEncoder(tokenizer, _usable_cpus(), fast=False)
+    if lazy and starting: self._starting, self._local = starting, tokenizer   # (its `DocEncoder` when first needed)
     else:
         for w in starting: _check_ready(w, w.get(start_timeout, f'start_timeout={start_timeout:g}'))
 
@@ -494,7 +493,8 @@ def _ready(self: ProcessEncoder):
 
 @patch
 def _here(self: ProcessEncoder, m) -> FlatDocs:
-    "The answer to message `m` (pickled), encoded in this process with tiktoken: what a worker answers."
+    "The answer to message `m` (pickled), encoded in this process (with the workers' encoder): what a worker answers."
+    if not isinstance(self._local, DocEncoder): self._local = DocEncoder(self._local, _usable_cpus())
     msg, loc = pickle.loads(m), self._local
     return loc.result(loc.submit_read(*msg[1:])) if msg[0] == 'read' else loc(msg[1])
 
@@ -506,7 +506,7 @@ def close(self: ProcessEncoder,
     # hung up: wait for them to exit (the busy ones half a second), then kill them
     keep = self.reuse and self._broken is None and self._pid == os.getpid() and os.environ.get(REUSE_ENV) != '0'
     ws, self._w[:] = list(self._w), []
-    if self._local is not None: self._local.close()
+    if isinstance(self._local, DocEncoder): self._local.close()
     _close_workers(WORKER_POOL.give(self._key, ws) if keep else ws, timeout)   # (one not ready yet: checked when taken)
 
 @patch
