@@ -293,6 +293,7 @@ def _get(self: _Worker, allowed=None, rule=''):
     if self.pending: self.pending.popleft()
     return self.frames.popleft()
 
+# %% ../../nbs/text/08a_encode.ipynb #523e1b20
 @patch
 def hang_up(self: _Worker):
     "Close both pipes: an idle worker reads end-of-input, a busy one fails its next write; either exits."
@@ -406,6 +407,7 @@ def give(self:WorkerPool, key, # the tokenizer's init message digest
             else: idle.append(w)
     return rest
 
+# %% ../../nbs/text/08a_encode.ipynb #1e2901b4
 @patch
 def clear(self:WorkerPool, closing=False): # also refuse workers left from now on
     "Close every idle worker (the pool stays open, unless `closing`)."
