@@ -336,7 +336,7 @@ def test_workers_of_a_source_checkout_on_pythonpath(env, tmp_path):
 def test_a_worker_with_other_modules_is_refused():
     "A worker whose tiktoken is not this process's (a path mix-up this test fakes) is refused, naming both files."
     from types import SimpleNamespace
-    from nanochat_dl.text.encode import _check_ready
+    from nanochat_dl.text.procs import check_ready as _check_ready
     from nanochat_dl.text._tokworker import module_files
     w = SimpleNamespace(i=1, proc=SimpleNamespace(pid=4321))
     _check_ready(w, ('ready', module_files()))

@@ -13,7 +13,8 @@ import numpy as np
 from fastcore.script import call_parse
 from ..core import check_int, load_average, load_line
 from ..text import get_tokenizer, reference_loader
-from ..text.encode import WORKER_POOL, REUSE_ENV, worker_cap
+from ..text.encode import worker_cap
+from ..text.procs import WORKER_POOL, REUSE_ENV
 from .demo import batch_digest, ensure_shards, ensure_tokenizer
 
 # %% ../../nbs/bench/15a_bench_startup.ipynb #a9806351
@@ -141,7 +142,8 @@ def run_startup(data_dir=None, tokenizer_dir=None, # the shard and tokenizer fol
             g = got[k]
             ratios[k].append(dict(first=g['first_s'] / a['first_s'], whole=g['whole_s'] / a['whole_s'],
                                   extra=_later(g) - _later(a)))
-    med = {k: {q: float(np.median([v[q] for v in vs])) for q in ('first', 'whole', 'extra')} for k, vs in ratios.items()}
+    med = {k: {q: float(np.median([v[q] for v in vs])) for q in ('first', 'whole', 'extra')}
+           for k, vs in ratios.items()}
     return dict(config=spec, results=best, ratios=med, identical=same, repeats=repeats, cap=worker_cap(),
                 cpus=len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else os.cpu_count(),
                 load=(load0, load_average()))

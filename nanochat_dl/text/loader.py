@@ -29,7 +29,8 @@ from ..pipe.transfer import DeviceTransfer, TrainingTriple, resolve_device
 from ..pipe.stages import pipeline_state, load_pipeline_state
 from ..pipe.loader import BaseLoader
 from .tokenizer import tokenizer_fingerprint
-from .encode import make_encoder, check_timeout, tokenizing
+from .encode import make_encoder, tokenizing
+from .procs import check_timeout
 from .stages import (rank_and_world, RowGroupSource, EncodeStage, PackStage, BatchStage,
                                      TransferStage)
 from .state import (STATE_FORMAT, V3_FORMAT, OLD_FORMATS, NANOCHAT_KEYS, MAX_EPOCHS, APPROX, data_fingerprint,
