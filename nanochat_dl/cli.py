@@ -47,6 +47,8 @@ COMMANDS = {   # name: (the subpackage that has its function, the function, what
     'bench':           ('nanochat_dl.bench',  'bench_cli',           'benchmark the loaders against the reference'),
     'bench-stream':    ('nanochat_dl.bench',  'bench_stream_cli',
                         'benchmark the pre-tokenized loader against a per-document reader'),
+    'bench-startup':   ('nanochat_dl.bench',  'bench_startup_cli',
+                        "benchmark start-up in nanochat's loop: first batch, validation loader rebuilds, whole run"),
     'bench-peers':     ('nanochat_dl.bench',  'bench_peers_cli',
                         "benchmark the pre-tokenized loader against Mosaic streaming, LitData and torchdata "
                         "(the 'bench' extra)"),

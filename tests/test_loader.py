@@ -114,7 +114,7 @@ def test_interpreter_exit_with_a_live_loader(env, tmp_path, mode):
     assert time.monotonic() - t0 < 30
     pids = json.loads(r.stdout.strip().splitlines()[-1])
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else os.cpu_count()
-    assert len(pids) == (min(2, cpus) if mode == 'processes' else 0)        # processes: at most one per usable CPU
+    assert len(pids) == (min(2, max(1, cpus - 1)) if mode == 'processes' else 0)   # processes: a usable CPU left to training
     def alive(pid):
         try: return Path(f'/proc/{pid}/stat').read_text().rsplit(')', 1)[1].split()[0] != 'Z'
         except OSError: return False
@@ -336,7 +336,7 @@ def test_workers_of_a_source_checkout_on_pythonpath(env, tmp_path):
 def test_a_worker_with_other_modules_is_refused():
     "A worker whose tiktoken is not this process's (a path mix-up this test fakes) is refused, naming both files."
     from types import SimpleNamespace
-    from nanochat_dl.text.encode import _check_ready
+    from nanochat_dl.text.procs import check_ready as _check_ready
     from nanochat_dl.text._tokworker import module_files
     w = SimpleNamespace(i=1, proc=SimpleNamespace(pid=4321))
     _check_ready(w, ('ready', module_files()))

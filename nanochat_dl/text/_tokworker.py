@@ -98,6 +98,9 @@ def serve():
     while (msg := _frame(inp)) is not None:
         try:
             t0 = time.thread_time()
+            if msg[0] == 'forget':   # (unanswered) a pooled worker lets go of the shard it had open
+                if reader is not None: reader.close()
+                reader = None; continue
             if msg[0] == 'read':
                 _, requests, column, errors = msg
                 if reader is None or (reader.text_column, reader.utf8_errors) != (column, errors):

@@ -29,7 +29,8 @@ from ..pipe.transfer import DeviceTransfer, TrainingTriple, resolve_device
 from ..pipe.stages import pipeline_state, load_pipeline_state
 from ..pipe.loader import BaseLoader
 from .tokenizer import tokenizer_fingerprint
-from .encode import make_encoder, check_timeout
+from .encode import make_encoder, tokenizing
+from .procs import check_timeout
 from .stages import (rank_and_world, RowGroupSource, EncodeStage, PackStage, BatchStage,
                                      TransferStage)
 from .state import (STATE_FORMAT, V3_FORMAT, OLD_FORMATS, NANOCHAT_KEYS, MAX_EPOCHS, APPROX, data_fingerprint,
@@ -249,7 +250,7 @@ def __repr__(self:PackedLoader):
     c = self.config
     return (f"PackedLoader(batch_size={c['B']}, seq_len={c['T']}, split={c['split']!r}, pack={c['strategy']!r}, "
             f"rank={c['rank']}/{c['world_size']}, {len(self.files)} shards, device='{self.device}', "
-            f"prefetch={self.prefetch})")
+            f"prefetch={self.prefetch}, {tokenizing(self.encoder)})")
 
 # %% ../../nbs/text/09c_packed.ipynb #acd0e581
 @patch(as_prop=True)
