@@ -126,7 +126,7 @@ def step_figure(batches,     # `[(step, batch)]`
 
 # %% ../../nbs/bench/20_inspect.ipynb #c8dc9fa0
 def dropin_state(st):
-    "The loader state inside a drop-in's (nanochat's triple's `state_dict`: `at_batch`, the state its batch came after)."
+    "The loader state inside a drop-in's (nanochat's triple: `at_batch`, the state its batch came after)."
     return st['at_batch'] if isinstance(st, dict) and isinstance(st.get('at_batch'), dict) else st
 
 def _states_in(path, rank) -> list:
@@ -173,7 +173,8 @@ def _steps(text) -> tuple:
 def _rows(text, B) -> list:
     "`'0,3'` as `[0, 3]`, each a row of a batch of `B`."
     try: rs = [int(r) for r in str(text).split(',')]
-    except ValueError: raise ValueError(f"--rows {text!r}: expected row numbers separated by commas, e.g. 0,3") from None
+    except ValueError:
+        raise ValueError(f"--rows {text!r}: expected row numbers separated by commas, e.g. 0,3") from None
     bad = [r for r in rs if not 0 <= r < B]
     if bad: raise ValueError(f"--rows {text!r}: the batches have {B} rows (0..{B - 1}), not {bad}")
     return rs

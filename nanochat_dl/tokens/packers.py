@@ -140,7 +140,7 @@ def _concat_segs(runs, B, C) -> list:
 
 # %% ../../nbs/tokens/12c_packers.ipynb #66b9d5ea
 class PadRows(PackerBase):
-    "`Packer(strategy='greedy', max_docs_per_row=1)` for pulls of `(pieces, lengths, keys)` (pieces as `ConcatRows` takes)."
+    "`Packer(strategy='greedy', max_docs_per_row=1)` for pulls `(pieces, lengths, keys)` as `ConcatRows` takes them."
     strategy = 'greedy'
     def __init__(self, T:int, pad_id:int):
         super().__init__(T, 1, None)
