@@ -76,6 +76,13 @@ class NanochatStream:
         # nanochat's, of this batch
         self._where = {k: b.state[k] for k in _NANOCHAT_KEYS if k in b.state} or self._where
         return b.inputs, b.targets, dict(self._where, at_batch=at)
+    def skip(self, n:int) -> dict:
+        "Step over `n` batches (`PackedLoader.skip`): the next batch's state resumes at it, after them."
+        with self._lock:
+            rep = self.loader.skip(n)
+            self._at = self.loader.state_dict()
+            self._where = {k: self._at[k] for k in _NANOCHAT_KEYS if k in self._at} or self._where
+            return rep
     def close(self):
         "Stop the loader: its background thread and its tokenizer workers."
         self.loader.close()

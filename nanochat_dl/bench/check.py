@@ -9,13 +9,14 @@ __all__ = ['LOADERS', 'loader_maker', 'stop_and_go', 'reading_epoch1', 'held', '
 
 # %% ../../nbs/bench/19_check_resume.ipynb #088ab1d9
 import itertools, json, sys, time
-from collections import Counter
 from pathlib import Path
 from ..core import check_int, get_base_dir
 from ..text.loader import PackedLoader
 from ..text.rescale import open_epoch
 from ..tokens.loader import StreamingLoader, open_epochs
 from .demo import batch_digest, ensure_shards, ensure_tokenizer
+from ..text.dataset import list_parquet_files
+from ..text.tokenizer import get_tokenizer
 
 LOADERS = ('text', 'tokens')   # PackedLoader over parquet text, StreamingLoader over a token root
 
@@ -64,14 +65,14 @@ def stop_and_go(make,               # `loader_maker`'s function
                 first_diff=diff, state_bytes=len(json.dumps(state)), resume_s=resume_s, want=want, got=got)
 
 # %% ../../nbs/bench/19_check_resume.ipynb #192c769b
-def _started(b, loader) -> list:
-    "The documents of epoch 1 that batch `b` starts (a piece at offset 0), by address."
+def _pieces(b, loader) -> list:
+    "The pieces of documents of epoch 1 in batch `b`: `(document address, offset, end)` (end: offset + written + cropped)."
     out = []
     for row in b.segments:
         for s in row:
             k = s.key
             e, doc = (k[0], tuple(k[1:])) if loader == 'text' else (k.epoch, (k.dataset, k.file, k.doc))
-            if e == 1 and s.offset == 0: out.append(doc)
+            if e == 1: out.append((doc, s.offset, s.offset + s.length + s.dropped))
     return out
 
 def reading_epoch1(state, loader) -> bool:
@@ -79,11 +80,10 @@ def reading_epoch1(state, loader) -> bool:
     return (open_epoch(state, buffered=False) if loader == 'text' else min(open_epochs(state).values())) <= 1
 
 def held(state, loader) -> list:
-    "The documents of epoch 1 a rank's state holds, not started yet (text: in its packing buffer)."
+    "The documents of epoch 1 a rank's state holds (text: in its packing buffer): `(address, offset their rest starts)`."
     if loader != 'text': return []   # (a tokens rank runs until it holds none)
     b = state['stages']['pack']['buffer']
-    return [(f, g, r) for e, f, g, r, o in zip(*(b[k] for k in ('epoch', 'file', 'rg', 'row', 'offset')))
-            if e == 1 and o == 0]
+    return [((f, g, r), o) for e, f, g, r, o in zip(*(b[k] for k in ('epoch', 'file', 'rg', 'row', 'offset'))) if e == 1]
 
 # %% ../../nbs/bench/19_check_resume.ipynb #444b3ca8
 def run_ranks(make,              # `loader_maker`'s function
@@ -92,7 +92,7 @@ def run_ranks(make,              # `loader_maker`'s function
               states=None,       # the list of every rank's state to resume from (a rescale when of another length)
               limit:int=100_000, # the most batches a rank may take to read epoch 1
               out=None) -> tuple:   # where a line per rank goes
-    "`(documents of epoch 1 started, those held at the end, each rank's last state)` of ranks `0..W-1`."
+    "`(pieces of documents of epoch 1, those held at the end, each rank's last state)` of ranks `0..W-1`."
     docs, kept, last = [], [], []
     for r in range(W):
         with make(r, W, states) as ld:
@@ -102,29 +102,48 @@ def run_ranks(make,              # `loader_maker`'s function
                 try: b = next(ld)
                 except StopIteration: break
                 n += 1; sd = b.state
-                docs += _started(b, make.loader)
+                docs += _pieces(b, make.loader)
         kept += held(sd, make.loader)
         last.append(json.loads(json.dumps(sd)))
         if out: out(f"    rank {r} of {W}: {n:,} batches in {time.perf_counter() - t0:.1f} s")
     return docs, kept, last
 
 # %% ../../nbs/bench/19_check_resume.ipynb #57eed965
+def _tiling(pieces, kept, ends) -> tuple:
+    "`(documents with a token given twice, documents with tokens lost)`: each document's pieces must tile it once."
+    by = {}
+    for doc, a, b in pieces: by.setdefault(doc, []).append((a, b))
+    for doc, a in kept: by.setdefault(doc, []).append((a, None))          # the rest, from `a`, held in a buffer
+    twice, lost = [], []
+    for doc, ps in by.items():
+        at, ok, rest = 0, True, False
+        for a, b in sorted(ps, key=lambda p: (p[0], p[1] is None)):
+            if rest or a < at - 1: twice.append(doc); ok = False; break      # (a piece may repeat one token: a BOS)
+            if a > at: lost.append(doc); ok = False; break
+            if b is None: rest = True
+            else: at = max(at, b)
+        if ok and not rest and at < ends.get(doc, 0) - 1: lost.append(doc)   # its tail never came
+    return sorted(twice), sorted(lost)
+
 def rescale_check(make,             # `loader_maker`'s function
                   world_from:int,   # ranks that save
                   world_to:int,     # ranks that resume from their states
-                  stop:int=8,       # batches each rank takes before the save
+                  stop:int=8,       # batches each rank takes before the save (at least 1)
                   limit:int=100_000,   # the most batches a rank may take to read epoch 1
                   out=None):        # where a line per rank goes
     "Save on `world_from` ranks after `stop` batches, resume on `world_to`: each document of epoch 1 once?"
+    stop = check_int('rescale_stop', stop, 1)
     s0, h0, _ = run_ranks(make, world_from, None, limit=limit, out=out)       # a run that never stopped
-    want = set(s0) | set(h0)
+    want, ends = {d for d, *_ in s0} | {d for d, _ in h0}, {}
+    for d, a, b in s0: ends[d] = max(ends.get(d, 0), b)
     before, _, states = run_ranks(make, world_from, stop, limit=limit, out=out)
     after, kept, _ = run_ranks(make, world_to, None, states, limit=limit, out=out)
-    seen = Counter(before + after + kept)
-    twice = sorted(d for d, c in seen.items() if c > 1)
-    lost, extra = sorted(want - set(seen)), sorted(set(seen) - want)
+    twice, lost = _tiling(before + after, kept, ends)
+    seen = {d for d, *_ in before + after} | {d for d, _ in kept}
+    lost, extra = sorted(set(lost) | (want - seen)), sorted(seen - want)
     return dict(check=f'rescale {world_from} -> {world_to} ranks', ok=not (twice or lost or extra), documents=len(want),
-                started=len(before) + len(after), held=len(kept), twice=twice, lost=lost, extra=extra)
+                started=sum(a == 0 for _, a, _ in before + after), held=sum(a == 0 for _, a in kept), twice=twice,
+                lost=lost, extra=extra)
 
 # %% ../../nbs/bench/19_check_resume.ipynb #c143d42d
 def plot_stop_and_go(results,   # `stop_and_go` results, one panel each
@@ -158,6 +177,7 @@ def check_resume(make,                 # `loader_maker`'s function
     ranks = [(0, 1)]
     if world_from is not None:
         world_from, world_to = check_int('world_size_from', world_from), check_int('world_size_to', world_to)
+        rescale_stop = check_int('rescale_stop', rescale_stop, 1)   # (0: a save before any batch, no rescale mid-run)
         ranks += [(r, world_from) for r in range(world_from)] if world_from > 1 else []
     res = []
     for r, W in ranks:
@@ -234,15 +254,18 @@ def check_resume_cli(loader:str='text',       # text (PackedLoader over parquet 
     try:
         kw = dict(read_settings(config) if config else {}, **({} if pack is None else dict(pack=pack)))
         if loader not in LOADERS: raise ValueError(f"--loader {loader!r} is not one of {LOADERS}")
-        tok = None
-        if loader == 'text' or data is None:
-            shards = ensure_shards(data if loader == 'text' else None)
-            tok = ensure_tokenizer(shards, tokenizer_dir, 8192)
+        tok, shards = None, None if data is None else data if '://' in str(data) else Path(data).expanduser()
+        if data is None: shards = ensure_shards(None)        # the demo's data, written offline when missing
+        elif loader == 'text' and '://' not in str(data) and not list_parquet_files(shards):
+            raise ValueError(f"--data {data}: no parquet shards there (sample shards are written only for the demo's "
+                             f"data, when --data is not given)")
+        if loader == 'text' or data is None:                 # a tokenizer named must be there: trained only by default
+            tok = ensure_tokenizer(shards, None, 8192) if tokenizer_dir is None else get_tokenizer(tokenizer_dir)
         where = shards if loader == 'text' else Path(data) if data else demo_token_root(shards, tokenizer_dir)
         make = loader_maker(loader, where, B, T, tok, **kw)
         print(f"check-resume: {loader} loader over {where}, B={B} T={T}, settings {kw or 'the defaults'}")
         res = check_resume(make, batches, stop, world_size_from, world_size_to, rescale_stop, limit)
-    except (FileNotFoundError, ValueError, TypeError, RuntimeError) as e:
+    except (OSError, ValueError, TypeError, RuntimeError) as e:   # (OSError: a config that is a folder, ...)
         print(f"nanochat-dl check-resume: error: {e}", file=sys.stderr); return 2
     print(format_checks(res))
     return 0 if all(r['ok'] for r in res) else 1

@@ -15,7 +15,7 @@ from ..text.loader import PackedLoader
 from ..tokens.loader import StreamingLoader
 from ..tokens.elastic import load_loader_states
 from ..pipe.packing import show_batch
-from ..core import get_data_dir
+from ..core import get_data_dir, check_int
 
 _TEXT_ARGS = dict(batch_size='B', seq_len='T', split='split', pack='strategy', pack_buffer='buffer_size',
                   tokenizer_batch_size='tokenizer_batch_size', rank='rank', world_size='world_size', shuffle='shuffle',
@@ -23,6 +23,7 @@ _TEXT_ARGS = dict(batch_size='B', seq_len='T', split='split', pack='strategy', p
 _TOKEN_ARGS = ('seq_len', 'batch_size', 'datasets', 'weights', 'rank', 'world_size', 'n_logical_shards', 'seed',
                'shuffle_window', 'pack', 'max_chunk', 'pack_buffer', 'max_wait', 'bos_token', 'eos_token', 'sep_token',
                'pad_token', 'strip_tokens', 'min_length')
+from ..tokens.root import TokenRoot
 
 # %% ../../nbs/bench/20_inspect.ipynb #1b3b9594
 def state_loader(state) -> str:
@@ -136,26 +137,31 @@ def _states_in(path, rank) -> list:
         try: st = json.loads(p.read_text())
         except json.JSONDecodeError as e: raise ValueError(f"{p} is not a JSON loader state: {e}") from None
         st = dropin_state(st)
-        return [(st.get('step') if isinstance(st, dict) else None, st)]
+        if not (isinstance(st, dict) and isinstance(st.get('step'), int)):
+            raise ValueError(f"{p} holds no loader state_dict() (no step): inspect replays from one")
+        return [(st['step'], st)]
     if not p.is_dir(): raise FileNotFoundError(f"{p}: no such state file or checkpoint folder")
     folders = [p] if any(q.name.startswith('loader_state.') for q in p.iterdir()) else sorted(q for q in p.iterdir()
                                                                                                if q.is_dir())
-    out = []
+    out, sizes = [], []
     for f in folders:
         try: sts = load_loader_states(f)
         except FileNotFoundError: continue
-        if rank >= len(sts): raise ValueError(f"{f} holds the states of {len(sts)} ranks: --rank {rank} is not one")
+        sizes.append(len(sts))
+        if rank >= len(sts): continue                    # (a save before a rescale to more ranks)
         st = dropin_state(sts[rank])
-        out.append((st.get('step'), st))
+        if not isinstance(st.get('step'), int):
+            raise ValueError(f"{f}: rank {rank}'s state has no step (nanochat's {{pq_idx, rg_idx, epoch}}?): inspect "
+                             f"replays from a loader's state_dict()")
+        out.append((st['step'], st))
+    if sizes and not out: raise ValueError(f"{p}: its checkpoints hold {sorted(set(sizes))} ranks: --rank {rank} is none")
     if not out: raise FileNotFoundError(f"{p} holds no loader state (loader_state.rank*.json) in it or its folders")
     return sorted(out, key=lambda x: x[0])
 
 # %% ../../nbs/bench/20_inspect.ipynb #3701304f
 def nearest_state(path, A:int, rank:int=0) -> dict:
     "The latest state at `path` saved at or before step `A` (for rank `rank`)."
-    found = _states_in(path, rank)
-    for s, st in found:
-        if not isinstance(s, int): raise ValueError(f"a state at {path} has no step: not a loader state_dict()")
+    found = _states_in(path, check_int('--rank', rank, 0))
     before = [st for s, st in found if s <= A]
     if not before: raise ValueError(f"every state at {path} is after step {A} (the earliest is at step {found[0][0]}): "
                                     f"a replay goes forward only")
@@ -199,12 +205,16 @@ def inspect_cli(state:str,             # a state file, a checkpoint folder, or a
         if data is None and kind == 'tokens': raise ValueError("--data is needed: the token root the run read")
         data = get_data_dir() if data is None else data   # text: $NANOCHAT_DL_DATA_DIR, else the cache's shards
         tok = get_tokenizer(tokenizer_dir) if kind == 'text' or decode else None
+        if kind == 'tokens' and decode:                  # the root's manifest names the tokenizer that made it
+            with TokenRoot(data, st['config']['datasets'], tokenizer=tok, verify='off'): pass
         rs = None if rows is None else _rows(rows, st['config'].get('B', st['config'].get('batch_size')))
+        if picture and not Path(picture).expanduser().parent.is_dir():
+            raise ValueError(f"--picture {picture}: its folder does not exist")
         print(f"replaying from the state at step {st['step']} ({A - st['step']:,} batches to step {A}) ...")
         with loader_from_state(st, data, tok if kind == 'text' else None) as ld:
             got, reach = replay_steps(ld, st['step'], A, B)
             files = getattr(ld, 'files', None)
-    except (FileNotFoundError, ValueError, TypeError, RuntimeError) as e:
+    except (OSError, ValueError, TypeError, RuntimeError) as e:
         print(f"nanochat-dl inspect: error: {e}", file=sys.stderr); return 2
     print(f"replayed {A - st['step']:,} batches to reach step {A} in {reach:.2f} s")
     print(format_steps([(A + i, step_rows(b, kind, tok if decode else None, rs, files)) for i, b in enumerate(got)]))

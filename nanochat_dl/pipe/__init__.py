@@ -72,6 +72,7 @@ _WHERE = {
     'runs_of': '.state',
     'same_value': '.state',
     'seal': '.state',
+    'skipped_of': '.state',
     'span_text': '.state',
     'state_checksum': '.state',
     'UNCHECKED': '.state',

@@ -6,8 +6,8 @@ take what they expect from it, or refuse it with a message naming the field."""
 
 # %% auto #0
 __all__ = ['INT_LIMIT', 'UNCHECKED', 'read_int', 'read_field', 'read_dict', 'same_value', 'state_checksum', 'seal', 'check_seal',
-           'run_digest', 'runs_of', 'ranges_of', 'read_pairs', 'read_runs', 'add_skipped', 'read_skipped', 'span_text',
-           'unit_name']
+           'run_digest', 'runs_of', 'ranges_of', 'read_pairs', 'read_runs', 'add_skipped', 'read_skipped', 'skipped_of',
+           'span_text', 'unit_name']
 
 # %% ../../nbs/pipe/07b_state.ipynb #e6a12041
 INT_LIMIT = 1 << 63   # no count, index or epoch in a state reaches this
@@ -159,6 +159,15 @@ def read_skipped(runs,        # a state's `skipped`
                              f"none overlapping, all before the state's step {step}")
         end = a + n
     return [list(r) for r in runs]
+
+def skipped_of(states:list) -> list:
+    "The skipped runs every state of a list records (every rank's, for a rescale): one and the same, else refused."
+    runs = [s.get('skipped', []) if isinstance(s, dict) else [] for s in states]
+    if any(r != runs[0] for r in runs):
+        odd = [i for i, r in enumerate(runs) if r != runs[0]]
+        raise ValueError(f"the states record different skipped steps: entries {odd} differ from entry 0's "
+                         f"{runs[0]}: every rank must skip the same steps")
+    return [list(r) for r in runs[0]] if runs else []
 
 # %% ../../nbs/pipe/07b_state.ipynb #b11dc2ba
 def span_text(shards) -> str:

@@ -37,7 +37,7 @@ from .state import (STATE_FORMAT, V3_FORMAT, OLD_FORMATS, NANOCHAT_KEYS, MAX_EPO
                                     field_int, check_loader_state, loader_state, run_id,
                                     state_checksum)
 from .rescale import resume_many
-from ..pipe.state import seal
+from ..pipe.state import seal, skipped_of
 
 # %% ../../nbs/text/09c_packed.ipynb #ae9cfd0e
 class _Produced(NamedTuple):
@@ -280,8 +280,9 @@ def _resume(self:PackedLoader, sd):
         if bad is not None:
             raise TypeError(f"resume_state_dict[{bad}] must be a dict (the state one rank saved), got "
                             f"{type(sd[bad]).__name__}")
+        skipped = skipped_of(list(sd))                     # (every rank skipped the same steps)
         out = resume_many(self, list(sd))
-        self.skipped = [list(r) for r in sd[0].get('skipped', [])]   # (every rank skipped the same steps)
+        self.skipped = skipped
         return out
     if not isinstance(sd, dict):
         raise TypeError("resume_state_dict must be a dict (a batch's state, or nanochat's {pq_idx, rg_idx, epoch}), "

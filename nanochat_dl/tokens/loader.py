@@ -19,7 +19,7 @@ from ..io.fetch import giving_up_on
 from ..pipe.bestfit import MAX_WAIT
 from ..pipe.masks import position_ids, cu_seqlens
 from ..pipe.transfer import DeviceTransfer, TrainingTriple, resolve_device
-from ..pipe.state import read_int, seal, read_skipped
+from ..pipe.state import read_int, seal, read_skipped, skipped_of
 from ..pipe.loader import BaseLoader
 from .order import shard_starts
 from .fast import FastTokenStream
@@ -162,8 +162,8 @@ def state_body(self:StreamingLoader) -> dict:
 def load_body(self:StreamingLoader,
               state):  # this rank's state, or the list of every rank's (or every DataLoader worker's)
     "Continue exactly after the batch whose `state` this is (`load_state_dict`, before the first batch)."
-    skipped = state[0].get('skipped', []) if isinstance(state, (list, tuple)) and state and isinstance(
-        state[0], dict) else state.get('skipped', []) if isinstance(state, dict) else []
+    skipped = skipped_of(list(state)) if isinstance(state, (list, tuple)) else (
+        state.get('skipped', []) if isinstance(state, dict) else [])
     if isinstance(state, (list, tuple)):
         state = World(state, self.root, self.config,
                       self.fingerprint).state_for(*(self.config[k] for k in ('rank', 'world_size')))
