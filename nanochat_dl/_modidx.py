@@ -301,6 +301,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                             'nanochat_dl/bench/scale.py'),
                                          'nanochat_dl.bench.scale.SyntheticFile.read': ( 'bench/bench_scale.html#syntheticfile.read',
                                                                                          'nanochat_dl/bench/scale.py'),
+                                         'nanochat_dl.bench.scale.SyntheticFile.read_into': ( 'bench/bench_scale.html#syntheticfile.read_into',
+                                                                                              'nanochat_dl/bench/scale.py'),
                                          'nanochat_dl.bench.scale.SyntheticRoot': ( 'bench/bench_scale.html#syntheticroot',
                                                                                     'nanochat_dl/bench/scale.py'),
                                          'nanochat_dl.bench.scale.SyntheticRoot.__init__': ( 'bench/bench_scale.html#syntheticroot.__init__',

@@ -1,6 +1,6 @@
 """Adversarial review of issue 22 (sections 2 and 4): `loader.skip`, `nanochat-dl check-resume`, `nanochat-dl inspect`.
 Each test failed on the code it was written against (before its fix), for the defect its docstring names (what a user
-would hit); the names say the defect.
+would hit); the names say the defect."""
 import contextlib, io, json, os, shutil, subprocess, sys
 from pathlib import Path
 from types import SimpleNamespace

@@ -66,7 +66,7 @@ def stop_and_go(make,               # `loader_maker`'s function
 
 # %% ../../nbs/bench/19_check_resume.ipynb #192c769b
 def _pieces(b, loader) -> list:
-    "The pieces of documents of epoch 1 in batch `b`: `(document address, offset, end)` (end: offset + written + cropped)."
+    "The pieces of documents of epoch 1 in batch `b`: `(address, offset, end)`, end its offset + written + cropped."
     out = []
     for row in b.segments:
         for s in row:
@@ -80,10 +80,11 @@ def reading_epoch1(state, loader) -> bool:
     return (open_epoch(state, buffered=False) if loader == 'text' else min(open_epochs(state).values())) <= 1
 
 def held(state, loader) -> list:
-    "The documents of epoch 1 a rank's state holds (text: in its packing buffer): `(address, offset their rest starts)`."
+    "The documents of epoch 1 a rank's state holds (text: in its packing buffer): `(address, where their rest starts)`."
     if loader != 'text': return []   # (a tokens rank runs until it holds none)
     b = state['stages']['pack']['buffer']
-    return [((f, g, r), o) for e, f, g, r, o in zip(*(b[k] for k in ('epoch', 'file', 'rg', 'row', 'offset'))) if e == 1]
+    cols = zip(*(b[k] for k in ('epoch', 'file', 'rg', 'row', 'offset')))
+    return [((f, g, r), o) for e, f, g, r, o in cols if e == 1]
 
 # %% ../../nbs/bench/19_check_resume.ipynb #444b3ca8
 def run_ranks(make,              # `loader_maker`'s function

@@ -154,7 +154,8 @@ def _states_in(path, rank) -> list:
             raise ValueError(f"{f}: rank {rank}'s state has no step (nanochat's {{pq_idx, rg_idx, epoch}}?): inspect "
                              f"replays from a loader's state_dict()")
         out.append((st['step'], st))
-    if sizes and not out: raise ValueError(f"{p}: its checkpoints hold {sorted(set(sizes))} ranks: --rank {rank} is none")
+    if sizes and not out:
+        raise ValueError(f"{p}: its checkpoints hold {sorted(set(sizes))} ranks: --rank {rank} is none")
     if not out: raise FileNotFoundError(f"{p} holds no loader state (loader_state.rank*.json) in it or its folders")
     return sorted(out, key=lambda x: x[0])
 

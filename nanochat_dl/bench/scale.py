@@ -78,6 +78,8 @@ class SyntheticFile:
         if not 0 <= i < len(self.lens): raise IndexError(f"{self.path}: no document {i}, the file has {len(self.lens)}")
         return synthetic_ids(self.key, int(self.starts[i]), int(self.lens[i]), self.vocab)
     def read(self, i, check:bool=True) -> np.ndarray: return self.doc(i)   # (`TokenFile.read`: nothing can change)
+    direct = False                                      # (`read_pieces` reads it through `read_into`, not a descriptor)
+    def read_into(self, i, out, lo:int=0): out[:] = self.doc(i)[lo:lo + len(out)]   # (`TokenFile.read_into`)
     def check(self): pass
     def close(self): self.closed = True
     def edge_ids(self) -> tuple:
