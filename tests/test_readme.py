@@ -50,6 +50,8 @@ CHECKS = {
     'x, y, state = next(loader)': "assert tuple(x.shape) == tuple(y.shape) == (32, 2048) and (x[:, 1:] == y[:, :-1]).all()"
                                   "\nassert set(state) >= {'pq_idx', 'rg_idx', 'epoch', 'at_batch'}",
     'all_states = [None] * ddp_world_size': "assert all_states == [dataloader_state_dict]",
+    'report = loader.skip(2)': "assert report['steps'] == [10, 11] and step12.state['skipped'] == [[10, 2]]"
+                               "\nassert step12.state['step'] == 13",
     'zip(range(100), loader)': "assert step == 99 and tuple(x.shape) == (32, 2048) and 'oldest_wait' in batch.metrics",
     'batch = next(loader)': "assert tuple(batch.inputs.shape) == (8, 2048) and 'checksum' in state",
     'StreamingLoader("s3://my-bucket/tokens"': "assert next(loader)[0].shape == (32, 2048)"
