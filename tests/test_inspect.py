@@ -68,6 +68,6 @@ def test_bad_input_exits_2_naming_it(run):
                       ((d/'tokens', '--steps', '5..4', '--data', d/'root'), 'expected 0 <= A <= B'),
                       ((d/'nowhere', '--steps', '5', '--data', d/'root'), 'no such state file'),
                       ((d/'tokens', '--data', d/'root'), '--steps A..B is needed'),
-                      ((d/'tokens', '--steps', '5', '--data', d/'root', '--rank', '1'), '--rank 1 is not one')]:
+                      ((d/'tokens', '--steps', '5', '--data', d/'root', '--rank', '1'), 'hold [1] ranks: --rank 1 is none')]:
         r = cli(*args)
         assert r.returncode == 2 and msg in r.stderr and 'Traceback' not in r.stderr, (args, r.stderr)
