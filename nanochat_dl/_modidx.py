@@ -106,6 +106,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                     'nanochat_dl/bench/loaders.py'),
                                            'nanochat_dl.bench.loaders.format_bench_table': ( 'bench/bench.html#format_bench_table',
                                                                                              'nanochat_dl/bench/loaders.py'),
+                                           'nanochat_dl.bench.loaders.json_subprocess': ( 'bench/bench.html#json_subprocess',
+                                                                                          'nanochat_dl/bench/loaders.py'),
                                            'nanochat_dl.bench.loaders.loader_units': ( 'bench/bench.html#loader_units',
                                                                                        'nanochat_dl/bench/loaders.py'),
                                            'nanochat_dl.bench.loaders.run_bench': ( 'bench/bench.html#run_bench',

@@ -1,14 +1,12 @@
 """`nanochat-dl check-resume` as a user runs it (issue 22, section 4): the console command in a subprocess, over a
 small copy of the offline sample (text shards, a tokenizer, the same text tokenized into a token root), for both
 loaders, with a rescale, and refusing bad input with exit code 2 and a message naming what is wrong."""
-import contextlib, io, json, os, shutil, subprocess, sys
+import json, os, shutil, subprocess, sys
 from pathlib import Path
 
 import pytest
 
-from nanochat_dl.text.sample import make_sample_shards, sample_documents
-from nanochat_dl.text.tokenizer import train_tokenizer
-from nanochat_dl.tokens.tokenizing import tokenize
+from toytext import small_corpus
 
 CLI = shutil.which('nanochat-dl') or str(Path(sys.executable).parent / 'nanochat-dl')
 
@@ -16,10 +14,7 @@ CLI = shutil.which('nanochat-dl') or str(Path(sys.executable).parent / 'nanochat
 @pytest.fixture(scope='module')
 def data(tmp_path_factory):
     d = tmp_path_factory.mktemp('check_resume')
-    make_sample_shards(d/'text', n_shards=3, row_group_size=16, docs=sample_documents()[:300])
-    train_tokenizer(d/'text', vocab_size=512, out_dir=d/'tok', progress=False)
-    with contextlib.redirect_stdout(io.StringIO()):
-        tokenize(d/'text', d/'root', 'web', tokenizer_dir=d/'tok', workers=1, progress=False, verbose=False)
+    small_corpus(d)
     return d
 
 

@@ -1,18 +1,15 @@
 """`nanochat-dl inspect` as a user runs it (issue 22, section 2): a loss-spike hunt from saved states. A run saves its
 loader state into checkpoint folders; the command, in a subprocess, replays from the nearest state before the step
 asked for and prints each row's documents, which must be those the run actually trained on at that step."""
-import contextlib, io, json, shutil, subprocess, sys
+import shutil, subprocess, sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from nanochat_dl.text.loader import PackedLoader
-from nanochat_dl.text.sample import make_sample_shards, sample_documents
-from nanochat_dl.text.tokenizer import train_tokenizer
+from toytext import small_corpus
 from nanochat_dl.tokens.elastic import save_loader_states
 from nanochat_dl.tokens.loader import StreamingLoader
-from nanochat_dl.tokens.tokenizing import tokenize
 
 CLI = shutil.which('nanochat-dl') or str(Path(sys.executable).parent / 'nanochat-dl')
 
@@ -21,10 +18,7 @@ CLI = shutil.which('nanochat-dl') or str(Path(sys.executable).parent / 'nanochat
 def run(tmp_path_factory):
     "Both loaders' runs of 12 batches, a checkpoint folder every 4 steps, and what each step's rows held."
     d = tmp_path_factory.mktemp('inspect')
-    make_sample_shards(d/'text', n_shards=3, row_group_size=16, docs=sample_documents()[:300])
-    tok = train_tokenizer(d/'text', vocab_size=512, out_dir=d/'tok', progress=False)
-    with contextlib.redirect_stdout(io.StringIO()):
-        tokenize(d/'text', d/'root', 'web', tokenizer_dir=d/'tok', workers=1, progress=False, verbose=False)
+    tok = small_corpus(d)
     made = {'text': lambda: PackedLoader(tok, 4, 128, data_dir=d/'text', pack='bestfit-pad', pack_buffer=32,
                                          tokenizer_threads=1, device='cpu'),
             'tokens': lambda: StreamingLoader(d/'root', 128, 4, eos_token=tok.get_bos_token_id(), shuffle_window=50,

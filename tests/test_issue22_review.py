@@ -8,11 +8,10 @@ from types import SimpleNamespace
 import pytest
 
 from nanochat_dl.text.loader import PackedLoader
-from nanochat_dl.text.sample import make_sample_shards, sample_documents
-from nanochat_dl.text.tokenizer import get_tokenizer, train_tokenizer
+from toytext import small_corpus
+from nanochat_dl.text.tokenizer import get_tokenizer
 from nanochat_dl.tokens.elastic import save_loader_states
 from nanochat_dl.tokens.loader import StreamingLoader
-from nanochat_dl.tokens.tokenizing import tokenize
 
 CLI = shutil.which('nanochat-dl') or str(Path(sys.executable).parent / 'nanochat-dl')
 
@@ -21,12 +20,8 @@ CLI = shutil.which('nanochat-dl') or str(Path(sys.executable).parent / 'nanochat
 def data(tmp_path_factory):
     "Small text shards, a tokenizer, a token root of them; a second tokenizer trained on other text."
     d = tmp_path_factory.mktemp('review22')
-    make_sample_shards(d/'text', n_shards=3, row_group_size=16, docs=sample_documents()[:300])
-    train_tokenizer(d/'text', vocab_size=512, out_dir=d/'tok', progress=False)
-    make_sample_shards(d/'text2', n_shards=3, row_group_size=16, docs=sample_documents()[300:600])
-    train_tokenizer(d/'text2', vocab_size=600, out_dir=d/'tok2', progress=False)
-    with contextlib.redirect_stdout(io.StringIO()):
-        tokenize(d/'text', d/'root', 'web', tokenizer_dir=d/'tok', workers=1, progress=False, verbose=False)
+    small_corpus(d)
+    small_corpus(d, docs=slice(300, 600), vocab=600, text='text2', tok='tok2', root=None)
     return d
 
 

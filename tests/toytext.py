@@ -27,3 +27,17 @@ def raw_text_shard(path, groups):
             arr = pa.Array.from_buffers(pa.string(), len(rows), [None, pa.py_buffer(offsets.tobytes()), pa.py_buffer(b''.join(rows))])
             w.write_table(pa.table({'text': arr}))
     return path
+
+
+def small_corpus(d, docs=slice(0, 300), vocab=512, text='text', tok='tok', root='root'):
+    "The offline sample's documents `docs` as 3 shards, a tokenizer of `vocab` ids, a token root ('web') of them."
+    import contextlib, io
+    from nanochat_dl.text.sample import make_sample_shards, sample_documents
+    from nanochat_dl.text.tokenizer import train_tokenizer
+    from nanochat_dl.tokens.tokenizing import tokenize
+    make_sample_shards(d / text, n_shards=3, row_group_size=16, docs=sample_documents()[docs])
+    t = train_tokenizer(d / text, vocab_size=vocab, out_dir=d / tok, progress=False)
+    if root:
+        with contextlib.redirect_stdout(io.StringIO()):
+            tokenize(d / text, d / root, 'web', tokenizer_dir=d / tok, workers=1, progress=False, verbose=False)
+    return t

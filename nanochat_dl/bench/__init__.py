@@ -29,6 +29,7 @@ _WHERE = {
     'bench_one': '.loaders',
     'CpuMeter': '.loaders',
     'format_bench_table': '.loaders',
+    'json_subprocess': '.loaders',
     'loader_units': '.loaders',
     'PeakMemory': '.loaders',
     'run_bench': '.loaders',

@@ -6,7 +6,7 @@ measurement is a command that prints a table; nothing here is a timed unit test.
 
 # %% auto #0
 __all__ = ['BENCH_KINDS', 'TOO_SHORT_CPU_PCT', 'TimedTokenizer', 'PeakMemory', 'settle_gc', 'CpuMeter', 'tokenize_rate',
-           'loader_units', 'bench_one', 'too_short', 'run_bench', 'format_bench_table', 'bench_cli']
+           'loader_units', 'bench_one', 'json_subprocess', 'too_short', 'run_bench', 'format_bench_table', 'bench_cli']
 
 # %% ../../nbs/bench/15_bench.ipynb #3f373211
 import gc, json, os, subprocess, sys, time
@@ -227,14 +227,20 @@ def bench_one(kind,                  # 'reference', 'dropin', 'best', 'tokenize'
                 digests=r['digests'], peak_rss=mem.growth(), **r['cpu'])
 
 # %% ../../nbs/bench/15_bench.ipynb #ca2f09bf
-def _bench_subprocess(spec) -> dict:
-    code = ("import json, sys; from nanochat_dl.bench.loaders import bench_one; "
-            "print('\\nBENCH ' + json.dumps(bench_one(**json.loads(sys.argv[1]))))")
+def json_subprocess(module:str,   # the module that has `func`
+                    func:str,     # a function of keyword arguments returning JSON-able data
+                    spec:dict,    # its keyword arguments
+                    what:str):    # what it is, for the error
+    "`func(**spec)` run in a fresh Python process (a measurement of its own: no state shared), its result read back."
+    code = (f"import json, sys; from {module} import {func}; "
+            f"print('\\nRESULT ' + json.dumps({func}(**json.loads(sys.argv[1]))))")
     r = subprocess.run([sys.executable, '-c', code, json.dumps(spec)], capture_output=True, text=True)
-    lines = [l for l in r.stdout.splitlines() if l.startswith('BENCH ')]
-    if r.returncode or not lines:
-        raise RuntimeError(f"benchmark of {spec['kind']!r} failed (exit {r.returncode}):\n{r.stderr[-3000:]}")
-    return json.loads(lines[-1][6:])
+    lines = [l for l in r.stdout.splitlines() if l.startswith('RESULT ')]
+    if r.returncode or not lines: raise RuntimeError(f"{what} failed (exit {r.returncode}):\n{r.stderr[-3000:]}")
+    return json.loads(lines[-1][7:])
+
+def _bench_subprocess(spec) -> dict:
+    return json_subprocess('nanochat_dl.bench.loaders', 'bench_one', spec, f"benchmark of {spec['kind']!r}")
 
 def _check_bench(B, T, warmup, batches, threads, buffer_size, best, repeats, gc_mode):
     "The benchmark's settings, refused before any contender runs."

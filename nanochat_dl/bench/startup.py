@@ -8,14 +8,15 @@ __all__ = ['STARTUP_KINDS', 'tiny_model', 'train_step', 'startup_loader', 'start
            'bench_startup_cli']
 
 # %% ../../nbs/bench/15a_bench_startup.ipynb #c00013eb
-import json, os, subprocess, sys, time, zlib
+import os, sys, time, zlib
 import numpy as np
 from fastcore.script import call_parse
-from ..core import check_int, load_average, load_line
+from ..core import check_int, load_average
 from ..text import get_tokenizer, reference_loader
 from ..text.encode import worker_cap
 from ..text.procs import WORKER_POOL, REUSE_ENV
 from .demo import batch_digest, ensure_shards, ensure_tokenizer
+from .loaders import json_subprocess
 
 # %% ../../nbs/bench/15a_bench_startup.ipynb #a9806351
 def tiny_model(vocab:int,   # the tokenizer's vocabulary
@@ -103,13 +104,7 @@ def startup_run(kind,                # one of `STARTUP_KINDS`
 
 # %% ../../nbs/bench/15a_bench_startup.ipynb #8d5834a4
 def _startup_subprocess(spec) -> dict:
-    code = ("import json, sys; from nanochat_dl.bench.startup import startup_run; "
-            "print('\\nSTARTUP ' + json.dumps(startup_run(**json.loads(sys.argv[1]))))")
-    r = subprocess.run([sys.executable, '-c', code, json.dumps(spec)], capture_output=True, text=True)
-    lines = [l for l in r.stdout.splitlines() if l.startswith('STARTUP ')]
-    if r.returncode or not lines:
-        raise RuntimeError(f"startup benchmark of {spec['kind']!r} failed (exit {r.returncode}):\n{r.stderr[-3000:]}")
-    return json.loads(lines[-1][8:])
+    return json_subprocess('nanochat_dl.bench.startup', 'startup_run', spec, f"startup benchmark of {spec['kind']!r}")
 
 def _later(r) -> float:
     "The mean of the rebuilds after the first (the first validation loader starts the workers later ones reuse)."
