@@ -56,6 +56,7 @@ _WHERE = {
     'pipeline_state': '.stages',
     'plot_pipelines': '.stages',
     'resume_check': '.stages',
+    'same_settings': '.stages',
     'ShuffleBuffer': '.stages',
     'Stage': '.stages',
     'add_skipped': '.state',

@@ -5,8 +5,8 @@ addresses: how a loader with buffers of thousands of documents resumes exactly f
 
 # %% auto #0
 __all__ = ['Stage', 'check_state', 'Doc', 'ListSource', 'mix64', 'draw_base', 'draw_index', 'mix64_array', 'mix64s',
-           'ShuffleBuffer', 'pipeline_state', 'load_pipeline_state', 'Chain', 'resume_check', 'block_order',
-           'BlockWindow', 'plot_pipelines']
+           'ShuffleBuffer', 'same_settings', 'pipeline_state', 'load_pipeline_state', 'Chain', 'resume_check',
+           'block_order', 'BlockWindow', 'plot_pipelines']
 
 # %% ../../nbs/pipe/05_stages.ipynb #0beddaae
 import itertools, json, math
@@ -257,13 +257,17 @@ def state_of(self:ShuffleBuffer, snap) -> dict:
 def state_dict(self:ShuffleBuffer) -> dict: return self.state_of(self.snapshot())
 
 # %% ../../nbs/pipe/05_stages.ipynb #bb2a662a
+def same_settings(stage, state, what:str, mine:str, keys=('window', 'seed', 'stream')):
+    "Refuse `state` unless its `keys` are `stage`'s (a window's settings: an exact resume needs the same)."
+    for k in keys:
+        if state.get(k) != getattr(stage, k):
+            raise ValueError(f"{what} state has {k}={state.get(k)!r}, this {mine} has {k}={getattr(stage, k)!r}: "
+                             f"exact resume needs the same")
+
 @patch
 def load_state_dict(self:ShuffleBuffer, state):
     "Continue exactly from `state`, a `state_dict()`: the window's documents are fetched from the stage above."
-    for k in ('window', 'seed', 'stream'):
-        if state.get(k) != getattr(self, k):
-            raise ValueError(f"shuffle state has {k}={state.get(k)!r}, this buffer has {k}={getattr(self, k)!r}: "
-                             f"exact resume needs the same")
+    same_settings(self, state, 'shuffle', 'buffer')
     addrs = [_key(a) for a in state['addresses']]
     if len(addrs) > self.window: raise ValueError(f"shuffle state holds {len(addrs)} addresses for a window of "
                                                   f"{self.window}")
@@ -397,10 +401,7 @@ def state_dict(self:BlockWindow) -> dict:
 @patch
 def load_state_dict(self:BlockWindow, state):
     "Continue exactly from `state`, the stages above already loaded (at the block's start): the block is read again."
-    for k in ('window', 'seed', 'stream'):
-        if state.get(k) != getattr(self, k):
-            raise ValueError(f"window state has {k}={state.get(k)!r}, this window has {k}={getattr(self, k)!r}: "
-                             f"exact resume needs the same")
+    same_settings(self, state, 'window', 'window')
     block = check_int("window state['block']", state['block'], 0)
     offset = check_int("window state['offset']", state['offset'], 0)
     self.block, self.items, self.order, self.offset, self._above = max(block - 1, 0), [], [], 0, None
