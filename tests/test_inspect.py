@@ -65,3 +65,27 @@ def test_bad_input_exits_2_naming_it(run):
                       ((d/'tokens', '--steps', '5', '--data', d/'root', '--rank', '1'), 'hold [1] ranks: --rank 1 is none')]:
         r = cli(*args)
         assert r.returncode == 2 and msg in r.stderr and 'Traceback' not in r.stderr, (args, r.stderr)
+
+
+def test_steps_the_run_skipped_are_marked(run, tmp_path):
+    "A loss-spike restart: steps 5 and 6 skipped (`loader.skip(2)`); inspect over them says they were not trained on."
+    d, _ = run
+    tok_root, trained = d/'root', {}
+    with StreamingLoader(tok_root, 128, 4, shuffle_window=50, pack='bestfit', device='cpu') as ld:
+        for step in range(12):
+            if step == 5: ld.skip(2)
+            if step in (5, 6): continue
+            b = next(ld)
+            trained[step] = [[(s.start, s.length, s.offset) for s in row] for row in b.segments]
+            if step in (3, 7, 11): save_loader_states(tmp_path/f'step{step}', b.state, step + 1, rank=0, world_size=1)
+    r = cli(tmp_path, '--steps', '4..7', '--data', tok_root)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert 'steps 5..6 were skipped by the run (loader.skip): made, not trained on' in lines, lines[:4]
+    for step in (4, 5, 6, 7):
+        want = f'step {step}' + ('  (skipped: not trained on)' if step in (5, 6) else '')
+        assert want in lines, (step, [l for l in lines if l.startswith('step')])
+    i = lines.index('step 7')
+    rows = [l for l in lines[i + 1:] if l.startswith('  row')][:sum(map(len, trained[7]))]
+    got = [(int(l.split('[')[1].split(':')[0]), l.split('tokens ')[1].split(' ')[0].rstrip(',')) for l in rows]
+    assert got == [(a, f"{o:,}..{o + n:,}") for row in trained[7] for a, n, o in row]
