@@ -157,10 +157,11 @@ def bench_scale_text(shards=(1823,),     # shards in all (the last one the val s
     return rows
 
 # %% ../../nbs/bench/18b_bench_scale_text.ipynb #614e2b65
-_COLS = (('shards', 'shards', '{:,}'), ('first_batch_s', 'first batch s', '{:.2f}'),
+_COLS = (('shards', 'shards', '{:,}'), ('ranks', 'ranks', '{}'), ('first_batch_s', 'first batch s', '{:.2f}'),
          ('rss_base_mb', 'imports MiB', '{:.0f}'), ('rss_rank_mb', 'RSS/rank MiB', '{:.0f}'),
          ('state_kb', 'state KB', '{:.1f}'), ('fingerprint_kb', 'of it footers KB', '{:.1f}'),
          ('state_ms', 'state_dict ms', '{:.2f}'), ('big_s', '1,024: refused s', '{:.2f}'),
+         ('new_ranks', 'to ranks', '{}'),
          ('saved_kb', 'all states KB', '{:,.0f}'), ('read_s', 'read s', '{:.2f}'), ('build_s', 'build s', '{:.2f}'),
          ('rescale_s', 'rescale s', '{:.2f}'), ('first_after_s', 'then batch s', '{:.2f}'))
 
