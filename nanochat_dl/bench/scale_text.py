@@ -210,9 +210,17 @@ def _text_name(p:str, ext:str) -> str: return str(Path(p).with_suffix(f'.text{ex
 
 @call_parse
 def bench_scale_all_cli(loader:str='both',       # 'tokens' (pre-tokenized), 'text' (PackedLoader) or 'both'
-                        docs:str='1e6', files:str=None, ranks:int=1024, rank:int=517, workers:int=4,
-                        new_ranks:int=768, batch_size:int=8, seq_len:int=2048, seed:int=0, shuffle_window:int=10_000,
-                        rescale_upto:str='1e7',  # (the pre-tokenized half's flags: `bench_scale_cli`'s)
+                        docs:str='1e6',          # tokens: documents in all, comma-separated runs (1e6,1e7,1e8,1e9)
+                        files:str=None,          # tokens: token files per run (default: one per 10,000 documents)
+                        ranks:int=1024,          # the big job's ranks (text: its rank is refused or measured)
+                        rank:int=517,            # the big job's rank measured
+                        workers:int=4,           # tokens: DataLoader workers per rank
+                        new_ranks:int=768,       # tokens: the world size of the rescale
+                        batch_size:int=8,        # rows per batch
+                        seq_len:int=2048,        # tokens per input row
+                        seed:int=0,              # of the synthetic data and the loader
+                        shuffle_window:int=10_000,   # tokens: the loader's shuffle window (documents per dataset)
+                        rescale_upto:str='1e7',  # tokens: save all states and rescale, up to this many documents
                         shards:str='1823',       # text: shards in all (FineWeb-Edu: 1,823), comma-separated runs
                         text_ranks:int=55,       # text: the world of the rank measured (nanochat's striding serves 55)
                         text_rank:int=27,        # text: the rank measured
@@ -226,8 +234,10 @@ def bench_scale_all_cli(loader:str='both',       # 'tokens' (pre-tokenized), 'te
         print(f"nanochat-dl bench-scale: error: --loader {loader!r}: expected tokens, text or both", file=sys.stderr)
         return 2
     if loader != 'text':
-        rc = bench_scale_cli.__wrapped__(docs, files, ranks, rank, workers, new_ranks, batch_size, seq_len, seed,
-                                         shuffle_window, rescale_upto, plot, json_out)
+        rc = bench_scale_cli.__wrapped__(docs=docs, files=files, ranks=ranks, rank=rank, workers=workers,
+                                         new_ranks=new_ranks, batch_size=batch_size, seq_len=seq_len, seed=seed,
+                                         shuffle_window=shuffle_window, rescale_upto=rescale_upto, plot=plot,
+                                         json_out=json_out)
         if rc or loader == 'tokens': return rc
     return _text_cli(shards, text_ranks, text_rank, text_new_ranks, ranks, rank, batch_size, seq_len, threads, seed,
                      plot and (_text_name(plot, '.png') if loader == 'both' else plot),
