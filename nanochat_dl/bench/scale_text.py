@@ -206,8 +206,6 @@ from fastcore.script import call_parse
 from ..core import check_int
 from .scale import bench_scale_cli
 
-def _text_name(p:str, ext:str) -> str: return str(Path(p).with_suffix(f'.text{ext}'))
-
 @call_parse
 def bench_scale_all_cli(loader:str='both',       # 'tokens' (pre-tokenized), 'text' (PackedLoader) or 'both'
                         docs:str='1e6',          # tokens: documents in all, comma-separated runs (1e6,1e7,1e8,1e9)
@@ -244,6 +242,8 @@ def bench_scale_all_cli(loader:str='both',       # 'tokens' (pre-tokenized), 'te
                      json_out and (_text_name(json_out, '.json') if loader == 'both' else json_out))
 
 # %% ../../nbs/bench/18b_bench_scale_text.ipynb #d69767f7
+def _text_name(p:str, ext:str) -> str: return str(Path(p).with_suffix(f'.text{ext}'))
+
 def _text_cli(shards, text_ranks, text_rank, text_new_ranks, ranks, rank, B, T, threads, seed, plot, json_out):
     "The text half of `bench-scale`: the flags checked, the runs, the table, the plot and rows written."
     try:
