@@ -52,8 +52,9 @@ COMMANDS = {   # name: (the subpackage that has its function, the function, what
     'bench-peers':     ('nanochat_dl.bench',  'bench_peers_cli',
                         "benchmark the pre-tokenized loader against Mosaic streaming, LitData and torchdata "
                         "(the 'bench' extra)"),
-    'bench-scale':     ('nanochat_dl.bench',  'bench_scale_cli',
-                        'one rank of a 1,024-rank job over a synthetic root: first batch, memory, state, rescale'),
+    'bench-scale':     ('nanochat_dl.bench',  'bench_scale_all_cli',
+                        'one rank of a 1,024-rank job over data that exists only as metadata (pre-tokenized, text): '
+                        'first batch, memory, state, rescale'),
     'check-resume':    ('nanochat_dl.bench',  'check_resume_cli',
                         'stop, save, resume (and rescale) a loader with your settings; compare with a run that never '
                         'stopped'),

@@ -73,6 +73,8 @@ _WHERE = {
     'stdlib_documents': '.sample',
     'check_utf8_errors': '.shards',
     'column_texts': '.shards',
+    'DESCRIBED': '.shards',
+    'described_shard': '.shards',
     'group_rows': '.shards',
     'group_text_bytes': '.shards',
     'open_shard': '.shards',

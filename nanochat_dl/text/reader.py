@@ -45,7 +45,9 @@ class RowGroupReader:
                  text_column='text',        # the string column with one document per row
                  balanced=False,            # stride over the whole split instead of file by file
                  utf8_errors='strict'):     # 'strict': text that is not UTF-8 stops the run; 'replace': U+FFFD
-        self.files = [Path(p).absolute() for p in files]   # absolute: a later chdir must not lose them
+        # absolute: a later chdir must not lose them (absolute `Path`s kept as they are: a rescale makes a reader per
+        # saved state over the same list of shards)
+        self.files = [p if isinstance(p, Path) and p.is_absolute() else Path(p).absolute() for p in files]
         if not self.files: raise ValueError("RowGroupReader needs at least one shard file, got none")
         for name, v, lo in (('world_size', world_size, 1), ('batch_size', batch_size, 1), ('seed', seed, 0)):
             check_int(name, v, lo)
@@ -139,6 +141,11 @@ def _epoch_plan(self: RowGroupReader, epoch):
     return self._plan
 
 # %% ../../nbs/text/03a_reader.ipynb #eada9d00
+def _per_file(counts) -> str:
+    "Row groups per file as an error says it: the list for a few files, its head and range for many."
+    if len(counts) <= 8: return f"{counts}"
+    return f"[{', '.join(map(str, counts[:4]))}, ... ({len(counts):,} files, {min(counts)} to {max(counts)} each)]"
+
 @patch
 def _no_work(self: RowGroupReader) -> ValueError:
     "The error for a rank that has no document to read in a whole epoch, saying why and what would help."
@@ -149,19 +156,19 @@ def _no_work(self: RowGroupReader) -> ValueError:
         folders = sorted({str(Path(f).parent) for f in self.files})
         names = ', '.join(Path(f).name for f in self.files[:5]) + (', ...' if len(self.files) > 5 else '')
         return ValueError(f"{who} has no documents to read: the {len(self.files)} shard file(s) ({names}) in "
-                          f"{', '.join(folders)} hold no documents ({counts} row groups per file, every one empty "
-                          f"or none at all). Put shards with documents there")
+                          f"{', '.join(folders)} hold no documents ({_per_file(counts)} row groups per file, every "
+                          f"one empty or none at all). Put shards with documents there")
     if self.balanced:
         return ValueError(f"{who} has no documents to read: the split has {len(full)} non-empty row groups in all "
-                          f"({counts} row groups per file). Use world_size <= {len(full)}, or shards with more row "
-                          "groups")
+                          f"({_per_file(counts)} row groups per file). Use world_size <= {len(full)}, or shards with "
+                          "more row groups")
     # nanochat's striding: rank r owns row groups g with g % world_size == r; the largest W such that every
     # world size up to W gives each rank a non-empty row group
     ok = lambda W: len({g % W for _, g in full}) == W
     most = next(W for W in range(1, max(counts) + 2) if not ok(W)) - 1
     return ValueError(
         f"{who} has no documents to read: it owns row groups {self.rank}, {self.rank + self.world_size}, ... "
-        f"of each file, and the {len(counts)} files have {counts} row groups (none of its own non-empty). "
+        f"of each file, and the {len(counts)} files have {_per_file(counts)} row groups (none of its own non-empty). "
         f"Use world_size <= {most}, or shards with more non-empty row groups")
 
 # %% ../../nbs/text/03a_reader.ipynb #54896f8a
