@@ -88,6 +88,7 @@ class _Footer:
 class SyntheticShard:
     "A parquet shard that exists only as its folder's description: read like a `pq.ParquetFile`, texts made when read."
     schema_arrow = pa.schema([('text', pa.string())])
+    shard_opener = True                               # (`described_shard` opens only what says so)
     def __init__(self, path,      # `shard_NNNNN.parquet` of the described folder
                  spec:dict):      # the description (`describe_text`)
         m = re.fullmatch(r'shard_(\d+)\.parquet', Path(path).name)

@@ -77,12 +77,16 @@ def described_shard(path):   # a shard path whose file does not exist
     except OSError: return None
     key, got = (st.st_mtime_ns, st.st_size), _OPENERS.get(str(d))
     if got is None or got[0] != key:
-        spec = json.loads(d.read_bytes())
-        mod, _, name = str(spec.get('opener', '')).partition(':')
+        try: spec = json.loads(d.read_bytes())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e: raise ValueError(f"{d}: not a JSON description ({e})")
+        mod, _, name = str(spec.get('opener', '') if isinstance(spec, dict) else '').partition(':')
         if not (mod.startswith('nanochat_dl.') and name):
-            raise ValueError(f"{d}: opener {spec.get('opener')!r:.80} is invalid: expected "
-                             "'nanochat_dl.<module>:<name>'")
-        got = _OPENERS[str(d)] = key, getattr(importlib.import_module(mod), name), spec
+            raise ValueError(f"{d}: opener {spec.get('opener') if isinstance(spec, dict) else spec!r:.80} is invalid: "
+                             "expected {'opener': 'nanochat_dl.<module>:<name>', ...}")
+        f = getattr(importlib.import_module(mod), name, None)
+        if not getattr(f, 'shard_opener', False):     # (a data folder names no other code)
+            raise ValueError(f"{d}: {mod}:{name} is not a shard opener (one whose `shard_opener` is True)")
+        got = _OPENERS[str(d)] = key, f, spec
     return got[1](Path(path), got[2])
 
 # %% ../../nbs/text/03_shards.ipynb #b85c90da
