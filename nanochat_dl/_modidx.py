@@ -2543,6 +2543,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                     'nanochat_dl/tokens/workers.py'),
                                             'nanochat_dl.tokens.workers._die_with': ( 'tokens/workers.html#_die_with',
                                                                                       'nanochat_dl/tokens/workers.py'),
+                                            'nanochat_dl.tokens.workers._load_core': ( 'tokens/workers.html#_load_core',
+                                                                                       'nanochat_dl/tokens/workers.py'),
                                             'nanochat_dl.tokens.workers._serve_tokenize': ( 'tokens/workers.html#_serve_tokenize',
                                                                                             'nanochat_dl/tokens/workers.py'),
                                             'nanochat_dl.tokens.workers.drop_temps': ( 'tokens/workers.html#drop_temps',
