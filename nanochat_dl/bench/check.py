@@ -240,7 +240,7 @@ def demo_token_root(shards,           # the demo's shard folder
 def check_resume_cli(loader:str='text',       # text (PackedLoader over parquet shards) or tokens (StreamingLoader)
                      # text: the shard folder; tokens: the token root (default: the demo's data, made offline)
                      data:str=None,
-                     tokenizer_dir:str=None,  # text: a tokenizer folder or tokenizer.json (default: the cache's; trained)
+                     tokenizer_dir:str=None,  # text: a tokenizer folder or tokenizer.json (default: the cache's)
                      B:int=8,                 # rows per batch
                      T:int=512,               # tokens per row
                      pack:str=None,           # the packing strategy (default: the loader's)

@@ -191,7 +191,7 @@ def inspect_cli(state:str,             # a state file, a checkpoint folder, or a
                 steps:str=None,        # A..B: the steps to show (or one step A); required
                 # the data the run read: text shards (default: $NANOCHAT_DL_DATA_DIR or the cache's), or the token root
                 data:str=None,
-                tokenizer_dir:str=None,   # the run's tokenizer, a folder or tokenizer.json (text: needed; tokens: --decode)
+                tokenizer_dir:str=None,   # the run's tokenizer: a folder or tokenizer.json (text; tokens: --decode)
                 rank:int=0,            # the rank whose state is read, from a checkpoint folder
                 rows:str=None,         # the rows shown, e.g. 0,3 (default: all)
                 decode:bool=False,     # show the text of each piece
