@@ -6,7 +6,7 @@
 __all__ = ['BOS_NAMES', 'EOS_NAMES', 'HF_FILE', 'MAX_IDS', 'MAX_TEXT_IDS', 'HF_ID_KEYS', 'check_vocab', 'hf_module', 'pick_token',
            'Adapted', 'EncodingTokenizer', 'HFCore', 'HFTokenizer', 'as_tokenizer', 'load_tokenizer']
 
-# %% ../../nbs/text/04a_adapt.ipynb #e1621eba
+# %% ../../nbs/text/04a_adapt.ipynb #2da69e72
 import itertools, json, operator, os, pickle
 from pathlib import Path
 import numpy as np
@@ -14,7 +14,7 @@ import tiktoken
 from fastcore.basics import patch
 from .tokenizer import META_FILE, Tokenizer, encoding_sha, get_tokenizer
 
-# %% ../../nbs/text/04a_adapt.ipynb #675df74a
+# %% ../../nbs/text/04a_adapt.ipynb #69f5a5bc
 BOS_NAMES = ('<|bos|>', '<|begin_of_text|>', '<|startoftext|>', '<s>', '<bos>', '<|endoftext|>', '[CLS]')
 EOS_NAMES = ('<|eos|>', '<|end_of_text|>', '<|endoftext|>', '</s>', '<eos>', '[SEP]')
 HF_FILE = 'tokenizer.json'   # the file a Hugging Face tokenizer is saved in
@@ -22,7 +22,7 @@ MAX_IDS = 2**32        # token files hold uint32 ids: a vocabulary of at most 2*
 MAX_TEXT_IDS = 2**31   # the text loader's encoders hand int32 arrays (`FlatDocs`): at most 2**31 ids
 HF_ID_KEYS = ('added_tokens', 'normalizer', 'pre_tokenizer', 'model')   # what decides a tokenizer.json's ids
 
-# %% ../../nbs/text/04a_adapt.ipynb #cc47d067
+# %% ../../nbs/text/04a_adapt.ipynb #30733a67
 def check_vocab(tokenizer,             # anything with `get_vocab_size()`
                 limit:int=MAX_IDS,     # the most ids allowed
                 why:str="token files hold uint32 ids",  # why, for the message
@@ -42,7 +42,7 @@ def hf_module(why:str="a Hugging Face tokenizer"):  # what needs it, for the mes
                           "pip install tokenizers") from None
     return tokenizers
 
-# %% ../../nbs/text/04a_adapt.ipynb #f234feea
+# %% ../../nbs/text/04a_adapt.ipynb #79ceb8f4
 def pick_token(tok,           # an adapter: `_special` ({token: id}), `n_vocab`, `_lookup(str)`, `_name(id)`
                what:str,      # 'bos' or 'eos', for messages
                given=None,    # a token (str), an id (int), or None: look for `names`
@@ -70,7 +70,7 @@ def pick_token(tok,           # an adapter: `_special` ({token: id}), `n_vocab`,
         raise ValueError(f"{what}={i} is not an id of {tok!r}: expected an id in its vocabulary "
                          f"[0, {tok.n_vocab})") from None
 
-# %% ../../nbs/text/04a_adapt.ipynb #8ab0c624
+# %% ../../nbs/text/04a_adapt.ipynb #ab80084a
 class Adapted:
     "What the adapters share: BOS and EOS found or given, the vocabulary checked, the fingerprint."
     def _setup(self, bos, eos):
@@ -99,7 +99,7 @@ class Adapted:
         return f"{type(self).__name__}({self.name!r}, vocab_size={self.n_vocab}, bos={bos[0]!r}:{bos[1]})"
 
 
-# %% ../../nbs/text/04a_adapt.ipynb #260f8ade
+# %% ../../nbs/text/04a_adapt.ipynb #675775d8
 class EncodingTokenizer(Adapted, Tokenizer):
     "A `tiktoken.Encoding` as a `Tokenizer`: BOS and EOS among its special tokens, or given (a token or an id)."
     def __init__(self, enc:tiktoken.Encoding,  # the encoding: split pattern, mergeable ranks, special tokens
@@ -121,7 +121,7 @@ class EncodingTokenizer(Adapted, Tokenizer):
 
     def ids_sha(self) -> str: return encoding_sha(self.enc)
 
-# %% ../../nbs/text/04a_adapt.ipynb #4dd06f47
+# %% ../../nbs/text/04a_adapt.ipynb #d5b9deb4
 def _clean(t):   # tiktoken's way with lone surrogates: each becomes U+FFFD
     return t.encode('utf-16', 'surrogatepass').decode('utf-16', 'replace') if isinstance(t, str) else t
 
@@ -158,7 +158,7 @@ class HFCore:
         ids = itertools.chain.from_iterable(itertools.chain((bos,), r) for r in rows)
         return lens, np.fromiter(ids, np.int32, int(lens.sum()))
 
-# %% ../../nbs/text/04a_adapt.ipynb #e5229bae
+# %% ../../nbs/text/04a_adapt.ipynb #4bb97f71
 class HFTokenizer(Adapted):
     "A Hugging Face `tokenizers.Tokenizer` with this package's tokenizer interface; BOS and EOS found or given."
     def __init__(self, tok,          # a `tokenizers.Tokenizer`
@@ -184,7 +184,7 @@ class HFTokenizer(Adapted):
         return hashlib.sha256(self._canonical.encode()).hexdigest()[:16]
     def to_str(self) -> str: return self.core.json
 
-# %% ../../nbs/text/04a_adapt.ipynb #4cf60030
+# %% ../../nbs/text/04a_adapt.ipynb #742cf5c9
 @patch
 def _token_id(self:HFTokenizer, tok, what) -> int: return pick_token(self, what, tok)[1]
 
@@ -217,7 +217,7 @@ def encode_special(self:HFTokenizer, text:str) -> int:
 @patch
 def id_to_token(self:HFTokenizer, id:int) -> str: return self._name(id)
 
-# %% ../../nbs/text/04a_adapt.ipynb #23ff57f1
+# %% ../../nbs/text/04a_adapt.ipynb #149342c4
 def as_tokenizer(tokenizer,  # a `Tokenizer`, tiktoken `Encoding`, `tokenizers.Tokenizer`, a path, or a duck
                  bos=None,   # the BOS: a token or an id (None: the tokenizer's own, or the first of `BOS_NAMES`)
                  eos=None):  # the EOS: a token or an id (None: the first of `EOS_NAMES` it has)
@@ -241,15 +241,15 @@ def as_tokenizer(tokenizer,  # a `Tokenizer`, tiktoken `Encoding`, `tokenizers.T
                     "Encoding, a Hugging Face tokenizers.Tokenizer, the path of a tokenizer.json or of a saved "
                     "tokenizer's folder, or an object with encode() and get_bos_token_id()")
 
-# %% ../../nbs/text/04a_adapt.ipynb #34a3ee2f
+# %% ../../nbs/text/04a_adapt.ipynb #b21d8b04
 def load_tokenizer(path=None,  # a saved `Tokenizer`'s folder, a tokenizer.json, or a folder of one (None: the default)
                    bos=None,   # the BOS, as `as_tokenizer` takes it
                    eos=None):  # the EOS, as `as_tokenizer` takes it
     "The tokenizer at `path`: a folder `Tokenizer.save` wrote (default: `get_tokenizer_dir()`) or a tokenizer.json."
     if path is None: return as_tokenizer(get_tokenizer(), bos, eos)
     p = Path(path).expanduser()
-    if p.is_dir():
-        if (p/META_FILE).exists() or not (p/HF_FILE).exists(): return as_tokenizer(get_tokenizer(p), bos, eos)
+    if p.is_dir() or (not p.exists() and p.suffix != '.json'):   # a folder (a missing one: `get_tokenizer` says so)
+        if (p/META_FILE).exists() or not (p/HF_FILE).is_file(): return as_tokenizer(get_tokenizer(p), bos, eos)
         p = p/HF_FILE
     if not p.is_file():
         raise FileNotFoundError(f"no tokenizer at {p}: expected a tokenizer.json (Hugging Face tokenizers) or a "

@@ -151,7 +151,7 @@ class ProcessEncoder:
         self.bos = int(tokenizer.get_bos_token_id())
         enc = _core(tokenizer)
         if enc is None:
-            raise TypeError(f"ProcessEncoder needs a tokenizer with a tiktoken or Hugging Face core, got "
+            raise TypeError(f"ProcessEncoder needs a tokenizer with a tiktoken core (or a Hugging Face one), got "
                             f"{type(tokenizer).__name__}; use DocEncoder (threads) for other tokenizers")
         init = pickle.dumps((enc, self.bos) if hasattr(enc, 'json') else   # (a Hugging Face core: as its JSON)
                             (enc.name, enc._pat_str, enc._mergeable_ranks, enc._special_tokens, self.bos))
