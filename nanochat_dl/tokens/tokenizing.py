@@ -468,8 +468,7 @@ def tokenize_cli(data_dir:str=None,       # parquet text shards (else $NANOCHAT_
     "Tokenize parquet shards into fms-fsdp's arrow layout; exit 2 for bad arguments, 1 for failures, 130 on Ctrl-C."
     err = lambda msg: print(f"nanochat-dl tokenize: error: {msg}", file=sys.stderr)
     uri = out is not None and not is_local(out)
-    if tokenizer is not None and tokenizer_dir is not None:
-        err("give --tokenizer or --tokenizer-dir, not both (both name the tokenizer)"); return 2
+    if tokenizer and tokenizer_dir: err("give --tokenizer or --tokenizer-dir, not both (both name it)"); return 2
     args = (data_dir, out, dataset, tokenizer_dir or tokenizer, Workers, rank, world_size, split, text_column,
             overwrite, wait)
     try: p = (_prepare_uri(*args, stage_dir, cache_dir, cache_size, utf8_errors, keep_empty) if uri
