@@ -136,7 +136,10 @@ class HFCore:
         if self._tok is None:
             t = hf_module().Tokenizer.from_str(self.json)
             t.no_truncation(); t.no_padding()
-            t.encode_special_tokens = True   # '<s>' in a document is text, as in tiktoken's ordinary encoding
+            try: t.encode_special_tokens = True   # '<s>' in a document is text, as in tiktoken's ordinary encoding
+            except AttributeError:
+                raise ImportError("this version of `tokenizers` cannot encode special tokens' text as text "
+                                  "(no encode_special_tokens): pip install -U tokenizers") from None
             self._tok = t
         return self._tok
 

@@ -51,10 +51,12 @@ CORE_FILE = 'tokenizer-core.pkl'   # a tokenizer given as an object: its core, p
 
 def _load_core(src:str):
     "What a worker encodes with: the core the parent pickled (`CORE_FILE`), else the tokenizer at path `src`'s."
-    if Path(src).name == CORE_FILE: return pickle.loads(Path(src).read_bytes())   # (written by this package)
-    from nanochat_dl.text.adapt import load_tokenizer   # a saved folder, or a Hugging Face tokenizer.json
-    tok = load_tokenizer(src)
-    return getattr(tok, 'core', None) or tok.enc
+    from nanochat_dl.text.tokenizer import META_FILE, Tokenizer
+    from nanochat_dl.text.adapt import HF_FILE, load_tokenizer
+    p = Path(src)
+    if p.name == CORE_FILE: return pickle.loads(p.read_bytes())   # (written by this package)
+    if p.is_file() or (p/HF_FILE).is_file() and not (p/META_FILE).exists(): return load_tokenizer(p).core   # HF
+    return Tokenizer.load(p).enc   # a saved folder (a missing one: its message)
 
 def _serve_tokenize(tokenizer_dir, parent=None):   # parent: the pid of the process that started it (it ends with it)
     "A worker process: load the tokenizer, say `ready`, then tokenize one shard per JSON line of stdin, answering JSON."
