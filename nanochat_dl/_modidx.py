@@ -1116,6 +1116,7 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                         'nanochat_dl.text.adapt.as_tokenizer': ( 'text/adapt.html#as_tokenizer',
                                                                                  'nanochat_dl/text/adapt.py'),
                                         'nanochat_dl.text.adapt.check_vocab': ('text/adapt.html#check_vocab', 'nanochat_dl/text/adapt.py'),
+                                        'nanochat_dl.text.adapt.core_of': ('text/adapt.html#core_of', 'nanochat_dl/text/adapt.py'),
                                         'nanochat_dl.text.adapt.hf_module': ('text/adapt.html#hf_module', 'nanochat_dl/text/adapt.py'),
                                         'nanochat_dl.text.adapt.load_tokenizer': ( 'text/adapt.html#load_tokenizer',
                                                                                    'nanochat_dl/text/adapt.py'),

@@ -184,6 +184,11 @@ def test_errors_name_the_tokenizer_the_value_and_what_was_expected(env, tmp_path
     with pytest.raises(ValueError, match=r"Huge\(\) has a vocabulary of 4,294,967,297 ids, more than 4,294,967,296: "
                                          "token files hold uint32 ids"):
         tokenize(env['dir'] / 'text', tmp_path / 'r', 'web', tokenizer=Huge(len, 0), progress=False, verbose=False)
+    class Duck(Own):   # a tokenizer the loaders take (its own encode, in threads), but no core for tokenize's workers
+        def get_vocab_size(self): return 600
+        def __repr__(self): return 'Duck()'
+    with pytest.raises(ValueError, match=r"Duck\(\) has no tiktoken or Hugging Face core for worker processes"):
+        tokenize(env['dir'] / 'text', tmp_path / 'r', 'web', tokenizer=Duck(len, 0), progress=False, verbose=False)
     with pytest.raises(TypeError, match="tokenizer=3 is not a tokenizer"): as_tokenizer(3)
     with pytest.raises(ValueError, match="pass tokenizer or tokenizer_dir, not both"):
         tokenize(env['dir'] / 'text', tmp_path / 'r', 'web', env['dir'], tokenizer=env['hf'])

@@ -6,6 +6,7 @@ _WHERE = {
     'as_tokenizer': '.adapt',
     'BOS_NAMES': '.adapt',
     'check_vocab': '.adapt',
+    'core_of': '.adapt',
     'EncodingTokenizer': '.adapt',
     'EOS_NAMES': '.adapt',
     'HF_FILE': '.adapt',

@@ -4,7 +4,7 @@
 
 # %% auto #0
 __all__ = ['BOS_NAMES', 'EOS_NAMES', 'HF_FILE', 'MAX_IDS', 'MAX_TEXT_IDS', 'HF_ID_KEYS', 'check_vocab', 'hf_module', 'pick_token',
-           'Adapted', 'EncodingTokenizer', 'HFCore', 'HFTokenizer', 'as_tokenizer', 'load_tokenizer']
+           'Adapted', 'EncodingTokenizer', 'HFCore', 'HFTokenizer', 'as_tokenizer', 'load_tokenizer', 'core_of']
 
 # %% ../../nbs/text/04a_adapt.ipynb #2da69e72
 import itertools, json, operator, os, pickle
@@ -261,3 +261,13 @@ def load_tokenizer(path=None,  # a saved `Tokenizer`'s folder, a tokenizer.json,
     try: tok = hf.Tokenizer.from_file(str(p))
     except Exception as e: raise ValueError(f"{p}: not a Hugging Face tokenizer.json ({e})") from None
     return HFTokenizer(tok, bos, eos, name=str(p))
+
+# %% ../../nbs/text/04a_adapt.ipynb #f71e0c3c
+def core_of(tokenizer):  # an adapted tokenizer, this package's, or nanochat's
+    "The tokenizer's `tiktoken.Encoding` or `HFCore`, what worker processes rebuild; a `ValueError` for other ones."
+    core = getattr(tokenizer, 'core', None) or getattr(tokenizer, 'enc', None)
+    if core is None: core = tokenizer if isinstance(tokenizer, (tiktoken.Encoding, HFCore)) else None
+    if core is None:
+        raise ValueError(f"{tokenizer!r} has no tiktoken or Hugging Face core for worker processes to rebuild: "
+                         "expected a Tokenizer, a tiktoken Encoding or a Hugging Face tokenizer (`as_tokenizer`)")
+    return core

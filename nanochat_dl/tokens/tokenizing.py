@@ -139,13 +139,13 @@ def _prepare(data_dir, out, dataset, tokenizer_dir, workers, rank, world_size, s
 def _prepare_rest(root, dataset, shards, cache, where, workers, rank, world, split, text_column, overwrite, wait,
                   tokenizer_dir) -> SimpleNamespace:
     "`_prepare` once the shards are known: the text column, the tokenizer, and the target root checked."
-    from nanochat_dl.text.adapt import as_tokenizer, check_vocab, load_tokenizer
+    from nanochat_dl.text.adapt import as_tokenizer, check_vocab, core_of, load_tokenizer
     _check_text_column((shards[rank::world] or shards)[0] if cache is not None else shards[0], text_column)   # fetched
     if tokenizer_dir is None or isinstance(tokenizer_dir, (str, os.PathLike)):   # a folder or a tokenizer.json
         tok_dir = (get_tokenizer_dir() if tokenizer_dir is None else Path(tokenizer_dir)).expanduser().absolute()
         tok = load_tokenizer(tok_dir)
     else: tok = tok_dir = as_tokenizer(tokenizer_dir)   # an object (`tokenizer=`): its core goes to the workers
-    check_vocab(tok)
+    check_vocab(tok); core_of(tok)   # (the workers rebuild its core: an error now if it has none)
     p = SimpleNamespace(root=root, dataset=dataset, shards=shards, workers=workers, rank=rank, world=world,
                         text_column=text_column, overwrite=overwrite, wait=wait, tok_dir=tok_dir,
                         tok=tokenizer_record(tok), manifest=read_manifest(root), cache=cache)

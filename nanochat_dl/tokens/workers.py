@@ -138,8 +138,9 @@ def run_tasks(tasks,                # `[(src, dst)]`: parquet shards and the tok
     todo, out, answers, pool = list(tasks), {}, queue.Queue(), []
     with tempfile.TemporaryDirectory(prefix='nanochat-dl-tokenize-') as cwd:
         if not isinstance(tokenizer_dir, (str, os.PathLike)):   # an object: its core travels as a pickle
-            core = getattr(tokenizer_dir, 'core', None) or getattr(tokenizer_dir, 'enc', tokenizer_dir)
-            tokenizer_dir = Path(cwd)/CORE_FILE; tokenizer_dir.write_bytes(pickle.dumps(core))
+            from nanochat_dl.text.adapt import core_of
+            core, tokenizer_dir = core_of(tokenizer_dir), Path(cwd)/CORE_FILE
+            tokenizer_dir.write_bytes(pickle.dumps(core))
         try:
             pool += [_Worker(tokenizer_dir, cwd, answers) for _ in range(min(workers, len(todo)))]
             live = len(pool)
