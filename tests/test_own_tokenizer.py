@@ -209,3 +209,23 @@ def test_check_resume_and_inspect_take_a_tokenizer_json(env, tmp_path, capsys):
     assert main(['check-resume', '--data', str(env['dir'] / 'text'), '--tokenizer-dir', tj, '--batches', '6',
                  '--stop', '3', '-b', '2', '-t', '32']) == 0
     assert 'PASS' in capsys.readouterr().out
+
+
+def test_inspect_decodes_with_a_tokenizer_json(env, tmp_path, capsys):
+    "`inspect --tokenizer-dir tokenizer.json --decode` replays a run of that tokenizer and shows its text; another is refused."
+    from nanochat_dl.tokens.elastic import save_loader_states
+    tj = env['dir'] / 'tokenizer.json'
+    with PackedLoader(str(tj), 2, 64, data_dir=env['dir'] / 'text', tokenizer_threads=1, device='cpu') as ld:
+        for step in range(6):
+            b = next(ld)
+            if step == 3: save_loader_states(tmp_path / 'ckpt', b.state, step, rank=0, world_size=1)
+    texts = [as_tokenizer(env['hf']).decode(row[1:].tolist())[:20] for row in b.inputs if row[0] == 0]
+    capsys.readouterr()
+    assert main(['inspect', str(tmp_path / 'ckpt'), '--steps', '5', '--data', str(env['dir'] / 'text'),
+                 '--tokenizer-dir', str(tj), '--decode']) == 0
+    out = capsys.readouterr().out
+    assert 'step 5' in out and any(t.strip()[:10] in out for t in texts), out[-2000:]
+    env['ours'].save(tmp_path / 'ours')
+    assert main(['inspect', str(tmp_path / 'ckpt'), '--steps', '5', '--data', str(env['dir'] / 'text'),
+                 '--tokenizer-dir', str(tmp_path / 'ours')]) == 2
+    assert 'different tokenizer' in capsys.readouterr().err
