@@ -155,7 +155,7 @@ def _dropin_resume(loader,  # a `PackedLoader` that has handed out no batch
 
 # %% ../nbs/text/10_dataloader.ipynb #efbb7ad4
 def tokenizing_distributed_data_loader_with_state_bos_bestfit(
-        # nanochat's tokenizer (or this package's): `encode`, `get_bos_token_id`; a tiktoken core is driven directly
+        # nanochat's tokenizer, this package's, a tiktoken Encoding, a Hugging Face tokenizer or a path (`as_tokenizer`)
         tokenizer,
         B,                          # rows per batch
         T,                          # tokens per row

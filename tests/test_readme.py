@@ -60,6 +60,13 @@ CHECKS = {
     'loader.load_state_dict(': "with PackedLoader(tok, 32, 2048) as ref: want = [next(ref) for _ in range(step + 2)][-1]"
                                "\nassert (next(loader)[0] == want[0]).all(); loader.close()",
 }
+CHECKS['hf.save("my_tokenizer.json")'] = (   # the BOS found among its special tokens, the fingerprint in the state
+    "assert (first.inputs[:, 0] == hf.token_to_id('<|bos|>')).all() and first.inputs.shape == (8, 512)"
+    "\nassert first.state['fingerprint']['tokenizer'] == as_tokenizer(hf).fingerprint()")
+CHECKS['TokenRoot("~/tokens-hf"'] = (   # the manifest names the tokenizer; this package's own is refused there
+    "from nanochat_dl import get_tokenizer\nimport pytest"
+    "\nwith pytest.raises(ValueError, match='tokenized with another tokenizer'): TokenRoot('~/tokens-hf', "
+    "tokenizer=get_tokenizer())")
 GIVEN = {'all_states = [None] * ddp_world_size': "ddp, ddp_world_size, dataloader_state_dict = False, 1, state"}
 
 DRIVER = r'''

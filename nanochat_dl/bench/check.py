@@ -16,7 +16,7 @@ from ..text.rescale import open_epoch
 from ..tokens.loader import StreamingLoader, open_epochs
 from .demo import batch_digest, ensure_shards, ensure_tokenizer
 from ..text.dataset import list_parquet_files
-from ..text.tokenizer import get_tokenizer
+from ..text.adapt import load_tokenizer
 
 LOADERS = ('text', 'tokens')   # PackedLoader over parquet text, StreamingLoader over a token root
 
@@ -240,7 +240,7 @@ def demo_token_root(shards,           # the demo's shard folder
 def check_resume_cli(loader:str='text',       # text (PackedLoader over parquet shards) or tokens (StreamingLoader)
                      # text: the shard folder; tokens: the token root (default: the demo's data, made offline)
                      data:str=None,
-                     tokenizer_dir:str=None,  # text: the tokenizer (default: the cache's; trained when missing)
+                     tokenizer_dir:str=None,  # text: a tokenizer folder or tokenizer.json (default: the cache's)
                      B:int=8,                 # rows per batch
                      T:int=512,               # tokens per row
                      pack:str=None,           # the packing strategy (default: the loader's)
@@ -261,7 +261,7 @@ def check_resume_cli(loader:str='text',       # text (PackedLoader over parquet 
             raise ValueError(f"--data {data}: no parquet shards there (sample shards are written only for the demo's "
                              f"data, when --data is not given)")
         if loader == 'text' or data is None:                 # a tokenizer named must be there: trained only by default
-            tok = ensure_tokenizer(shards, None, 8192) if tokenizer_dir is None else get_tokenizer(tokenizer_dir)
+            tok = ensure_tokenizer(shards, None, 8192) if tokenizer_dir is None else load_tokenizer(tokenizer_dir)
         where = shards if loader == 'text' else Path(data) if data else demo_token_root(shards, tokenizer_dir)
         make = loader_maker(loader, where, B, T, tok, **kw)
         print(f"check-resume: {loader} loader over {where}, B={B} T={T}, settings {kw or 'the defaults'}")

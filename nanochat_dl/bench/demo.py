@@ -14,7 +14,8 @@ from pathlib import Path
 import numpy as np
 from fastcore.script import call_parse
 from ..core import usable_folder, get_data_dir, get_base_dir, get_tokenizer_dir, check_int, local_location
-from ..text import list_parquet_files, make_sample_shards, get_tokenizer, train_tokenizer
+from ..text import list_parquet_files, make_sample_shards, train_tokenizer
+from ..text.adapt import load_tokenizer
 from ..pipe import STRATEGIES, PackedBatch, show_batch, percent, resolve_device
 from ..text import PackedLoader, metrics_table
 
@@ -32,7 +33,7 @@ def ensure_tokenizer(data_dir,       # the shards to train on, when a tokenizer 
                      out=print):     # where to say what it does
     "The tokenizer in `tokenizer_dir` (default: the cache's), trained on `data_dir`'s train shards when missing."
     tdir = get_tokenizer_dir() if tokenizer_dir is None else local_location(tokenizer_dir, 'tokenizer_dir')
-    try: return get_tokenizer(tdir)
+    try: return load_tokenizer(tdir)   # a saved folder, or a Hugging Face tokenizer.json
     except FileNotFoundError: pass
     out(f"no tokenizer in {tdir}: training one (vocab {vocab_size:,}) on the train shards of {get_data_dir(data_dir)}")
     t0 = time.perf_counter()

@@ -207,13 +207,13 @@ def inspect_cli(state:str,             # a state file, a checkpoint folder, or a
                 steps:str=None,        # A..B: the steps to show (or one step A); required
                 # the data the run read: text shards (default: $NANOCHAT_DL_DATA_DIR or the cache's), or the token root
                 data:str=None,
-                tokenizer_dir:str=None,   # the run's tokenizer (text: needed; tokens: for --decode)
+                tokenizer_dir:str=None,   # the run's tokenizer: a folder or tokenizer.json (text; tokens: --decode)
                 rank:int=0,            # the rank whose state is read, from a checkpoint folder
                 rows:str=None,         # the rows shown, e.g. 0,3 (default: all)
                 decode:bool=False,     # show the text of each piece
                 picture:str=None):     # save a picture of the steps here (PNG)
     "The documents of each row of steps A..B, replayed from the nearest saved loader state."
-    from nanochat_dl.text.tokenizer import get_tokenizer
+    from nanochat_dl.text.adapt import load_tokenizer   # a saved folder or a tokenizer.json
     try:
         if steps is None: raise ValueError("--steps A..B is needed: the steps to show")
         A, B = _steps(steps)
@@ -221,7 +221,7 @@ def inspect_cli(state:str,             # a state file, a checkpoint folder, or a
         kind = state_loader(st)
         if data is None and kind == 'tokens': raise ValueError("--data is needed: the token root the run read")
         data = get_data_dir() if data is None else data   # text: $NANOCHAT_DL_DATA_DIR, else the cache's shards
-        tok = get_tokenizer(tokenizer_dir) if kind == 'text' or decode else None
+        tok = load_tokenizer(tokenizer_dir) if kind == 'text' or decode else None
         if kind == 'tokens' and decode:                  # the root's manifest names the tokenizer that made it
             with TokenRoot(data, st['config']['datasets'], tokenizer=tok, verify='off'): pass
         rs = None if rows is None else _rows(rows, st['config'].get('B', st['config'].get('batch_size')))

@@ -11,12 +11,13 @@ __all__ = ['FAST_ENV', 'encode_flat', 'fast_core', 'module_files', 'read_texts',
 import importlib, json, os, pickle, struct, sys, time, traceback
 import numpy as np
 
-def encode_flat(enc,       # a `tiktoken.Encoding`
+def encode_flat(enc,       # a `tiktoken.Encoding`, or a core with its own `encode_flat` (a Hugging Face `HFCore`)
                 texts,     # the documents, `str`s
                 bos:int,   # the id put in front of every document
                 fast=None  # `fast_core(enc)`: the same ids from fastokens, when it is installed (else None)
                ) -> tuple:
     "`(lengths int64, ids int32)`: each text's ids from `enc.encode_ordinary`, after `bos`, concatenated."
+    if hasattr(enc, 'encode_flat'): return enc.encode_flat(texts, bos)   # not tiktoken: the core's own
     if fast is not None:
         try: ids, offs = fast.encode_batch_flat(texts, split_special_tokens=True)   # `<|bos|>` in text: ordinary
         except Exception: pass   # lone surrogates, not str, anything else: tiktoken's answer or error, below
@@ -40,7 +41,7 @@ _PROBE = ("Probe: Hello, world!  12345678901 \u00fcber na\u00efve e\u0301 \u65e5
 
 def fast_core(enc):  # a `tiktoken.Encoding`
     "fastokens with `enc`'s vocabulary, or None (not installed, switched off, or not equal to `enc` on a probe)."
-    if os.environ.get(FAST_ENV, '1').strip() == '0': return None
+    if os.environ.get(FAST_ENV, '1').strip() == '0' or not hasattr(enc, '_mergeable_ranks'): return None
     try: import fastokens
     except ImportError: return None
     import base64, tempfile
@@ -90,8 +91,11 @@ def serve():
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C is the training script's; the worker ends with its input
     out = os.fdopen(os.dup(1), 'wb'); os.dup2(2, 1)
     inp = sys.stdin.buffer
-    name, pat, ranks, special, bos = _frame(inp)
-    enc = tiktoken.Encoding(name, pat_str=pat, mergeable_ranks=ranks, special_tokens=special)
+    init = _frame(inp)   # a tiktoken encoding's parts and the BOS, or a core that pickles itself and the BOS
+    if len(init) == 2: enc, bos = init   # (a Hugging Face `HFCore`: rebuilt from its JSON)
+    else:
+        name, pat, ranks, special, bos = init
+        enc = tiktoken.Encoding(name, pat_str=pat, mergeable_ranks=ranks, special_tokens=special)
     fast = fast_core(enc)   # None: tiktoken alone
     _send(out, ('ready', module_files()))
     reader = None

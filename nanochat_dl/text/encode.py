@@ -23,10 +23,12 @@ from .procs import (TokWorker, check_ready, close_workers, worker_failure, text_
 # %% ../../nbs/text/08b_encode.ipynb #0ca9ab41
 _CORE_ATTRS = ('name', '_pat_str', '_mergeable_ranks', '_special_tokens', 'encode_to_numpy')
 
-def _tiktoken_core(tokenizer):
-    "The tokenizer's `tiktoken.Encoding` if it has one we can drive directly (in threads or processes), else None."
+def _core(tokenizer):
+    "The tokenizer's `tiktoken.Encoding` or `HFCore`, driven directly in threads or processes; else None."
     enc = getattr(tokenizer, 'enc', None)
-    return enc if enc is not None and all(hasattr(enc, a) for a in _CORE_ATTRS) else None
+    if enc is not None and all(hasattr(enc, a) for a in _CORE_ATTRS): return enc
+    core = getattr(tokenizer, 'core', None)   # a Hugging Face tokenizer's: `encode_flat`, pickles as its JSON
+    return core if hasattr(core, 'encode_flat') and hasattr(core, 'json') else None
 
 def _done(value) -> Future:
     f = Future(); f.set_result(value); return f
@@ -45,7 +47,7 @@ class DocEncoder:
                  threads:int=4):      # encoding threads
         self.tokenizer, self.threads = tokenizer, check_int('tokenizer_threads', threads)
         self.bos = int(tokenizer.get_bos_token_id())
-        self._enc, self._pool = _tiktoken_core(tokenizer), None   # no tiktoken core: the tokenizer's own encode
+        self._enc, self._pool = _core(tokenizer), None   # no tiktoken core: the tokenizer's own encode
         self._fast = None if self._enc is None else fast_core(self._enc)   # fastokens, when installed
         self.encode_cpu_s = self.read_cpu_s = 0.0                  # CPU seconds encoding (tiktoken core) and reading
         self._lock, self._local, self._readers = threading.Lock(), threading.local(), []
@@ -57,7 +59,8 @@ class DocEncoder:
         return docs
 
     def __repr__(self):
-        how = 'tokenizer.encode' if self._enc is None else 'tiktoken' if self._fast is None else 'fastokens'
+        how = ('tokenizer.encode' if self._enc is None else 'fastokens' if self._fast is not None
+               else getattr(self._enc, 'kind', 'tiktoken'))
         return f"DocEncoder({how}, threads={self.threads}, bos={self.bos})"
 
 # %% ../../nbs/text/08b_encode.ipynb #7466796c
@@ -146,11 +149,12 @@ class ProcessEncoder:
         self.timeout = check_timeout('timeout', timeout)
         self._rule = None if self.timeout is None else f"{self.timeout[0]:g} s + {self.timeout[1]:g} s per character"
         self.bos = int(tokenizer.get_bos_token_id())
-        enc = _tiktoken_core(tokenizer)
+        enc = _core(tokenizer)
         if enc is None:
-            raise TypeError(f"ProcessEncoder needs a tokenizer with a tiktoken core (`.enc`), got "
+            raise TypeError(f"ProcessEncoder needs a tokenizer with a tiktoken core (or a Hugging Face one), got "
                             f"{type(tokenizer).__name__}; use DocEncoder (threads) for other tokenizers")
-        init = pickle.dumps((enc.name, enc._pat_str, enc._mergeable_ranks, enc._special_tokens, self.bos))
+        init = pickle.dumps((enc, self.bos) if hasattr(enc, 'json') else   # (a Hugging Face core: as its JSON)
+                            (enc.name, enc._pat_str, enc._mergeable_ranks, enc._special_tokens, self.bos))
         self._w, self._next, self._broken, self._pid = [], 0, None, os.getpid()
         self._key, self.reuse = hashlib.sha256(init).digest(), bool(reuse)
         self.encode_cpu_s = self.read_cpu_s = 0.0   # CPU seconds the workers spent encoding and reading (reported)
@@ -351,7 +355,7 @@ def make_encoder(tokenizer,                # the tokenizer
     if tokenize_in not in ('auto', 'processes', 'threads'):
         raise ValueError(f"tokenize_in={tokenize_in!r}: expected 'auto', 'processes' or 'threads'")
     workers = check_int('tokenizer_threads', workers)
-    auto = tokenize_in == 'auto' and _tiktoken_core(tokenizer) is not None and os.name == 'posix'
+    auto = tokenize_in == 'auto' and _core(tokenizer) is not None and os.name == 'posix'
     if tokenize_in == 'processes' or auto:
         reuse = reuse and os.environ.get(REUSE_ENV) != '0'   # (off: none taken, none kept)
         return ProcessEncoder(tokenizer, min(workers, worker_cap()), timeout=timeout, reuse=reuse,

@@ -29,6 +29,7 @@ from ..pipe.transfer import DeviceTransfer, TrainingTriple, resolve_device
 from ..pipe.stages import pipeline_state, load_pipeline_state
 from ..pipe.loader import BaseLoader
 from .tokenizer import tokenizer_fingerprint
+from .adapt import as_tokenizer, check_vocab, MAX_TEXT_IDS
 from .encode import make_encoder, tokenizing
 from .procs import check_timeout
 from .stages import (rank_and_world, RowGroupSource, EncodeStage, PackStage, BatchStage,
@@ -120,7 +121,7 @@ def new_names(old:dict,              # the keywords given by their old names (`R
 # %% ../../nbs/text/09c_packed.ipynb #d681bb9d
 class PackedLoader(BaseLoader, Stage):
     "Endless, resumable stream of packed `LoaderBatch`es for this rank, made ahead in a background thread."
-    def __init__(self, tokenizer,                   # the tokenizer (a tiktoken core is driven directly, in workers)
+    def __init__(self, tokenizer,                   # ours, a tiktoken Encoding, a HF tokenizer, a path (`as_tokenizer`)
                  batch_size:int=None,               # rows per batch (required)
                  seq_len:int=None,                  # tokens per row (required; rows hold seq_len+1: inputs and targets)
                  split='train',                     # 'train' or 'val' (nanochat's rule: the last shard is val)
@@ -356,6 +357,9 @@ def _setup(self:PackedLoader, tokenizer, batch_size, seq_len, split, data_dir, f
            views, pad_token, max_docs_per_row, text_column, utf8_errors, tokenize_in, read_ahead, worker_timeout,
            worker_reads, resume_state_dict, cache_dir, cache_size, refresh, renamed):
     "Build the loader from the arguments of `PackedLoader(...)` (its docments say what each is)."
+    tokenizer = as_tokenizer(tokenizer)   # this package's `Tokenizer` as it is; tiktoken and Hugging Face adapted
+    check_vocab(tokenizer, MAX_TEXT_IDS, "the text loaders' encoders keep ids as int32")
+    tokenizer.get_bos_token_id()          # refused without one: every document starts with BOS
     kw = new_names(renamed, stacklevel=4, batch_size=batch_size, seq_len=seq_len, pack=pack, pack_buffer=pack_buffer,
                    pad_token=pad_token)
     self._check(tokenizer, kw, prefetch, shuffle=shuffle, copy=copy, views=views, worker_reads=worker_reads,

@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['BOS_TOKEN', 'SPECIAL_TOKENS', 'SPLIT_PATTERN', 'META_FILE', 'RANKS_FILE', 'FORMAT', 'RustBPETokenizer', 'Tokenizer',
            'compression_ratio', 'dump_tiktoken_bpe', 'parse_tiktoken_bpe', 'iter_texts', 'train_tokenizer',
-           'train_tokenizer_cli', 'get_tokenizer', 'tokenizer_fingerprint']
+           'train_tokenizer_cli', 'get_tokenizer', 'encoding_sha', 'tokenizer_fingerprint']
 
 # %% ../../nbs/text/04_tokenizer.ipynb #168df688
 import base64, binascii, hashlib, json, operator, sys, time
@@ -431,17 +431,22 @@ def get_tokenizer(tokenizer_dir=None,  # a folder written by `Tokenizer.save` (d
 _PROBE = ("Tokenizer probe: Hello, world! 12345 \u00fcber na\u00efve \u65e5\u672c\u8a9e \U0001f600 <|bos|>\n"
           "\tdef f(x): return x ** 2  # done.")
 
+def encoding_sha(enc,  # a `tiktoken.Encoding`
+                ) -> str:
+    "A hash of what gives `enc` its ids: its merges in rank order, its special tokens and its split pattern."
+    h = hashlib.sha256()
+    for tok_bytes, r in sorted(enc._mergeable_ranks.items(), key=lambda kv: kv[1]):
+        h.update(len(tok_bytes).to_bytes(2, 'little') + tok_bytes)
+    h.update(json.dumps(sorted(getattr(enc, '_special_tokens', {}).items())).encode())
+    h.update(str(getattr(enc, '_pat_str', '')).encode())   # the pattern cuts the text: another, other ids
+    return h.hexdigest()[:16]
+
 def tokenizer_fingerprint(tokenizer,  # a `Tokenizer`, or one with `encode`, `get_vocab_size` and `get_bos_token_id`
                          ) -> dict:
     "Vocabulary size, BOS id and a hash of the split pattern, merges and special tokens (or of a probe text's ids)."
-    h = hashlib.sha256()
+    own = getattr(tokenizer, 'fingerprint', None)
+    if callable(own): return own()   # an adapted tokenizer (`as_tokenizer`, next chapter) knows what makes its ids
     ranks = getattr(getattr(tokenizer, 'enc', None), '_mergeable_ranks', None)
-    if isinstance(ranks, dict):
-        for tok_bytes, r in sorted(ranks.items(), key=lambda kv: kv[1]):
-            h.update(len(tok_bytes).to_bytes(2, 'little') + tok_bytes)
-        specials = getattr(tokenizer.enc, '_special_tokens', {})
-        h.update(json.dumps(sorted(specials.items())).encode())
-        h.update(str(getattr(tokenizer.enc, '_pat_str', '')).encode())   # the pattern cuts the text: another, other ids
-    else: h.update(json.dumps([int(i) for i in tokenizer.encode(_PROBE)]).encode())
-    return dict(vocab_size=int(tokenizer.get_vocab_size()), bos_id=int(tokenizer.get_bos_token_id()),
-                sha=h.hexdigest()[:16])
+    if isinstance(ranks, dict): sha = encoding_sha(tokenizer.enc)
+    else: sha = hashlib.sha256(json.dumps([int(i) for i in tokenizer.encode(_PROBE)]).encode()).hexdigest()[:16]
+    return dict(vocab_size=int(tokenizer.get_vocab_size()), bos_id=int(tokenizer.get_bos_token_id()), sha=sha)

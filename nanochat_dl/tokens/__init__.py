@@ -98,6 +98,7 @@ _WHERE = {
     'tokenize': '.tokenizing',
     'tokenize_cli': '.tokenizing',
     'TokenizeResult': '.tokenizing',
+    'CORE_FILE': '.workers',
     'drop_temps': '.workers',
     'run_tasks': '.workers',
     'tokenize_shard': '.workers',

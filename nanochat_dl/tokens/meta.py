@@ -237,9 +237,10 @@ def tokenizer_record(tokenizer,   # a `Tokenizer`, or anything with `get_vocab_s
     from nanochat_dl.text.tokenizer import tokenizer_fingerprint
     fp = tokenizer_fingerprint(tokenizer)
     eos = getattr(tokenizer, 'get_eos_token_id', None)
+    eos = None if eos is None else eos()   # (an adapted tokenizer without one: None)
     special = ({s: int(tokenizer.encode_special(s)) for s in tokenizer.get_special_tokens()}
                if hasattr(tokenizer, 'encode_special') else {})
-    return dict(fingerprint=fp, bos_id=fp['bos_id'], eos_id=None if eos is None else int(eos()),
+    return dict(fingerprint=fp, bos_id=fp['bos_id'], eos_id=None if eos is None else int(eos),
                 special_tokens=dict(sorted(special.items(), key=lambda kv: kv[1])))
 
 def describe_tokenizer(fp) -> str:

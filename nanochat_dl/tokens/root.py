@@ -27,7 +27,8 @@ def _as_fingerprint(tokenizer) -> dict:
     "The fingerprint of a tokenizer, a fingerprint dict or a tokenizer record."
     if isinstance(tokenizer, dict): return tokenizer.get('fingerprint', tokenizer)
     from nanochat_dl.text.tokenizer import tokenizer_fingerprint
-    return tokenizer_fingerprint(tokenizer)
+    from nanochat_dl.text.adapt import as_tokenizer   # a tiktoken Encoding, a Hugging Face tokenizer, a path
+    return tokenizer_fingerprint(as_tokenizer(tokenizer))
 
 def _check_tokenizers(root, manifest, datasets, tokenizer) -> dict:
     "The tokenizer record the datasets share (None if none); two different ones, or one unlike `tokenizer`, refused."

@@ -139,14 +139,18 @@ def _prepare(data_dir, out, dataset, tokenizer_dir, workers, rank, world_size, s
 def _prepare_rest(root, dataset, shards, cache, where, workers, rank, world, split, text_column, overwrite, wait,
                   tokenizer_dir) -> SimpleNamespace:
     "`_prepare` once the shards are known: the text column, the tokenizer, and the target root checked."
-    from nanochat_dl.text.tokenizer import get_tokenizer
+    from nanochat_dl.text.adapt import as_tokenizer, check_vocab, core_of, load_tokenizer
     _check_text_column((shards[rank::world] or shards)[0] if cache is not None else shards[0], text_column)   # fetched
-    tok_dir = (get_tokenizer_dir() if tokenizer_dir is None else Path(tokenizer_dir)).expanduser().absolute()
-    tok = get_tokenizer(tok_dir)
+    if tokenizer_dir is None or isinstance(tokenizer_dir, (str, os.PathLike)):   # a folder or a tokenizer.json
+        tok_dir = (get_tokenizer_dir() if tokenizer_dir is None else Path(tokenizer_dir)).expanduser().absolute()
+        tok = load_tokenizer(tok_dir)
+    else: tok = tok_dir = as_tokenizer(tokenizer_dir)   # an object (`tokenizer=`): its core goes to the workers
+    check_vocab(tok); core_of(tok)   # (the workers rebuild its core: an error now if it has none)
     p = SimpleNamespace(root=root, dataset=dataset, shards=shards, workers=workers, rank=rank, world=world,
                         text_column=text_column, overwrite=overwrite, wait=wait, tok_dir=tok_dir,
                         tok=tokenizer_record(tok), manifest=read_manifest(root), cache=cache)
-    p.source = dict(data_dir=where, split=split, text_column=text_column, tokenizer_dir=str(tok_dir))
+    p.source = dict(data_dir=where, split=split, text_column=text_column,
+                    tokenizer_dir=str(tok_dir) if tok is not tok_dir else None)   # (an object: no path to name)
     _check_target(p)
     return p
 
@@ -342,7 +346,7 @@ def _finalize(p, recs, say) -> Path:
 def tokenize(data_dir=None,        # parquet text shards (else $NANOCHAT_DL_DATA_DIR, else the cache)
              out=None,             # the token root: one folder per dataset, and meta/
              dataset=None,         # the dataset's folder under `out`: a name, or a path ('lang=en/dataset=wiki')
-             tokenizer_dir=None,   # a saved tokenizer (else the cache's tokenizer/)
+             tokenizer_dir=None,   # a saved tokenizer or a tokenizer.json (else the cache's tokenizer/)
              workers:int=4,        # worker processes, each tokenizing one shard at a time
              rank=None,            # this process's rank (else torchrun's RANK, else 0)
              world_size=None,      # ranks sharing the work (else torchrun's WORLD_SIZE, else 1)
@@ -357,9 +361,13 @@ def tokenize(data_dir=None,        # parquet text shards (else $NANOCHAT_DL_DATA
              cache_size=None,      # for a URI `data_dir`: bytes those copies may take (None: no cap)
              utf8_errors='strict', # 'strict': text that is not UTF-8 fails its shard, naming the row; 'replace': U+FFFD
              keep_empty=False,     # keep texts that encode to no token as 0-token documents (default: dropped, counted)
+             tokenizer=None,       # instead of `tokenizer_dir`: a tokenizer object or path (`as_tokenizer` takes it)
              ) -> TokenizeResult:
     "One token file per parquet shard under `out/dataset/` (this rank's: i = rank mod world_size); rank 0 writes meta."
-    args = (data_dir, out, dataset, tokenizer_dir, workers, rank, world_size, split, text_column, overwrite, wait)
+    if tokenizer is not None and tokenizer_dir is not None:
+        raise ValueError("pass tokenizer or tokenizer_dir, not both (both name the tokenizer)")
+    args = (data_dir, out, dataset, tokenizer_dir if tokenizer is None else tokenizer, workers, rank, world_size, split,
+            text_column, overwrite, wait)
     say = print if verbose else lambda *a: None
     if out is None or is_local(out): p = _prepare(*args, cache_dir, cache_size, utf8_errors, keep_empty)
     else: p = _prepare_uri(*args, stage_dir, cache_dir, cache_size, utf8_errors, keep_empty)
@@ -441,7 +449,7 @@ def _interrupted(p) -> str:
 def tokenize_cli(data_dir:str=None,       # parquet text shards (else $NANOCHAT_DL_DATA_DIR, else the cache's base_data)
                  out:str=None,            # the token root ROOT (required): ROOT/<dataset>/*.arrow and ROOT/meta/
                  dataset:str=None,        # the dataset's folder under ROOT (required): web, or lang=en/dataset=x
-                 tokenizer_dir:str=None,  # a saved tokenizer (else the cache's tokenizer/)
+                 tokenizer_dir:str=None,  # a saved tokenizer or a tokenizer.json (else the cache's tokenizer/)
                  Workers:int=4,           # worker processes
                  rank:int=None,           # this process's rank (else torchrun's RANK, else 0); with --world-size
                  world_size:int=None,     # ranks sharing the shards (else torchrun's WORLD_SIZE, else 1)
@@ -455,11 +463,14 @@ def tokenize_cli(data_dir:str=None,       # parquet text shards (else $NANOCHAT_
                  cache_size:int=None,     # for a URI --data-dir: bytes those copies may take
                  utf8_errors:str='strict', # strict (text that is not UTF-8 fails its shard) or replace (U+FFFD)
                  keep_empty:bool=False,   # keep texts of no token as 0-token documents (else dropped, counted)
+                 tokenizer:str=None,      # a Hugging Face tokenizer.json (or a saved tokenizer), for --tokenizer-dir
                 ) -> int:
     "Tokenize parquet shards into fms-fsdp's arrow layout; exit 2 for bad arguments, 1 for failures, 130 on Ctrl-C."
     err = lambda msg: print(f"nanochat-dl tokenize: error: {msg}", file=sys.stderr)
     uri = out is not None and not is_local(out)
-    args = (data_dir, out, dataset, tokenizer_dir, Workers, rank, world_size, split, text_column, overwrite, wait)
+    if tokenizer and tokenizer_dir: err("give --tokenizer or --tokenizer-dir, not both (both name it)"); return 2
+    args = (data_dir, out, dataset, tokenizer_dir or tokenizer, Workers, rank, world_size, split, text_column,
+            overwrite, wait)
     try: p = (_prepare_uri(*args, stage_dir, cache_dir, cache_size, utf8_errors, keep_empty) if uri
               else _prepare(*args, cache_dir, cache_size, utf8_errors, keep_empty))
     except (ValueError, FileNotFoundError) as e: err(e); return 2
