@@ -2112,6 +2112,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                                 'nanochat_dl/tokens/pieces.py'),
                                            'nanochat_dl.tokens.pieces.Mixer.pick': ( 'tokens/pieces.html#mixer.pick',
                                                                                      'nanochat_dl/tokens/pieces.py'),
+                                           'nanochat_dl.tokens.pieces.Mixer.picker': ( 'tokens/pieces.html#mixer.picker',
+                                                                                       'nanochat_dl/tokens/pieces.py'),
                                            'nanochat_dl.tokens.pieces.Mixer.state_dict': ( 'tokens/pieces.html#mixer.state_dict',
                                                                                            'nanochat_dl/tokens/pieces.py'),
                                            'nanochat_dl.tokens.pieces.Mixer.targets': ( 'tokens/pieces.html#mixer.targets',

@@ -215,6 +215,11 @@ def targets(self:Mixer, total) -> tuple:
         tg = [b + x - a for b, x, a in zip(self.base, tg, at)]
     return sh, tg
 
+@patch(as_prop=True)
+def picker(self:Mixer):
+    "`pick` where the targets need it (a schedule, or targets anchored), else None: the fixed weights' rule, inline."
+    return self.pick if self.sched is not None or self.base is not None else None
+
 @patch
 def pick(self:Mixer, active, total) -> int:
     "The dataset of `active` with the largest deficit `target - tokens` at `total`; ties: the larger share, the first."
@@ -229,7 +234,6 @@ def pick(self:Mixer, active, total) -> int:
 def anchor(self:Mixer, base):
     "Targets from here on: `base` (counters) plus the integral of the shares since `sum(base)` (None: from 0)."
     self.base = None if base is None else list(base)
-    self.picker = self.pick if self.sched is not None or base is not None else None   # (None: the fixed weights' rule)
     if base is not None:
         B = sum(base)
         self._at_base = [x * B for x in self.w] if self.sched is None else self.sched.at(B)[1]
