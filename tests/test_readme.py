@@ -52,6 +52,9 @@ CHECKS = {
     'all_states = [None] * ddp_world_size': "assert all_states == [dataloader_state_dict]",
     'report = loader.skip(2)': "assert report['steps'] == [10, 11] and step12.state['skipped'] == [[10, 2]]"
                                "\nassert step12.state['step'] == 13",
+    'weights=anneal': "assert m['target_shares'] == {'web': 0.5, 'web-val': 0.5} and m['tokens_seen'] > 60_000"
+                      "\nassert all(abs(m['target_total_shares'][d] - m['total_shares'][d]) * m['tokens_seen'] <= 256"
+                      " for d in m['shares'])   # within (K-1) x L of the schedule's integral (K=2, L=256)",
     'zip(range(100), loader)': "assert step == 99 and tuple(x.shape) == (32, 2048) and 'oldest_wait' in batch.metrics",
     'batch = next(loader)': "assert tuple(batch.inputs.shape) == (8, 2048) and 'checksum' in state",
     'StreamingLoader("s3://my-bucket/tokens"': "assert next(loader)[0].shape == (32, 2048)"

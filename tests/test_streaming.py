@@ -485,7 +485,9 @@ for p in paths(sd)[1:]:
 print(json.dumps(out))
 """
 
-LARGE_COUNTERS = {('step',), ('config', 'batch_size'), ('datasets', '*', 'tokens'), ('datasets', '*', 'shuffle', 'drawn')}
+# (a state's weights may be any: a loader with other weights, or a schedule, resumes it, its targets anchored; 12k)
+LARGE_COUNTERS = {('step',), ('config', 'batch_size'), ('datasets', '*', 'tokens'), ('datasets', '*', 'shuffle', 'drawn'),
+                  *(('config', 'weights', i) for i in range(3))}
 
 
 @pytest.mark.skipif(not Path('/proc/self/status').exists(), reason='the address-space cap reads /proc (Linux)')

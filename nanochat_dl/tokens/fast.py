@@ -48,11 +48,11 @@ class FastTokenStream(TokenStream):
 @patch
 def _pull_locals(self:FastTokenStream) -> tuple:
     """What `pull` reads once per call, as locals (faster than attributes): settings, the mixer's lists, per dataset
-    what gives its next piece (`Feed.taker`), the framing."""
+    what gives its next piece (`Feed.taker`), the framing, and `Mixer.picker`."""
     mx, h, nt = self.mixer, self.framing.head, len(self._tail)
     if getattr(self, '_takers', None) is None: self._takers = [None if u is None else u.taker() for u in mx.ups]
     return (self.C, self.mc, self.pack != 'concat', mx.tokens, mx.w, mx.active, self._takers, self.sources,
-            h, nt, self._bos, self._tail, not (h or nt), h and nt, h + nt)
+            h, nt, self._bos, self._tail, not (h or nt), h and nt, h + nt, mx.picker)
 
 
 # %% ../../nbs/tokens/12f_fast.ipynb #ced4fb68
@@ -73,12 +73,13 @@ def _reopen_read(self:FastTokenStream, i, f, fi) -> tuple:
 @patch
 def pull(self:FastTokenStream) -> tuple:
     "`(pieces, lengths, keys)`."
-    C, mc, split, tok, w, active, feeds, srcs, h, nt, bos, tail, plain, both, ex = self._pull_locals()
+    C, mc, split, tok, w, active, feeds, srcs, h, nt, bos, tail, plain, both, ex, pick = self._pull_locals()
     pieces, lens, keys, n, total, pk, read = [], [], [], 0, sum(tok), any(self.parked), set()
     while n < PULL_GROUP:
         if pk: pk = self._unpark_into(pieces, lens, keys)     # parked pieces whose time has come go first
         if len(active) == 1: i = active[0]
         elif not active: raise StopIteration
+        elif pick: i = pick(active, total)              # a schedule, or targets anchored on a resume
         else:   # the Mixer's rule: the largest deficit w*total - tokens; ties: the larger weight, then the first
             i, best, bw = -1, 0.0, 0.0
             for k in active:
@@ -93,8 +94,7 @@ def pull(self:FastTokenStream) -> tuple:
             lo, hi = (a - h if a > h else 0), min(b - h, L)
             if hi > lo: tok[i] += hi - lo; total += hi - lo
         tf = srcs[i]._tf[f]
-        if tf is None or tf.closed: tf, t_ = self._reopen_read(i, f, fi)
-        else: t_ = tf.read(fi, False)
+        tf, t_ = self._reopen_read(i, f, fi) if tf is None or tf.closed else (tf, tf.read(fi, False))
         read.add(tf)                                        # (checked below, before any of the ids is used)
         if a == 0 and b == U and (U <= C or not split):     # a whole unit in one piece (most of them)
             pieces.append([bos, t_, tail] if both else [t_] if plain else [bos, t_] if h else [t_, tail])
@@ -150,11 +150,12 @@ def _check_window(self:FastTokenStream, i, doc, ep, at, cur, w, first=0):
 def pull_flat(self:FastTokenStream) -> tuple:
     "`pull` for `ConcatRows` and `PadRows`: `(tokens, lengths, keys)`, every piece's tokens in one array (`gather`)."
     if any(self.parked): return self.pull()                # (after a rescale: parked pieces first, as `pull` has them)
-    C, mc, split, tok, w, active, feeds, srcs, h, nt, bos, tail, plain, both, ex = self._pull_locals()
+    C, mc, split, tok, w, active, feeds, srcs, h, nt, bos, tail, plain, both, ex, pick = self._pull_locals()
     lens, keys, reads, n, total = [], [], [], 0, sum(tok)
     while n < PULL_GROUP:
         if len(active) == 1: i = active[0]
         elif not active: raise StopIteration
+        elif pick: i = pick(active, total)              # a schedule, or targets anchored on a resume
         else:   # the Mixer's rule, as in `pull`
             i, best, bw = -1, 0.0, 0.0
             for k in active:
@@ -165,8 +166,7 @@ def pull_flat(self:FastTokenStream) -> tuple:
         n += 1; U = L + ex
         if mc is None: tok[i] += L; total += L; b = U
         else:
-            b = min(a - a % mc + mc, U)
-            lo, hi = (a - h if a > h else 0), min(b - h, L)
+            b = min(a - a % mc + mc, U); lo, hi = (a - h if a > h else 0), min(b - h, L)
             if hi > lo: tok[i] += hi - lo; total += hi - lo
         for s in (range(a, b, C) if split and b - a > C else (a,)):   # (`pad`: pieces of at most a row)
             t = min(s + C, b) if split else b

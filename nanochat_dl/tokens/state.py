@@ -15,7 +15,7 @@ from .root import TokenRoot
 from .meta import file_sha256
 from ..pipe.bestfit import MAX_WAIT
 from ..pipe.state import read_field, unit_name, check_seal, run_digest
-from .pieces import check_weight
+from .pieces import check_weight, is_schedule, MixSchedule, mix_key
 from ..pipe.packing import PACKS
 
 # %% ../../nbs/tokens/12g_state.ipynb #ebf13e75
@@ -40,11 +40,12 @@ def _token_id(name, v, hi=1 << 32):
 
 # %% ../../nbs/tokens/12g_state.ipynb #e8a5f435
 def _weights(weights, datasets, root) -> list:
-    "Checked weights, one per dataset (default: each dataset's tokens)."
+    "Checked weights, one per dataset (default: each dataset's tokens), or a checked schedule (`MixSchedule.config`)."
     if weights is None:
         w = [sum(i.tokens for i in root.files[d]) for d in datasets]
         if not any(w): raise ValueError(f"datasets {datasets} hold no tokens at all: nothing to stream")
         return w
+    if is_schedule(weights): return MixSchedule(weights, datasets).config()
     if isinstance(weights, dict):
         extra = [k for k in weights if k not in datasets]
         if extra: raise ValueError(f"weights name {extra}, which are not among datasets {datasets}")
@@ -181,10 +182,17 @@ def check_resume(state,             # a state from `state_dict()`, or anything a
     if lacks := [k for k in _CONFIG if k not in c]:
         raise ValueError(f"state['config'] lacks {lacks}: expected a state from StreamingLoader.state_dict()")
     for k in _CONFIG[:-len(_UNIT)]:
+        if k == 'weights': _check_weights(c[k], config); continue   # (other weights: allowed, `Mixer.load_state_dict`)
         if c.get(k) != config[k]:
             raise ValueError(f"state was saved with {k}={c.get(k)!r}, this loader has {k}={config[k]!r}: exact resume "
                              f"needs the same {k}")
     _check_unit(c, config)
+
+def _check_weights(w, config:dict):
+    "Refuse a state's `weights` unless they are weights or a schedule for this loader's datasets."
+    try: mix_key(w, len(config['datasets']))
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"state['config']['weights']={str(w)[:80]}: {e}") from None
 
 def run_id(config:dict,        # checked settings, from `stream_config`
            fingerprint:dict,   # the data's and tokenizer's, from `stream_config`

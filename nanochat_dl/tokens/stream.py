@@ -47,7 +47,9 @@ def state_of(self:TokenStream, snap) -> dict:
                                 start=runs_of(a[2] for a in win))
         if pk: d['parked'] = [[g, e, a] for g, e, a, *_ in pk]
         out[name] = d
-    return dict(step=step, datasets=out, packer=dict(self._packer_state(ps), metrics=metrics))
+    mix = {k: v for k, v in self.mixer.state_dict().items() if k != 'tokens'}   # its anchor, if any (set on a load)
+    return dict(step=step, datasets=out, packer=dict(self._packer_state(ps), metrics=metrics),
+                **(dict(mix=mix) if mix else {}))
 
 @patch
 def _address(self:TokenStream, item) -> tuple: return item.address
@@ -300,10 +302,18 @@ def load_state(self:TokenStream, st:dict):
         src.load_state_dict(dict(shards=list(src.shards), epoch=d['epoch'], pos=d['pos'], draws=d['draws']))
         if ch is not None: ch.load_state_dict(dict(cut=None if d['cut'] is None else list(d['cut'])))
         if sh is not None: _load_window(sh, *d['shuffle'])
-    self.mixer.load_state_dict(dict(tokens=[d['tokens'] for d in p['datasets']]))
+    self.mixer.load_state_dict(self._mix_state(st, p))
     self._load_packer(p['entries'], p['metrics'], p['entered'])
     self.parked, self.step = [list(d['parked']) for d in p['datasets']], p['step']
     return self
+
+# %% ../../nbs/tokens/12e_stream.ipynb #640a5708
+@patch
+def _mix_state(self:TokenStream, st, p) -> dict:
+    "What `Mixer.load_state_dict` takes: the counters, the anchor (`st['mix']`), the weights `st` was saved with."
+    mix, c = read_field(st, 'mix', dict, 'state') if 'mix' in st else {}, st.get('config')
+    was = dict(weights=c['weights']) if isinstance(c, dict) and 'weights' in c else {}   # (others: anchored there)
+    return dict(tokens=[d['tokens'] for d in p['datasets']], base=mix.get('base'), **was)
 
 # %% ../../nbs/tokens/12e_stream.ipynb #10b5d0f7
 def _load_window(sh:ShuffleBuffer, drawn, addresses):

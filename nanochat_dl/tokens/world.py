@@ -19,6 +19,7 @@ from .order import owned_shards, shard_starts
 from .stream import TokenStream, ShardCursors
 from .fast import FastTokenStream
 from .state import FORMAT, check_resume, check_checksum
+from .pieces import mix_key
 
 # %% ../../nbs/tokens/12h_world.ipynb #e1000002
 def unit_states(states,            # every rank's state: a loader's, a worker's, or a `StatefulDataLoader`'s
@@ -391,12 +392,23 @@ def state_for(self:World, rank:int,       # the rank of the unit ...
         datasets[name] = d
     entries = [(i, g, e, a, n) for i, g, e, a, n, L, s, *_ in self.entries if lo <= s < hi] + extra
     entries = self._park(datasets, entries, lo, hi)
-    config = dict(cfg, rank=r, world_size=W, worker=w, n_workers=nw,
+    # (the weights the states were saved with: a loader with others anchors its targets on load)
+    config = dict(cfg, weights=self.states[0]['config']['weights'], rank=r, world_size=W, worker=w, n_workers=nw,
                   **({} if self.batch_size is None else dict(batch_size=self.batch_size)))
     fp = dict(data={k: dict(v) for k, v in self.fingerprint['data'].items()}, tokenizer=self.fingerprint['tokenizer'])
     return seal(dict(format=FORMAT, run=_lineage(self.run, self.step, [self.W, self.nws], [W, nw]), step=self.step,
                        config=config, fingerprint=fp, datasets=datasets,
-                       packer=_packer_state(entries, self.stream.packer.metrics_state(), cfg['pack'])))
+                       packer=_packer_state(entries, self.stream.packer.metrics_state(), cfg['pack']),
+                       **self._mix(datasets)))
+
+# %% ../../nbs/tokens/12h_world.ipynb #ed032816
+@patch
+def _mix(self:World, datasets) -> dict:
+    "A new unit's mixer entry: with a schedule (or targets anchored before), its targets anchored at its counters."
+    # (its tokens seen are the run's over the new units: no rank is owed what its old position would have owed it)
+    was = self.states[0]['config']['weights']
+    if not any('mix' in s for s in self.states) and mix_key(was, len(datasets))[0] is None: return {}
+    return dict(mix=dict(base=[d['tokens'] for d in datasets.values()]))
 
 # %% ../../nbs/tokens/12h_world.ipynb #ec570fe4
 @patch
