@@ -254,8 +254,7 @@ def run_rank(spec:dict,   # peer, data, B, T, seed, rank, world, mode, n; option
              ) -> dict:
     "One rank's part of one measurement (in its own process): build and resume, then `speed`, `run` or `drain`."
     res, rss0 = dict(rank=spec['rank']), _rss_mib()
-    t0 = time.perf_counter()
-    ad = _make(spec)
+    t0 = time.perf_counter(); ad = _make(spec)
     if spec.get('states'):
         states = [pickle.loads(Path(p).read_bytes()) for p in spec['states']]
         try: ad.load(states)
@@ -448,14 +447,13 @@ def peer_table(r,   # what `bench_peers` returned
     ref = next((x.get('tokens_per_s_1') for x in r['results'] if x['peer'] == REFERENCE), None)
     for x in r['results']:
         g, mc = x.get, r.get('memcpy')
-        ratio = g('tokens_per_s_1') / ref if ref and g('tokens_per_s_1') is not None else None
-        share = g('tokens_per_s_1') / mc if mc and g('tokens_per_s_1') is not None else None
+        ratio, share = (g('tokens_per_s_1') / d if d and g('tokens_per_s_1') is not None else None for d in (ref, mc))
         lines.append(f"| {PEER_NAMES[x['peer']]} | {_fmt(g('tokens_per_s_1'), '{:,.0f}')} | {_fmt(ratio, '{:.2f}x')} | "
                      f"{_fmt(share, '{:.1%}')} | {_fmt(g('cpu_us_1'), '{:,.0f}')} | "
                      f"{_fmt(g('tokens_per_s_2'), '{:,.0f}')} | {_fmt(g('peak_mib_1'), '{:.0f}')} | "
                      f"{_fmt(g('state_bytes_1'), '{:,}')} | {_fmt(g('state_ms_1'), '{:.3f}')} | "
-                     f"{_fmt(g('resume_s_1'), '{:.2f}')} | "
-                     f"{yes(g('exact_1'))} / {yes(g('exact_2'))} | {_once(g('epoch'))} | {_once(g('rescale'))} |")
+                     f"{_fmt(g('resume_s_1'), '{:.2f}')} | {yes(g('exact_1'))} / {yes(g('exact_2'))} | "
+                     f"{_once(g('epoch'))} | {_once(g('rescale'))} |")
     return '\n'.join(lines)
 
 # %% ../../nbs/bench/17_bench_peers.ipynb #9393a15b

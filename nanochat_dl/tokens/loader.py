@@ -85,7 +85,6 @@ def own_copy(x):
 class StreamingLoader(BaseLoader):
     "Endless, exactly resumable batches of pre-tokenized documents for this rank."
     stream_class = FastTokenStream     # what makes the rows (`TokenStream` makes the same ones, slower)
-    thread_name, wrap = 'nanochat_dl-stream', staticmethod(giving_up_on)   # a fetch waited for ends on close
     def __init__(self, root,                # the token root (ROOT/<dataset>/**/*.arrow), or a `TokenRoot`
                  seq_len:int,               # tokens per input row (rows hold seq_len + 1)
                  batch_size:int,            # rows per batch
@@ -243,6 +242,8 @@ def _metrics(self:StreamingLoader, packed, snap, produce_s, wait_s, transfer_s, 
 # %% ../../nbs/tokens/12i_loader.ipynb #0db1fd5b
 StreamingLoader.close_warning = ("a next() in another thread ran on {timeout:g} s after close(): its files "
                                  "are released when it returns")
+StreamingLoader.thread_name = 'nanochat_dl-stream'
+StreamingLoader.wrap = staticmethod(giving_up_on)   # a fetch waited for ends on close
 
 @patch
 def __repr__(self:StreamingLoader):
