@@ -237,14 +237,15 @@ def _drain(ad, spec, b, ids) -> dict:
 
 def _run(ad, spec, ids, nxt) -> dict:
     "`n` batches timed, the state saved (with `save`), and the digests of the batches after it (`next` in all)."
-    res, busy = {}, 0.0
+    res, busy, took = {}, 0.0, []
     for _ in range(spec['n']):
         t = time.perf_counter(); b = ad.next(); busy += time.perf_counter() - t
         if spec.get('ids'): ids += ad.ids(b)
+        if spec.get('save'): t = time.perf_counter(); pickle.dumps(ad.state()); took.append(time.perf_counter() - t)
     if spec['n']: res['tokens_per_s'] = spec['n'] * spec['B'] * spec['T'] / busy
-    if spec.get('save'):
+    if spec.get('save'):      # state_ms: the median of the states taken after every step (not in `busy`)
         st = pickle.dumps(ad.state()); Path(spec['save']).write_bytes(st)
-        res['state_bytes'], nxt = len(st), []
+        res['state_bytes'], res['state_ms'], nxt = len(st), 1e3 * float(np.median(took)) if took else None, []
     nxt += [_digest(ad.rows(ad.next())) for _ in range(spec['next'] - len(nxt))]
     return dict(res, ids=ids, next=nxt)
 
@@ -253,8 +254,7 @@ def run_rank(spec:dict,   # peer, data, B, T, seed, rank, world, mode, n; option
              ) -> dict:
     "One rank's part of one measurement (in its own process): build and resume, then `speed`, `run` or `drain`."
     res, rss0 = dict(rank=spec['rank']), _rss_mib()
-    t0 = time.perf_counter()
-    ad = _make(spec)
+    t0 = time.perf_counter(); ad = _make(spec)
     if spec.get('states'):
         states = [pickle.loads(Path(p).read_bytes()) for p in spec['states']]
         try: ad.load(states)
@@ -353,7 +353,7 @@ def _resume_ranks(base, tag, W, epoch, work, r):
     run = launch([dict(base, tag=tag, rank=k, world=W, mode='run', n=epoch // (2 * W),
                        save=str(work/f'{tag}_r{k}.state')) for k in range(W)], work)
     r[f'peak_mib_{W}'] = max([r[f'peak_mib_{W}']] + [x['peak_mib'] for x in run])
-    r[f'state_bytes_{W}'] = max(x['state_bytes'] for x in run)
+    r[f'state_bytes_{W}'], r[f'state_ms_{W}'] = max(x['state_bytes'] for x in run), max(x['state_ms'] or 0 for x in run)
     res = launch([dict(base, tag=f'{tag}_resume', rank=k, world=W, mode='run', n=0,
                        states=[str(work/f'{tag}_r{k}.state')]) for k in range(W)], work)
     r[f'resume_s_{W}'] = max(x['first_s'] for x in res)
@@ -441,19 +441,19 @@ def peer_table(r,   # what `bench_peers` returned
     """`bench_peers`' result as a markdown table; the ratio column is each loader's tokens/s on 1 rank over REFERENCE's,
     the memcpy column over a plain copy of a batch's bytes (`memcpy_tokens_per_s`); CPU: the rank's process a batch."""
     lines = [f"| loader | tokens/s, 1 rank | / {REFERENCE} | / memcpy | CPU (us/batch) | tokens/s, 2 ranks | peak RSS "
-             "(MiB) | state (bytes) | resume (s) | exact resume (1 / 2 ranks) | one epoch, exactly once | "
-             "2 ranks -> 1, exactly once |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---|"]
+             "(MiB) | state (bytes) | state_dict() (ms/step) | resume (s) | exact resume (1 / 2 ranks) | "
+             "one epoch, exactly once | 2 ranks -> 1, exactly once |", "|---|" + "---:|" * 9 + "---|---|---|"]
     yes = lambda v: '—' if v is None else 'yes' if v else 'NO'
     ref = next((x.get('tokens_per_s_1') for x in r['results'] if x['peer'] == REFERENCE), None)
     for x in r['results']:
         g, mc = x.get, r.get('memcpy')
-        ratio = g('tokens_per_s_1') / ref if ref and g('tokens_per_s_1') is not None else None
-        share = g('tokens_per_s_1') / mc if mc and g('tokens_per_s_1') is not None else None
+        ratio, share = (g('tokens_per_s_1') / d if d and g('tokens_per_s_1') is not None else None for d in (ref, mc))
         lines.append(f"| {PEER_NAMES[x['peer']]} | {_fmt(g('tokens_per_s_1'), '{:,.0f}')} | {_fmt(ratio, '{:.2f}x')} | "
                      f"{_fmt(share, '{:.1%}')} | {_fmt(g('cpu_us_1'), '{:,.0f}')} | "
                      f"{_fmt(g('tokens_per_s_2'), '{:,.0f}')} | {_fmt(g('peak_mib_1'), '{:.0f}')} | "
-                     f"{_fmt(g('state_bytes_1'), '{:,}')} | {_fmt(g('resume_s_1'), '{:.2f}')} | "
-                     f"{yes(g('exact_1'))} / {yes(g('exact_2'))} | {_once(g('epoch'))} | {_once(g('rescale'))} |")
+                     f"{_fmt(g('state_bytes_1'), '{:,}')} | {_fmt(g('state_ms_1'), '{:.3f}')} | "
+                     f"{_fmt(g('resume_s_1'), '{:.2f}')} | {yes(g('exact_1'))} / {yes(g('exact_2'))} | "
+                     f"{_once(g('epoch'))} | {_once(g('rescale'))} |")
     return '\n'.join(lines)
 
 # %% ../../nbs/bench/17_bench_peers.ipynb #9393a15b

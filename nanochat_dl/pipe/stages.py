@@ -414,6 +414,17 @@ def load_state_dict(self:BlockWindow, state):
     self.offset = offset
     return self
 
+# %% ../../nbs/pipe/05_stages.ipynb #6bc69d45
+@patch
+def snapshot(self:BlockWindow) -> tuple:
+    "`(block, offset, above_state())` as they are now, in O(1)."
+    return self.block, self.offset, self.above_state()
+
+@patch
+def rest(self:BlockWindow) -> list:
+    "The items of the current block not handed out yet, in the order they will be."
+    return [self.items[j] for j in self.order[self.offset:]]
+
 # %% ../../nbs/pipe/05_stages.ipynb #f91468d3
 def plot_pipelines(ax=None):
     "The two pipelines of the package as boxes and arrows; the shared stages in grey."

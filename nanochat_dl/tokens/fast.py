@@ -28,7 +28,7 @@ class FastTokenStream(TokenStream):
         c = self.cfg
         src = BlockSource(self.root, ds, shards, c['n_logical_shards'], c['seed'], stream=unit, block=self.block)
         feed = Feed(src, self.framing, self.mc, min(c['shuffle_window'], src.total), c['seed'],
-                    mix64(zlib.crc32(ds.encode()) ^ (unit << 32)))
+                    mix64(zlib.crc32(ds.encode()) ^ (unit << 32)), c.get('shuffle', 'reservoir'))
         return src, feed if self.mc else None, feed.shuffle, feed
     def _make_packer(self):
         c = self.cfg

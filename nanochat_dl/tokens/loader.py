@@ -86,7 +86,6 @@ def own_copy(x):
 class StreamingLoader(BaseLoader):
     "Endless, exactly resumable batches of pre-tokenized documents for this rank."
     stream_class = FastTokenStream     # what makes the rows (`TokenStream` makes the same ones, slower)
-    thread_name, wrap = 'nanochat_dl-stream', staticmethod(giving_up_on)   # a fetch waited for ends on close
     def __init__(self, root,                # the token root (ROOT/<dataset>/**/*.arrow), or a `TokenRoot`
                  seq_len:int,               # tokens per input row (rows hold seq_len + 1)
                  batch_size:int,            # rows per batch
@@ -95,6 +94,7 @@ class StreamingLoader(BaseLoader):
                  rank=None, world_size=None,  # default: from torch.distributed / torchrun's environment
                  n_logical_shards:int=1024,   # logical shards per dataset, whatever the world size
                  shuffle_window:int=10_000,   # documents (pieces) per dataset's shuffle window; 0: no shuffle
+                 shuffle:str='block',   # 'block' (a state of a cursor) or 'reservoir' (before /4); states keep theirs
                  seed:int=0,                  # decides every order and draw
                  bos_token=None, eos_token=None, sep_token=None,   # delimiters around each document (see `Framing`)
                  pad_token=0,               # fills rows in 'pad' and 'bestfit'
@@ -120,7 +120,7 @@ class StreamingLoader(BaseLoader):
             n_logical_shards=n_logical_shards, shuffle_window=shuffle_window, seed=seed, bos_token=bos_token,
             eos_token=eos_token, sep_token=sep_token, pad_token=pad_token, pack=pack, max_chunk=max_chunk,
             pack_buffer=pack_buffer, tokenizer=tokenizer, max_open=max_open, cache_dir=cache_dir, cache_size=cache_size,
-            max_wait=max_wait, strip_tokens=strip_tokens, min_length=min_length, refresh=refresh)
+            max_wait=max_wait, strip_tokens=strip_tokens, min_length=min_length, refresh=refresh, shuffle=shuffle)
         self._open(device, slots, copy, views)
 
 # %% ../../nbs/tokens/12i_loader.ipynb #d072e4cd
@@ -251,6 +251,8 @@ def mix_metrics(mixer, names, T) -> dict:
 # %% ../../nbs/tokens/12i_loader.ipynb #0db1fd5b
 StreamingLoader.close_warning = ("a next() in another thread ran on {timeout:g} s after close(): its files "
                                  "are released when it returns")
+StreamingLoader.thread_name = 'nanochat_dl-stream'
+StreamingLoader.wrap = staticmethod(giving_up_on)   # a fetch waited for ends on close
 
 @patch
 def __repr__(self:StreamingLoader):
@@ -265,7 +267,8 @@ def open_epochs(state,   # a `StreamingLoader` state (or a `StreamingDataset` wo
     """Per dataset of a state, the lowest epoch that may still have tokens to deliver on its rank: the epochs of its
     shards' cursors, of a document being cut, of the shuffle window's and the packer's pieces. A logical shard with
     no documents holds no epoch open, nor does a dataset of weight 0, which is never read (`math.inf` for a dataset
-    that has nothing on the rank)."""
+    that has nothing on the rank). A block window's state (/4) names its shards' cursors where its block began: an
+    epoch may show open until the block after the one that closes it."""
     runs = lambda rle: [v for v, c in rle for _ in range(c)]
     out = {}
     for d, s in state['datasets'].items():

@@ -15,7 +15,7 @@ from typing import NamedTuple
 import numpy as np
 from fastcore.basics import patch
 from ..core import check_int
-from ..pipe.stages import Stage, Doc, ShuffleBuffer
+from ..pipe.stages import Stage, Doc, ShuffleBuffer, BlockWindow
 from .sources import BlockSource
 
 # %% ../../nbs/tokens/12b_pieces.ipynb #42e4cd73
@@ -328,11 +328,13 @@ class Feed(Stage):
                  framing:Framing,         # where the delimiters go
                  max_chunk,               # the most tokens in a piece (None: whole units)
                  window:int,              # the shuffle window (0: none)
-                 seed:int=0, stream:int=0):   # the shuffle's, as `ShuffleBuffer` takes them
+                 seed:int=0, stream:int=0,    # the shuffle's, as `ShuffleBuffer` takes them
+                 shuffle:str='reservoir'):    # the window: 'reservoir' (`ShuffleBuffer`) or 'block' (`BlockWindow`)
         self.src, self.upstream, self.max_chunk, self.extra = src, src, max_chunk, framing.head + len(framing.tail)
         self.cur = None                      # [piece tuple, start of its next piece] while a document is being cut
         # its state; its draws are made here
-        self.shuffle = ShuffleBuffer(_Pieces(self), window, seed, stream, itemgetter(1)) if window else None
+        kind = BlockWindow if shuffle == 'block' else ShuffleBuffer
+        self.shuffle = kind(_Pieces(self), window, seed, stream, itemgetter(1)) if window else None
         self._next = src.__next__ if max_chunk is None else self._piece      # uncut: straight from the source
     def _piece(self) -> tuple:
         "The next piece, before the shuffle (what the `Chunker` would give)."
@@ -348,19 +350,24 @@ class Feed(Stage):
     def fetch(self, addresses) -> list: return self.src.fetch(addresses)
     def taker(self):
         "`__next__` with a call less a piece: the window's `draw` bound to what fills it (or the pieces as they come)."
-        return self._next if self.shuffle is None else partial(self.shuffle.draw, self._next)
-
-class _Pieces(Stage):
-    "A `Feed`'s pieces before its shuffle window: the upstream of the `ShuffleBuffer` that holds the window's state."
-    def __init__(self, feed): self.feed = feed
-    def __next__(self): return self.feed._piece()
-    def fetch(self, addresses): return self.feed.src.fetch(addresses)
+        sh = self.shuffle
+        if sh is None or isinstance(sh, BlockWindow): return self._next if sh is None else sh.__next__
+        return partial(sh.draw, self._next)
 
 @patch
 def __next__(self:Feed) -> tuple:
     "The next piece out of the shuffle window (`ShuffleBuffer.draw`, filled by `_piece`)."
     sh = self.shuffle
-    return self._next() if sh is None else sh.draw(self._next)
+    return self._next() if sh is None else next(sh) if isinstance(sh, BlockWindow) else sh.draw(self._next)
+
+# %% ../../nbs/tokens/12b_pieces.ipynb #1277d1b5
+class _Pieces(Stage):
+    "A `Feed`'s pieces before its shuffle window: the upstream of the window that holds the window's state."
+    name = 'pieces'
+    def __init__(self, feed): self.feed = feed
+    def __next__(self): return self.feed._piece()
+    def fetch(self, addresses): return self.feed.src.fetch(addresses)
+    def state_dict(self): return self.feed.src.cursor(), self.feed.cut()   # (kept by a block window, not JSON)
 
 # %% ../../nbs/tokens/12b_pieces.ipynb #3d58d812
 @patch

@@ -11,7 +11,7 @@ import math, zlib
 from typing import NamedTuple
 import numpy as np
 from fastcore.basics import patch
-from ..pipe.stages import ShuffleBuffer, mix64
+from ..pipe.stages import ShuffleBuffer, BlockWindow, mix64
 from ..pipe.bestfit import MAX_WAIT, Packer
 from ..pipe.packing import FlatDocs, Segment, PackedBatch, PACKS, PACK_RULES
 from .order import owned_shards
@@ -40,7 +40,7 @@ class RowStream:
                  config:dict,         # checked settings, from `stream_config`
                  worker:int=0,        # this DataLoader worker ...
                  n_workers:int=1):    # ... of this many (the rank's shards are split among them)
-        self.root, self.cfg = root, dict(config, worker=worker, n_workers=n_workers)
+        self.root, self.cfg, self.given_root = root, dict(config, worker=worker, n_workers=n_workers), root
         c = self.cfg
         self.framing = Framing(c['bos_token'], c['eos_token'], c['sep_token'])
         if c.get('strip_tokens') or c.get('min_length', 1) > 1:   # sources see documents as the trim leaves them
@@ -75,8 +75,8 @@ def _stages(self:RowStream, ds, shards, unit) -> tuple:
     src = ShardSource(self.root, ds, shards, c['n_logical_shards'], c['seed'], stream=unit)
     ch = Chunker(src, self.framing, self.mc) if self.mc else None
     win = min(c['shuffle_window'], src.total)            # no window holds more than the shards have
-    sh = ShuffleBuffer(ch or src, win, c['seed'], mix64(zlib.crc32(ds.encode()) ^ (unit << 32)),
-                       _doc_epoch) if win else None
+    kind = BlockWindow if c.get('shuffle', 'reservoir') == 'block' else ShuffleBuffer   # (a config before /4: reserv.)
+    sh = kind(ch or src, win, c['seed'], mix64(zlib.crc32(ds.encode()) ^ (unit << 32)), _doc_epoch) if win else None
     return src, ch, sh, sh or ch or src
 
 @patch
@@ -190,7 +190,8 @@ def _low(self:RowStream, i):
     low = min((e + (p >= n) for e, p, n in zip(epoch, pos, src.n) if n), default=math.inf)
     cut = None if ch is None else ch.cut()
     if cut is not None: low = min(low, cut[1])
-    if sh is not None and sh.buf: low = min(low, min(map(sh.epoch_of, sh.buf)))
+    buf = None if sh is None else sh.rest() if isinstance(sh, BlockWindow) else sh.buf
+    if buf: low = min(low, min(map(sh.epoch_of, buf)))
     return low
 
 @patch

@@ -72,7 +72,8 @@ class World:
         self.config = {k: v for k, v in config.items() if k != 'batch_size'}
         self._units(states)
         # one unit walking every shard: the checks' geometry
-        self.stream = FastTokenStream(root, dict(self.config, rank=0, world_size=1))
+        self.stream = FastTokenStream(root, dict(self.config, rank=0, world_size=1, shuffle='reservoir'))
+        self._expand()
         self.sets = [self._merge(i) for i in range(len(self.config['datasets']))]
         self.entries = self._merge_entries()
         self._check_overlaps()
@@ -147,6 +148,24 @@ def _units(self:World, states):
     self.index = [seen[u] for u in self.units]
     self.states, self.batch_size = [states[j] for j in self.index], states[0]['config'].get('batch_size')
     self.owns = [owned_shards(S, r, W, w, nws[r]) for r, w in self.units]
+
+# %% ../../nbs/tokens/12h_world.ipynb #43eaaa69
+@patch
+def _expand(self:World):
+    "Block-window states (/4) as the merge reads them: each loaded into its unit's stream, its windows' pieces named."
+    # (bounded: a unit reads its window's current block again, addresses and lengths only)
+    self.given = list(self.states)
+    for k, (s, (r, w)) in enumerate(zip(self.states, self.units)):
+        if s['config'].get('shuffle') != 'block': continue
+        at = self.at[self.index[k]]                          # (what the merge would name first, named so)
+        for d in self.config['datasets']: read_field(read_field(s, 'datasets', dict, at), d, dict, at + "['datasets']")
+        unit = FastTokenStream(self.root, dict(self.config, rank=r, world_size=self.W, shuffle='block'), w, self.nws[r])
+        try: unit.load_state(s)
+        except ValueError as e:                                   # named where the caller passed it: `states[j][...]`
+            m = str(e)
+            if m.startswith('state['): m = at + m[len('state'):]
+            raise ValueError(f"{m} ({unit_name(s['config'])})") from None
+        self.states[k] = dict(s, datasets=unit.explicit_state()['datasets'])
 
 # %% ../../nbs/tokens/12h_world.ipynb #e1000005
 @patch
@@ -371,14 +390,13 @@ def state_for(self:World, rank:int,       # the rank of the unit ...
     W, nw = check_int('world_size', world_size, 1), check_int('n_workers', n_workers, 1)
     r, w = check_int('rank', rank, 0), check_int('worker', worker, 0)
     if r >= W or w >= nw: raise ValueError(f"rank={r}, worker={w} is not a unit of {W} ranks of {nw} workers")
-    if W == self.W and set(self.nws) == {nw}: return json.loads(json.dumps(self.states[self.units.index((r, w))]))
+    if W == self.W and set(self.nws) == {nw}: return json.loads(json.dumps(self.given[self.units.index((r, w))]))
     own, cfg, fr = owned_shards(self.config['n_logical_shards'], r, W, w, nw), self.config, self.stream.framing
     lo, hi, mc, idx = own.start, own.stop, cfg['max_chunk'], r * nw + w
     datasets, extra = {}, []
     for i, (name, z) in enumerate(zip(cfg['datasets'], self.sets)):
         ep, pos, n = z.epoch[lo:hi], z.pos[lo:hi], z.n[lo:hi]
-        # the mix's tokens, shared out: their sum is the old total
-        q, rest = divmod(z.tokens, W * nw)
+        q, rest = divmod(z.tokens, W * nw)       # the mix's tokens, shared out: their sum is the old total
         cuts = [c for c in z.cuts if lo <= c[4] < hi]
         # the others being cut: their pieces
         more = [(g, e, s, L) for g, e, a, L, *_ in cuts[1:] for s in range(a, fr.unit_len(L), mc)]
@@ -394,6 +412,7 @@ def state_for(self:World, rank:int,       # the rank of the unit ...
     entries = self._park(datasets, entries, lo, hi)
     # (the weights the states were saved with: a loader with others anchors its targets on load)
     config = dict(cfg, weights=self.states[0]['config']['weights'], rank=r, world_size=W, worker=w, n_workers=nw,
+                  shuffle='reservoir',   # (windows named)
                   **({} if self.batch_size is None else dict(batch_size=self.batch_size)))
     fp = dict(data={k: dict(v) for k, v in self.fingerprint['data'].items()}, tokenizer=self.fingerprint['tokenizer'])
     return seal(dict(format=FORMAT, run=_lineage(self.run, self.step, [self.W, self.nws], [W, nw]), step=self.step,
