@@ -1,0 +1,92 @@
+"""Review of the mixture schedules (issue 22, section 1): hostile inputs, each test failing before its fix."""
+import json, math, shutil, subprocess, sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from nanochat_dl.tokens.files import write_token_file
+from nanochat_dl.tokens.meta import write_counts
+from nanochat_dl.tokens.pieces import MixSchedule
+from nanochat_dl.tokens.state import stream_config
+from nanochat_dl.tokens.fast import FastTokenStream
+from nanochat_dl.tokens.stream import TokenStream
+from nanochat_dl.tokens.loader import StreamingLoader, open_epochs
+
+CLI = shutil.which('nanochat-dl') or str(Path(sys.executable).parent / 'nanochat-dl')
+
+
+@pytest.fixture(scope='module')
+def root(tmp_path_factory):
+    "A token root of two datasets, code and web, each document's ids saying which it is."
+    path, rng, uid, c = tmp_path_factory.mktemp('sched_review')/'root', np.random.default_rng(0), 1, {}
+    for ds, n, mean in [('web', 600, 40), ('code', 300, 50)]:
+        docs = [(np.int64(uid + i) << 12) | (np.arange(l) & 0xFFF) for i, l in enumerate(rng.integers(1, 2 * mean, n))]
+        uid += n
+        c[(ds, 'a.arrow')] = write_token_file(path/ds/'a.arrow', docs)
+    write_counts(path, c)
+    return path
+
+
+@pytest.mark.parametrize('t', [10**400, 2**1024, 10**5000], ids=['1e400', '2^1024', '1e5000'])
+def test_a_point_beyond_a_float_is_refused_naming_it(t):
+    """A whole number of tokens_seen that no float holds: refused naming the point (was: OverflowError, no point;
+    an int too long for `str`: a ValueError about digits)."""
+    with pytest.raises(ValueError, match=r"weights point 1 .*: tokens_seen '2\*\*\d+ or more' is invalid"):
+        MixSchedule([(0, {'a': 1}), (t, {'b': 1})], ['a', 'b'])
+
+
+@pytest.mark.parametrize('cls', [FastTokenStream, TokenStream])
+@pytest.mark.parametrize('nw', [1, 2, 3])
+def test_workers_follow_the_schedule_in_their_ranks_tokens(root, cls, nw):
+    """`tokens_seen` is the rank's count: with n DataLoader workers (each a stream of 1/n of the rank's shards) the
+    mix changes at the rank's tokens_seen, not at n times it (was: each worker's own count, the schedule n times
+    slower)."""
+    sched = [(0, {'web': 1}), (5000, {'web': 1}), (5001, {'code': 1})]
+    r, cfg, _ = stream_config(root, 32, weights=sched, bos_token=1, eos_token=2, n_logical_shards=12, max_chunk=30)
+    ss, first = [cls(r, cfg, w, nw) for w in range(nw)], None
+    while first is None:
+        for s in ss: s.next_rows(1)
+        T = sum(sum(s.mixer.tokens) for s in ss)
+        if any(s.mixer.tokens[0] for s in ss): first = T      # (datasets in order: code, web)
+        assert T < 20_000
+    assert 4000 < first < 6000, first             # (the workers' counts differ a little: each its own x n)
+
+
+
+def three(tmp_path):
+    "A token root of three datasets (books, code, web), small enough to read epoch 1 of each in seconds."
+    path, rng, uid, c = tmp_path/'root3', np.random.default_rng(1), 1, {}
+    for ds, n, mean in [('web', 60, 40), ('code', 30, 50), ('books', 10, 80)]:
+        docs = [(np.int64(uid + i) << 12) | (np.arange(l) & 0xFFF) for i, l in enumerate(rng.integers(1, 2 * mean, n))]
+        uid += n
+        c[(ds, 'a.arrow')] = write_token_file(path/ds/'a.arrow', docs)
+    write_counts(path, c)
+    return path
+
+
+@pytest.mark.parametrize('sched, books', [([(0, {'web': 1})], math.inf),
+                                          ([(0, {'web': 1}), (500, {'code': 1, 'web': 1})], math.inf),
+                                          ([(0, {'web': 1}), (500, {'code': 1}), (900, {'web': 1, 'code': 2})],
+                                           math.inf),
+                                          ([(0, {'web': 1}), (500, {'books': 1})], 1)])
+def test_open_epochs_reads_a_schedule_per_dataset(tmp_path, sched, books):
+    """`open_epochs` of a state saved with a schedule: a dataset of weight 0 at every point is never read (inf), one
+    of a positive weight at some point holds its epoch open (was: the schedule's points indexed by the dataset's
+    number, an IndexError for fewer points than datasets, a dataset never read held open for as many)."""
+    with StreamingLoader(three(tmp_path), 32, 4, weights=sched, bos_token=1, prefetch=0) as ld:
+        st = next(ld).state
+    got = open_epochs(st)
+    assert got['books'] == books and got['web'] == 1, got
+
+
+def test_the_rescale_check_refuses_a_schedule_that_ends_a_dataset_at_weight_0(tmp_path):
+    """check-resume's rescale reads epoch 1 of every dataset to its end: a schedule whose last point gives a dataset
+    read before weight 0 is refused at once, naming it (was: 100,000 batches per rank, then 'did not read epoch 1')."""
+    cfg = tmp_path/'s.json'
+    cfg.write_text(json.dumps({'weights': [[0, {'web': 1, 'books': 1}], [2000, {'web': 1}]]}))
+    r = subprocess.run([CLI, 'check-resume', '--loader', 'tokens', '--data', three(tmp_path), '--config', cfg, '-b', '4',
+                        '-t', '32', '--batches', '6', '--world-size-from', '2', '--world-size-to', '3'],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "dataset 'books' has weight 0 at the schedule's last point (tokens_seen 2000)" in r.stderr, r.stderr
