@@ -90,3 +90,41 @@ def test_the_rescale_check_refuses_a_schedule_that_ends_a_dataset_at_weight_0(tm
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 2, r.stdout + r.stderr
     assert "dataset 'books' has weight 0 at the schedule's last point (tokens_seen 2000)" in r.stderr, r.stderr
+
+
+def test_a_rescale_2_3_2_with_a_schedule_delivers_epoch_1_once_and_resumes_exactly(tmp_path):
+    "Save on 2 ranks mid-ramp, rescale to 3, save, back to 2: each document of epoch 1 tiled once; the last resumes."
+    from nanochat_dl.bench.check import loader_maker, run_ranks, _tiling
+    import hashlib
+    sched = [[0, {'web': 3, 'code': 1}], [1500, {'web': 3, 'code': 1}], [3000, {'web': 1, 'code': 0, 'books': 2}],
+             [4500, {'code': 1, 'web': 0.5, 'books': 0.1}]]
+    make = loader_maker('tokens', three(tmp_path), 4, 32, weights=sched, shuffle_window=10, pack='bestfit', max_chunk=40,
+                        bos_token=1, n_logical_shards=12)
+    s0, _, _ = run_ranks(make, 2, None)
+    want, ends = {d for d, *_ in s0}, {}
+    for d, a, b in s0: ends[d] = max(ends.get(d, 0), b)
+    p1, _, st = run_ranks(make, 2, 9)
+    p2, _, st = run_ranks(make, 3, 5, st)
+    assert all(sum(s['mix']['base']) < sum(d['tokens'] for d in s['datasets'].values()) for s in st)   # (anchored)
+    p3, _, st = run_ranks(make, 2, 4, st)
+    digest = lambda ld, n: [hashlib.sha1(next(ld).inputs.numpy().tobytes()).hexdigest() for _ in range(n)]
+    for r in range(2):
+        with make(r, 2, st) as a: run = digest(a, 8)
+        with make(r, 2, st) as a: digest(a, 3); mid = json.loads(json.dumps(a.state_dict()))
+        with make(r, 2) as a: a.load_state_dict(mid); assert digest(a, 5) == run[3:]
+    p4, kept, _ = run_ranks(make, 2, None, st)
+    assert _tiling(p1 + p2 + p3 + p4, kept, ends) == ([], [])
+    assert {d for d, *_ in p1 + p2 + p3 + p4} == want
+
+
+@pytest.mark.parametrize('pack', ['concat', 'pad', 'bestfit'])
+def test_workers_fast_and_reference_streams_agree_on_a_schedule(root, pack):
+    "With 2 workers (scale 2), the fast stream gives the reference's rows and counters, with max_chunk and a trim."
+    sched = [(0, {'web': 3, 'code': 1}), (1500, {'web': 3, 'code': 1}), (3000, {'code': 1}), (4500, {'web': 1})]
+    for extra in [dict(max_chunk=30), dict(max_chunk=None, strip_tokens=[1], min_length=4)]:
+        r, cfg, _ = stream_config(root, 32, weights=sched, bos_token=1, eos_token=2, n_logical_shards=12,
+                                  shuffle_window=8, pack=pack, **extra)
+        for w in range(2):
+            a, b = FastTokenStream(r, cfg, w, 2), TokenStream(r, cfg, w, 2)
+            for _ in range(150): assert np.array_equal(a.next_rows(2).rows, b.next_rows(2).rows), (extra, w)
+            assert a.mixer.tokens == b.mixer.tokens
