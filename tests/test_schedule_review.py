@@ -128,3 +128,13 @@ def test_workers_fast_and_reference_streams_agree_on_a_schedule(root, pack):
             a, b = FastTokenStream(r, cfg, w, 2), TokenStream(r, cfg, w, 2)
             for _ in range(150): assert np.array_equal(a.next_rows(2).rows, b.next_rows(2).rows), (extra, w)
             assert a.mixer.tokens == b.mixer.tokens
+
+
+def test_a_mixer_given_a_mixschedule_loads_a_state_with_weights():
+    """`Mixer(ups, MixSchedule(...))` (as the chapter builds one) loads a state that names the weights it was saved
+    with: the same schedule keeps the targets, another anchors them (was: TypeError, a MixSchedule is not iterable)."""
+    from nanochat_dl.tokens.pieces import Mixer
+    sc = MixSchedule([(0, [1, 0]), (100, [0, 1])], ['a', 'b'])
+    m = Mixer([None, None], sc)
+    assert m.load_state_dict({'tokens': [5, 5], 'weights': [[0, [1, 0]], [100, [0, 1]]]}).base is None
+    assert m.load_state_dict({'tokens': [5, 5], 'weights': [[0, [1, 0]], [200, [0, 1]]]}).base == [5, 5]

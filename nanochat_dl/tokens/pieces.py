@@ -166,7 +166,8 @@ def at(self:MixSchedule, T) -> tuple:
 
 def mix_key(weights, n:int) -> tuple:
     "What decides the mix of `weights` (fixed, or a schedule, for `n` datasets): the shares, and where they change."
-    sc = MixSchedule(weights, range(n)) if is_schedule(weights) else MixSchedule([(0, list(weights))], range(n))
+    sc = (weights if isinstance(weights, MixSchedule) else MixSchedule(weights, range(n)) if is_schedule(weights)
+          else MixSchedule([(0, list(weights))], range(n)))
     return (None, sc.s[0]) if sc.constant else (sc.t, sc.s)
 
 def ever_read(weights, j:int) -> bool:
