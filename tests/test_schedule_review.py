@@ -138,3 +138,12 @@ def test_a_mixer_given_a_mixschedule_loads_a_state_with_weights():
     m = Mixer([None, None], sc)
     assert m.load_state_dict({'tokens': [5, 5], 'weights': [[0, [1, 0]], [100, [0, 1]]]}).base is None
     assert m.load_state_dict({'tokens': [5, 5], 'weights': [[0, [1, 0]], [200, [0, 1]]]}).base == [5, 5]
+
+
+@pytest.mark.parametrize('w', [[(0, {'a': 10**5000})], [10**5000, 1]], ids=['schedule', 'fixed'])
+def test_a_weight_too_long_to_print_is_refused_naming_the_weight(w):
+    "A weight of 5,001 digits: refused as a weight no float holds (was: Python's 'Exceeds the limit (4300 digits)')."
+    from nanochat_dl.tokens.pieces import Mixer
+    with pytest.raises(ValueError, match=r"weight \(a number too long to print\) of (dataset 'a'|stage 0) is invalid: "
+                                         r"expected a finite number"):
+        MixSchedule(w, ['a', 'b']) if isinstance(w[0], tuple) else Mixer([None, None], w)

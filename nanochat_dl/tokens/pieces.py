@@ -80,14 +80,20 @@ class Chunker(Stage):
         return [Doc(tuple(a), d.tokens) for a, d in zip(addresses, docs)]
 
 # %% ../../nbs/tokens/12b_pieces.ipynb #57bffc68
+def _shown(x, show=str) -> str:
+    "`x` as a message shows it: its first 100 characters (an int too long for `str`, in words)."
+    try: return show(x)[:100]
+    except ValueError: return "(a number too long to print)"
+
 def check_weight(x, of) -> float:   # of: whose weight it is, as the message says it
     "Weight `x` as a float: a real number (not a bool, str or list), finite, >= 0; else a `ValueError` naming it."
     if isinstance(x, (bool, np.bool_)) or not isinstance(x, (int, float, np.integer, np.floating)):
-        raise ValueError(f"weight {x!r} {of} is invalid: expected a number (int or float) >= 0, not {type(x).__name__}")
+        raise ValueError(f"weight {_shown(x, repr)} {of} is invalid: expected a number (int or float) >= 0, not "
+                         f"{type(x).__name__}")
     try: v = float(x)
     except OverflowError: v = math.inf
     if not (math.isfinite(v) and v >= 0):
-        raise ValueError(f"weight {x!r} {of} is invalid: expected a finite number >= 0")
+        raise ValueError(f"weight {_shown(x, repr)} {of} is invalid: expected a finite number >= 0")
     return v
 
 def is_schedule(weights) -> bool:
@@ -103,6 +109,7 @@ def _tokens_seen(t, where) -> int:
         except OverflowError: t = f"2**{int(t).bit_length() - 1} or more"   # (no float holds it: no integral either)
     raise ValueError(f"{where}: tokens_seen {t!r} is invalid: expected a whole number of tokens >= 0 (below 2**1024)")
 
+# %% ../../nbs/tokens/12b_pieces.ipynb #61460838
 def _point_weights(w, names, where) -> list:
     "A point's weights, one float per dataset of `names` (a dict: the datasets it leaves out get 0)."
     if isinstance(w, dict):
@@ -118,11 +125,6 @@ def _point_weights(w, names, where) -> list:
     return ws
 
 # %% ../../nbs/tokens/12b_pieces.ipynb #672a40cc
-def _shown(p) -> str:
-    "A point as a message shows it: its first 100 characters (an int too long for `str`: in words)."
-    try: return str(p)[:100]
-    except ValueError: return "(a point holding a number too long to print)"
-
 class MixSchedule:
     "Shares of tokens by tokens seen: linear between points, constant before the first and after the last."
     def __init__(self, points,   # `(tokens_seen, weights)` pairs, tokens_seen rising; weights a dict or one per dataset
