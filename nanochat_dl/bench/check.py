@@ -5,7 +5,7 @@ compared batch by batch with a run that never stopped; a PASS/FAIL table."""
 
 # %% auto #0
 __all__ = ['LOADERS', 'loader_maker', 'stop_and_go', 'reading_epoch1', 'held', 'run_ranks', 'rescale_check', 'plot_stop_and_go',
-           'check_resume', 'format_checks', 'read_settings', 'demo_token_root', 'check_resume_cli']
+           'check_epoch1_ends', 'check_resume', 'format_checks', 'read_settings', 'demo_token_root', 'check_resume_cli']
 
 # %% ../../nbs/bench/19_check_resume.ipynb #088ab1d9
 import itertools, json, sys, time
@@ -14,6 +14,7 @@ from ..core import check_int, get_base_dir
 from ..text.loader import PackedLoader
 from ..text.rescale import open_epoch
 from ..tokens.loader import StreamingLoader, open_epochs
+from ..tokens.pieces import is_schedule, ever_read
 from .demo import batch_digest, ensure_shards, ensure_tokenizer
 from ..text.dataset import list_parquet_files
 from ..text.adapt import load_tokenizer
@@ -163,6 +164,18 @@ def plot_stop_and_go(results,   # `stop_and_go` results, one panel each
     fig.tight_layout()
     return fig
 
+# %% ../../nbs/bench/19_check_resume.ipynb #3164ff02
+def check_epoch1_ends(make):   # `loader_maker`'s function, of a `StreamingLoader`
+    "Refuse a schedule that leaves a dataset it reads at weight 0 after its last point: epoch 1 may never end there."
+    with make() as ld: c = ld.config
+    w = c['weights']
+    if not is_schedule(w): return
+    for j, d in enumerate(c['datasets']):
+        if ever_read(w, j) and not w[-1][1][j]:
+            raise ValueError(f"dataset {d!r} has weight 0 at the schedule's last point (tokens_seen {w[-1][0]}): its "
+                             f"epoch 1 may never end, and the rescale check reads epoch 1 of every dataset to its end; "
+                             f"give {d!r} a weight at the last point to check a rescale")
+
 # %% ../../nbs/bench/19_check_resume.ipynb #8135b6d2
 def check_resume(make,                 # `loader_maker`'s function
                  batches:int=20,       # batches of each stop-and-go run
@@ -179,6 +192,7 @@ def check_resume(make,                 # `loader_maker`'s function
     if world_from is not None:
         world_from, world_to = check_int('world_size_from', world_from), check_int('world_size_to', world_to)
         rescale_stop = check_int('rescale_stop', rescale_stop, 1)   # (0: a save before any batch, no rescale mid-run)
+        if make.loader == 'tokens': check_epoch1_ends(make)
         ranks += [(r, world_from) for r in range(world_from)] if world_from > 1 else []
     res = []
     for r, W in ranks:

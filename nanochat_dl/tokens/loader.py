@@ -266,14 +266,15 @@ def open_epochs(state,   # a `StreamingLoader` state (or a `StreamingDataset` wo
                 ) -> dict:
     """Per dataset of a state, the lowest epoch that may still have tokens to deliver on its rank: the epochs of its
     shards' cursors, of a document being cut, of the shuffle window's and the packer's pieces. A logical shard with
-    no documents holds no epoch open, nor does a dataset of weight 0, which is never read (`math.inf` for a dataset
-    that has nothing on the rank). A block window's state (/4) names its shards' cursors where its block began: an
-    epoch may show open until the block after the one that closes it."""
+    no documents holds no epoch open, nor does a dataset of weight 0 (at every point of a schedule), which is never
+    read (`math.inf` for a dataset that has nothing on the rank). A block window's state (/4) names its shards'
+    cursors where its block began: an epoch may show open until the block after the one that closes it."""
     runs = lambda rle: [v for v, c in rle for _ in range(c)]
     out = {}
     for d, s in state['datasets'].items():
         # not read
-        if not state['config']['weights'][state['config']['datasets'].index(d)]: out[d] = math.inf; continue
+        if not ever_read(state['config']['weights'], state['config']['datasets'].index(d)):
+            out[d] = math.inf; continue
         starts = shard_starts(state['fingerprint']['data'][d]['docs'], state['config']['n_logical_shards'])
         owned = [j for a, b in s['shards'] for j in range(a, b)]
         eps = [e for j, e in zip(owned, runs(s['epoch'])) if starts[j + 1] > starts[j]]

@@ -80,14 +80,20 @@ class Chunker(Stage):
         return [Doc(tuple(a), d.tokens) for a, d in zip(addresses, docs)]
 
 # %% ../../nbs/tokens/12b_pieces.ipynb #57bffc68
+def _shown(x, show=str) -> str:
+    "`x` as a message shows it: its first 100 characters (an int too long for `str`, in words)."
+    try: return show(x)[:100]
+    except ValueError: return "(a number too long to print)"
+
 def check_weight(x, of) -> float:   # of: whose weight it is, as the message says it
     "Weight `x` as a float: a real number (not a bool, str or list), finite, >= 0; else a `ValueError` naming it."
     if isinstance(x, (bool, np.bool_)) or not isinstance(x, (int, float, np.integer, np.floating)):
-        raise ValueError(f"weight {x!r} {of} is invalid: expected a number (int or float) >= 0, not {type(x).__name__}")
+        raise ValueError(f"weight {_shown(x, repr)} {of} is invalid: expected a number (int or float) >= 0, not "
+                         f"{type(x).__name__}")
     try: v = float(x)
     except OverflowError: v = math.inf
     if not (math.isfinite(v) and v >= 0):
-        raise ValueError(f"weight {x!r} {of} is invalid: expected a finite number >= 0")
+        raise ValueError(f"weight {_shown(x, repr)} {of} is invalid: expected a finite number >= 0")
     return v
 
 def is_schedule(weights) -> bool:
@@ -98,10 +104,12 @@ def _tokens_seen(t, where) -> int:
     "A point's `tokens_seen`: an int >= 0 (an integral float such as 1e9 too)."
     ok = isinstance(t, (int, float, np.integer, np.floating)) and not isinstance(t, (bool, np.bool_))
     if ok and isinstance(t, (float, np.floating)): ok = math.isfinite(t) and t == int(t)
-    if not ok or t < 0:
-        raise ValueError(f"{where}: tokens_seen {t!r} is invalid: expected a whole number of tokens >= 0")
-    return int(t)
+    if ok and t >= 0:
+        try: float(t); return int(t)
+        except OverflowError: t = f"2**{int(t).bit_length() - 1} or more"   # (no float holds it: no integral either)
+    raise ValueError(f"{where}: tokens_seen {t!r} is invalid: expected a whole number of tokens >= 0 (below 2**1024)")
 
+# %% ../../nbs/tokens/12b_pieces.ipynb #61460838
 def _point_weights(w, names, where) -> list:
     "A point's weights, one float per dataset of `names` (a dict: the datasets it leaves out get 0)."
     if isinstance(w, dict):
@@ -125,7 +133,7 @@ class MixSchedule:
         if not isinstance(points, (list, tuple)) or not points:
             raise ValueError(f"weights={str(points)[:80]}: a schedule needs at least one (tokens_seen, weights) point")
         for k, p in enumerate(points):
-            where = f"weights point {k} {str(p)[:100]}"
+            where = f"weights point {k} {_shown(p)}"
             if not (isinstance(p, (list, tuple)) and len(p) == 2):
                 raise ValueError(f"{where}: expected a pair (tokens_seen, {{dataset: weight}})")
             tk = _tokens_seen(p[0], where)
@@ -160,7 +168,8 @@ def at(self:MixSchedule, T) -> tuple:
 
 def mix_key(weights, n:int) -> tuple:
     "What decides the mix of `weights` (fixed, or a schedule, for `n` datasets): the shares, and where they change."
-    sc = MixSchedule(weights, range(n)) if is_schedule(weights) else MixSchedule([(0, list(weights))], range(n))
+    sc = (weights if isinstance(weights, MixSchedule) else MixSchedule(weights, range(n)) if is_schedule(weights)
+          else MixSchedule([(0, list(weights))], range(n)))
     return (None, sc.s[0]) if sc.constant else (sc.t, sc.s)
 
 def ever_read(weights, j:int) -> bool:
@@ -172,8 +181,10 @@ class Mixer(Stage):
     "Items from several datasets' stages, the next from the one furthest below its target of tokens (no randomness)."
     def __init__(self, upstreams,       # one stage per dataset (None: this rank has nothing of it)
                  weights,               # shares of tokens (any scale; 0 leaves a dataset out), or a schedule of them
-                 size=lambda item: len(item.tokens)):   # the tokens an item counts for
+                 size=lambda item: len(item.tokens),    # the tokens an item counts for
+                 scale:int=1):          # a schedule's tokens seen per token mixed here (n: a worker of n of a rank)
         self.ups, self.size, self.given, self.sched, self.base = list(upstreams), size, weights, None, None
+        self.scale = check_int('scale', scale)
         if isinstance(weights, MixSchedule) or is_schedule(weights):
             sc = weights if isinstance(weights, MixSchedule) else MixSchedule(weights, range(len(self.ups)))
             if len(sc.names) != len(self.ups):
@@ -209,12 +220,21 @@ class Mixer(Stage):
 @patch
 def targets(self:Mixer, total) -> tuple:
     "`(shares, targets)` at `total` tokens seen: each dataset's share there, and the tokens it should have by then."
-    sh, tg = (self.w, [x * total for x in self.w]) if self.sched is None else self.sched.at(total)
+    sh, tg = self.owed(total)
     if self.base is not None:          # anchored (a resume with other weights): the counters there, plus the rest
         at = self._at_base
         tg = [b + x - a for b, x, a in zip(self.base, tg, at)]
     return sh, tg
 
+@patch
+def owed(self:Mixer, total) -> tuple:
+    "`(shares, integrals)` at `total`, not anchored: the schedule's at `total * scale` tokens seen, over `scale`."
+    if self.sched is None: return self.w, [x * total for x in self.w]
+    if self.scale == 1: return self.sched.at(total)
+    sh, S = self.sched.at(total * self.scale)
+    return sh, [x / self.scale for x in S]
+
+# %% ../../nbs/tokens/12b_pieces.ipynb #243d2509
 @patch(as_prop=True)
 def picker(self:Mixer):
     "`pick` where the targets need it (a schedule, or targets anchored), else None: the fixed weights' rule, inline."
@@ -236,7 +256,7 @@ def anchor(self:Mixer, base):
     self.base = None if base is None else list(base)
     if base is not None:
         B = sum(base)
-        self._at_base = [x * B for x in self.w] if self.sched is None else self.sched.at(B)[1]
+        self._at_base = self.owed(B)[1]
     return self
 
 # %% ../../nbs/tokens/12b_pieces.ipynb #7646fe77

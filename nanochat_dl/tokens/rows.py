@@ -57,7 +57,7 @@ class RowStream:
                                                                                                               if sh
                                                                                                               else 0)
             tops.append(top if src.total else None)
-        self.mixer = Mixer(tops, c['weights'], self._size)
+        self.mixer = Mixer(tops, c['weights'], self._size, n_workers)   # (a schedule's tokens: the rank's)
         self.packer, self.step = self._make_packer(), 0
         # per dataset, `(doc, epoch, start, tokens, length)` waiting (`_unpark`)
         self.parked = [[] for _ in self.names]
