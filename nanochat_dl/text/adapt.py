@@ -110,10 +110,11 @@ class EncodingTokenizer(Adapted, Tokenizer):
             raise TypeError(f"expected a tiktoken.Encoding, got {type(enc).__name__}")
         self.enc, self.name, self.n_vocab = enc, enc.name, enc.n_vocab
         self._special = dict(enc._special_tokens)   # (by id: a special token's text may also be an ordinary token's)
-        clash = {s: i for s, i in self._special.items() if i < len(enc._mergeable_ranks)}
-        if clash:
-            raise ValueError(f"{enc.name!r}: special token ids {clash} collide with ordinary token ids "
-                             f"0..{len(enc._mergeable_ranks) - 1}: BOS would read as text; expected special ids after them")
+        ordinary = set(enc._mergeable_ranks.values())
+        clash = {s: i for s, i in self._special.items() if i in ordinary}
+        if clash:   # (as `Tokenizer.load` refuses them)
+            raise ValueError(f"{enc.name!r}: special token ids {clash} collide with ordinary token ids: a BOS "
+                             "would read as text; expected special tokens at ids no ordinary token has")
         self._setup(bos, eos)
 
     def _lookup(self, s):
