@@ -105,3 +105,13 @@ def test_the_demo_does_not_train_into_a_missing_tokenizer_json(env, tmp_path, ca
     assert main(['demo', '--data-dir', str(env['dir'] / 'text'), '--tokenizer-dir', str(missing), '--steps', '2']) == 2
     out, err = capsys.readouterr()
     assert 'training one' not in out and f"no tokenizer at {missing}" in err and not missing.exists()
+
+
+def test_a_tokenizer_json_with_a_utf8_bom_is_read(env, tmp_path):
+    "Windows editors start UTF-8 files with a BOM: the same tokenizer (its JSON after the BOM)."
+    p = tmp_path / 'tokenizer.json'
+    p.write_bytes(b'\xef\xbb\xbf' + (env['dir'] / 'tokenizer.json').read_bytes())
+    assert load_tokenizer(p).fingerprint() == as_tokenizer(env['hf']).fingerprint()
+    p.write_bytes(b'\xff\xfe{}')
+    with pytest.raises(ValueError, match=r"tokenizer.json: not a Hugging Face tokenizer.json \(not UTF-8 text"):
+        load_tokenizer(p)

@@ -281,7 +281,10 @@ def load_tokenizer(path=None,  # a saved `Tokenizer`'s folder, a tokenizer.json,
         raise FileNotFoundError(f"no tokenizer at {p}: expected a tokenizer.json (Hugging Face tokenizers) or a "
                                 "folder written by `nanochat-dl train-tokenizer`")
     hf = hf_module(f"reading {p}")
-    try: tok = hf.Tokenizer.from_file(str(p))
+    try: text = p.read_text(encoding='utf-8-sig')   # (a BOM, as Windows editors write one: skipped)
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{p}: not a Hugging Face tokenizer.json (not UTF-8 text: {e})") from None
+    try: tok = hf.Tokenizer.from_str(text)
     except Exception as e: raise ValueError(f"{p}: not a Hugging Face tokenizer.json ({e})") from None
     return HFTokenizer(tok, bos, eos, name=str(p))
 
