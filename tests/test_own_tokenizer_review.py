@@ -115,3 +115,14 @@ def test_a_tokenizer_json_with_a_utf8_bom_is_read(env, tmp_path):
     p.write_bytes(b'\xff\xfe{}')
     with pytest.raises(ValueError, match=r"tokenizer.json: not a Hugging Face tokenizer.json \(not UTF-8 text"):
         load_tokenizer(p)
+
+
+def test_tokenize_reads_a_tokenizer_json_in_the_default_tokenizer_folder(env, tmp_path, monkeypatch):
+    "No tokenizer named: the cache's tokenizer/ folder, which may hold a Hugging Face tokenizer.json."
+    from nanochat_dl.tokens import read_manifest, tokenize
+    monkeypatch.setenv('NANOCHAT_DL_BASE_DIR', str(tmp_path / 'base'))
+    (tmp_path / 'base' / 'tokenizer').mkdir(parents=True)
+    (tmp_path / 'base' / 'tokenizer' / 'tokenizer.json').write_bytes((env['dir'] / 'tokenizer.json').read_bytes())
+    tokenize(env['dir'] / 'text', tmp_path / 'r', 'web', workers=1, progress=False, verbose=False)
+    rec = read_manifest(tmp_path / 'r')['datasets']['web']['tokenizer']
+    assert rec['fingerprint'] == as_tokenizer(env['hf']).fingerprint()

@@ -142,7 +142,7 @@ def _prepare_rest(root, dataset, shards, cache, where, workers, rank, world, spl
     from nanochat_dl.text.adapt import as_tokenizer, check_vocab, core_of, load_tokenizer
     _check_text_column((shards[rank::world] or shards)[0] if cache is not None else shards[0], text_column)   # fetched
     if tokenizer_dir is None or isinstance(tokenizer_dir, (str, os.PathLike)):   # a folder or a tokenizer.json
-        tok = load_tokenizer(tokenizer_dir)   # (a URI: refused, naming it)
+        tok = load_tokenizer(get_tokenizer_dir() if tokenizer_dir is None else tokenizer_dir)   # (a URI: refused)
         tok_dir = (get_tokenizer_dir() if tokenizer_dir is None else location(tokenizer_dir)).expanduser().absolute()
     else: tok = tok_dir = as_tokenizer(tokenizer_dir)   # an object (`tokenizer=`): its core goes to the workers
     check_vocab(tok); core_of(tok)   # (the workers rebuild its core: an error now if it has none)
