@@ -126,3 +126,10 @@ def test_tokenize_reads_a_tokenizer_json_in_the_default_tokenizer_folder(env, tm
     tokenize(env['dir'] / 'text', tmp_path / 'r', 'web', workers=1, progress=False, verbose=False)
     rec = read_manifest(tmp_path / 'r')['datasets']['web']['tokenizer']
     assert rec['fingerprint'] == as_tokenizer(env['hf']).fingerprint()
+
+
+def test_lone_surrogates_still_become_the_replacement_character(env):
+    "The error wrapping of the tokenizer's own errors keeps tiktoken's way with lone surrogates (U+FFFD)."
+    t = as_tokenizer(env['hf'])
+    assert t.encode('a\ud800b') == t.encode('a\ufffdb') and t.core.encode_ordinary_batch(['x', 'a\udfffb'])[1] == \
+        t.encode('a\ufffdb')
