@@ -1169,6 +1169,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                     'nanochat_dl/text/adapt.py'),
                                         'nanochat_dl.text.adapt.HFCore.__reduce__': ( 'text/adapt.html#hfcore.__reduce__',
                                                                                       'nanochat_dl/text/adapt.py'),
+                                        'nanochat_dl.text.adapt.HFCore._batch': ( 'text/adapt.html#hfcore._batch',
+                                                                                  'nanochat_dl/text/adapt.py'),
                                         'nanochat_dl.text.adapt.HFCore.encode_flat': ( 'text/adapt.html#hfcore.encode_flat',
                                                                                        'nanochat_dl/text/adapt.py'),
                                         'nanochat_dl.text.adapt.HFCore.encode_ordinary': ( 'text/adapt.html#hfcore.encode_ordinary',

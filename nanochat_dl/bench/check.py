@@ -280,7 +280,7 @@ def check_resume_cli(loader:str='text',       # text (PackedLoader over parquet 
         make = loader_maker(loader, where, B, T, tok, **kw)
         print(f"check-resume: {loader} loader over {where}, B={B} T={T}, settings {kw or 'the defaults'}")
         res = check_resume(make, batches, stop, world_size_from, world_size_to, rescale_stop, limit)
-    except (OSError, ValueError, TypeError, RuntimeError) as e:   # (OSError: a config that is a folder, ...)
+    except (OSError, ValueError, TypeError, RuntimeError, ImportError) as e:   # (OSError: a config that is a folder)
         print(f"nanochat-dl check-resume: error: {e}", file=sys.stderr); return 2
     print(format_checks(res))
     return 0 if all(r['ok'] for r in res) else 1

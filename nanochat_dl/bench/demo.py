@@ -34,7 +34,8 @@ def ensure_tokenizer(data_dir,       # the shards to train on, when a tokenizer 
     "The tokenizer in `tokenizer_dir` (default: the cache's), trained on `data_dir`'s train shards when missing."
     tdir = get_tokenizer_dir() if tokenizer_dir is None else local_location(tokenizer_dir, 'tokenizer_dir')
     try: return load_tokenizer(tdir)   # a saved folder, or a Hugging Face tokenizer.json
-    except FileNotFoundError: pass
+    except FileNotFoundError:
+        if tdir.suffix == '.json': raise   # a tokenizer.json's path, mistyped: not a folder to train into
     out(f"no tokenizer in {tdir}: training one (vocab {vocab_size:,}) on the train shards of {get_data_dir(data_dir)}")
     t0 = time.perf_counter()
     tok = train_tokenizer(data_dir, vocab_size, max_chars=100_000_000, out_dir=tdir, progress=False)
@@ -249,6 +250,6 @@ def demo_cli(
     names = tuple(s.strip() for s in compare.split(',') if s.strip())
     try: res = run_demo(data_dir, tokenizer_dir, vocab_size, B, T, steps, strategy, buffer_size, threads, device,
                         picture, every, names, compare_batches)
-    except (FileNotFoundError, ValueError, RuntimeError) as e:
+    except (FileNotFoundError, ValueError, RuntimeError, ImportError) as e:   # (ImportError: `tokenizers` missing)
         print(f"nanochat-dl demo: error: {e}", file=sys.stderr); return 2
     return 0 if res['resume_ok'] else 1

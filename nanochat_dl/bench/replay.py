@@ -231,7 +231,7 @@ def inspect_cli(state:str,             # a state file, a checkpoint folder, or a
         with loader_from_state(st, data, tok if kind == 'text' else None) as ld:
             got, reach = replay_steps(ld, st['step'], A, B)
             files = getattr(ld, 'files', None)
-    except (OSError, ValueError, TypeError, RuntimeError) as e:
+    except (OSError, ValueError, TypeError, RuntimeError, ImportError) as e:   # (ImportError: `tokenizers` missing)
         print(f"nanochat-dl inspect: error: {e}", file=sys.stderr); return 2
     print('\n'.join([f"replayed {A - st['step']:,} batches to reach step {A} in {reach:.2f} s",
                      *skip_notes(skipped, A, B)]))

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import tiktoken
 from fastcore.basics import patch
+from ..core import location
 from .tokenizer import META_FILE, Tokenizer, encoding_sha, get_tokenizer
 
 # %% ../../nbs/text/04a_adapt.ipynb #69f5a5bc
@@ -108,10 +109,16 @@ class EncodingTokenizer(Adapted, Tokenizer):
         if not isinstance(enc, tiktoken.Encoding):
             raise TypeError(f"expected a tiktoken.Encoding, got {type(enc).__name__}")
         self.enc, self.name, self.n_vocab = enc, enc.name, enc.n_vocab
-        self._special = {s: enc.encode_single_token(s) for s in enc.special_tokens_set}
+        self._special = dict(enc._special_tokens)   # (by id: a special token's text may also be an ordinary token's)
+        ordinary = set(enc._mergeable_ranks.values())
+        clash = {s: i for s, i in self._special.items() if i in ordinary}
+        if clash:   # (as `Tokenizer.load` refuses them)
+            raise ValueError(f"{enc.name!r}: special token ids {clash} collide with ordinary token ids: a BOS "
+                             "would read as text; expected special tokens at ids no ordinary token has")
         self._setup(bos, eos)
 
     def _lookup(self, s):
+        if s in self._special: return self._special[s]
         try: return self.enc.encode_single_token(s)
         except KeyError: return None
 
@@ -145,9 +152,8 @@ class HFCore:
 
     def encode_ordinary_batch(self, texts) -> list:
         texts = list(texts)
-        try: out = self.tok.encode_batch(texts, add_special_tokens=False)
-        except (UnicodeEncodeError, TypeError):
-            out = self.tok.encode_batch([_clean(t) for t in texts], add_special_tokens=False)
+        try: out = self._batch(texts)
+        except (UnicodeEncodeError, TypeError): out = self._batch([_clean(t) for t in texts])
         return [e.ids for e in out]
 
     def encode_ordinary(self, text) -> list: return self.encode_ordinary_batch([text])[0]
@@ -161,6 +167,16 @@ class HFCore:
         ids = itertools.chain.from_iterable(itertools.chain((bos,), r) for r in rows)
         return lens, np.fromiter(ids, np.int32, int(lens.sum()))
 
+# %% ../../nbs/text/04a_adapt.ipynb #6ea688c1
+@patch
+def _batch(self:HFCore, texts) -> list:
+    "The `Encoding`s of `texts`; the tokenizer's own errors (a document it cannot encode) as a `ValueError`."
+    try: return self.tok.encode_batch(texts, add_special_tokens=False)
+    except (UnicodeEncodeError, TypeError): raise   # (lone surrogates: `encode_ordinary_batch` cleans them)
+    except Exception as e:   # tokenizers' own, e.g. a WordLevel without an unk token meeting an unknown word
+        raise ValueError(f"the Hugging Face tokenizer could not encode a document ({e}); expected a tokenizer "
+                         "that encodes any text (an unk token, or byte fallback)") from None
+
 # %% ../../nbs/text/04a_adapt.ipynb #4bb97f71
 class HFTokenizer(Adapted):
     "A Hugging Face `tokenizers.Tokenizer` with this package's tokenizer interface; BOS and EOS found or given."
@@ -171,6 +187,10 @@ class HFTokenizer(Adapted):
         self.core = HFCore(tok.to_str())
         j = json.loads(self.core.json)
         self.name = name or f"{(j.get('model') or {}).get('type', 'tokenizers')} tokenizer"
+        if (j.get('model') or {}).get('dropout'):   # BPE dropout: other merges at random, at each encode
+            raise ValueError(f"{self.name}: its model has dropout={j['model']['dropout']}, so a text's ids change "
+                             "from one encode to the next; the loaders need the same ids every time (reference "
+                             "batches, exact resume): save it with dropout None")
         vocab = self.core.tok.get_vocab(with_added_tokens=True)
         self.n_vocab = max(vocab.values()) + 1 if vocab else 0   # (ids may have gaps: the highest counts)
         self._special = {t['content']: t['id'] for t in j.get('added_tokens') or () if t.get('special')}
@@ -250,7 +270,10 @@ def load_tokenizer(path=None,  # a saved `Tokenizer`'s folder, a tokenizer.json,
                    eos=None):  # the EOS, as `as_tokenizer` takes it
     "The tokenizer at `path`: a folder `Tokenizer.save` wrote (default: `get_tokenizer_dir()`) or a tokenizer.json."
     if path is None: return as_tokenizer(get_tokenizer(), bos, eos)
-    p = Path(path).expanduser()
+    p = location(path, 'tokenizer')   # (a file:// URI: its path)
+    if isinstance(p, str):
+        raise ValueError(f"tokenizer {p!r} is a URI: a tokenizer is read from this machine; copy its tokenizer.json "
+                         "or saved folder here and give that path (or file:///...)")
     if p.is_dir() or (not p.exists() and p.suffix != '.json'):   # a folder (a missing one: `get_tokenizer` says so)
         if (p/META_FILE).exists() or not (p/HF_FILE).is_file(): return as_tokenizer(get_tokenizer(p), bos, eos)
         p = p/HF_FILE
@@ -258,7 +281,10 @@ def load_tokenizer(path=None,  # a saved `Tokenizer`'s folder, a tokenizer.json,
         raise FileNotFoundError(f"no tokenizer at {p}: expected a tokenizer.json (Hugging Face tokenizers) or a "
                                 "folder written by `nanochat-dl train-tokenizer`")
     hf = hf_module(f"reading {p}")
-    try: tok = hf.Tokenizer.from_file(str(p))
+    try: text = p.read_text(encoding='utf-8-sig')   # (a BOM, as Windows editors write one: skipped)
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{p}: not a Hugging Face tokenizer.json (not UTF-8 text: {e})") from None
+    try: tok = hf.Tokenizer.from_str(text)
     except Exception as e: raise ValueError(f"{p}: not a Hugging Face tokenizer.json ({e})") from None
     return HFTokenizer(tok, bos, eos, name=str(p))
 

@@ -142,8 +142,8 @@ def _prepare_rest(root, dataset, shards, cache, where, workers, rank, world, spl
     from nanochat_dl.text.adapt import as_tokenizer, check_vocab, core_of, load_tokenizer
     _check_text_column((shards[rank::world] or shards)[0] if cache is not None else shards[0], text_column)   # fetched
     if tokenizer_dir is None or isinstance(tokenizer_dir, (str, os.PathLike)):   # a folder or a tokenizer.json
-        tok_dir = (get_tokenizer_dir() if tokenizer_dir is None else Path(tokenizer_dir)).expanduser().absolute()
-        tok = load_tokenizer(tok_dir)
+        tok = load_tokenizer(get_tokenizer_dir() if tokenizer_dir is None else tokenizer_dir)   # (a URI: refused)
+        tok_dir = (get_tokenizer_dir() if tokenizer_dir is None else location(tokenizer_dir)).expanduser().absolute()
     else: tok = tok_dir = as_tokenizer(tokenizer_dir)   # an object (`tokenizer=`): its core goes to the workers
     check_vocab(tok); core_of(tok)   # (the workers rebuild its core: an error now if it has none)
     p = SimpleNamespace(root=root, dataset=dataset, shards=shards, workers=workers, rank=rank, world=world,
@@ -473,7 +473,7 @@ def tokenize_cli(data_dir:str=None,       # parquet text shards (else $NANOCHAT_
             overwrite, wait)
     try: p = (_prepare_uri(*args, stage_dir, cache_dir, cache_size, utf8_errors, keep_empty) if uri
               else _prepare(*args, cache_dir, cache_size, utf8_errors, keep_empty))
-    except (ValueError, FileNotFoundError) as e: err(e); return 2
+    except (ValueError, FileNotFoundError, ImportError) as e: err(e); return 2   # (ImportError: `tokenizers` missing)
     except OSError as e: err(e); return 1                       # the store could not be read
     except KeyboardInterrupt: print("nanochat-dl tokenize: interrupted before any work", file=sys.stderr); return 130
     try: res = (_execute_uri if uri else _execute)(p, progress and sys.stderr.isatty())
