@@ -1,0 +1,74 @@
+"""Adversarial review of the streaming state format /4 (issue 21 section 2): block windows named by a cursor, packed
+positions. Each test failed before the fix it names; what held is kept as tests too."""
+import base64, json, time, tracemalloc, zlib
+
+import numpy as np
+import pytest
+
+from nanochat_dl.tokens import StreamingLoader
+from nanochat_dl.tokens.stream import pack_pos, unpack_pos
+from test_streaming import toy_root, SPEC
+
+pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")
+
+
+@pytest.fixture(scope='module')
+def root(tmp_path_factory): return toy_root(tmp_path_factory.mktemp('rfmt')/'root', SPEC)
+
+
+def bomb(n_bytes:int) -> str:
+    "A `pos` string of some hundred kilobytes that inflates to `n_bytes` (a deflate bomb in a state's field)."
+    raw = bytes([1]) + (0).to_bytes(8, 'little') + b'\0' * n_bytes
+    return 'z' + base64.b85encode(zlib.compress(raw, 9)).decode()
+
+
+def test_a_deflate_bomb_in_pos_is_refused_without_inflating_it():
+    "A packed `pos` is inflated only as far as its shards need (was: 300 MB inflated, ~590 MB peak, before the refusal)."
+    s = bomb(300_000_000)
+    tracemalloc.start()
+    try:
+        with pytest.raises(ValueError, match=r"\['pos'\]=.*expected the packed positions of 16 shards"):
+            unpack_pos(s, [10] * 16, "state['datasets']['web']['pos']")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally: tracemalloc.stop()
+    assert peak < 16 << 20, peak
+
+
+def test_a_deflate_bomb_in_a_loader_state_is_refused_naming_the_field(root):
+    "Through the loader: the field checks run before the checksum, so an unsealed bomb reaches `unpack_pos`."
+    kw = dict(rank=0, world_size=1, n_logical_shards=16, shuffle_window=9, prefetch=0, bos_token=1)
+    with StreamingLoader(root, 16, 2, **kw) as ld:
+        for _ in range(5): next(ld)
+        st = json.loads(json.dumps(ld.state_dict()))
+    st['datasets']['web']['pos'] = bomb(200_000_000)
+    tracemalloc.start()
+    try:
+        with StreamingLoader(root, 16, 2, **kw) as fresh:
+            with pytest.raises(ValueError, match=r"\['web'\]\['pos'\]"): fresh.load_state_dict(st)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally: tracemalloc.stop()
+    assert peak < 64 << 20, peak
+
+
+@pytest.mark.parametrize('pos,n', [([0] * 5, [3] * 5), ([3, 0, 7, 1], [3, 9, 7, 2]), ([], []), ([2**40], [2**41]),
+                                   ([5, 5], [0, 10])])
+def test_pack_pos_round_trips_and_every_truncation_is_refused(pos, n):
+    "`unpack_pos(pack_pos(p))` is `p`; each shorter prefix refused (held), and the string with bytes added (was loaded)."
+    s = pack_pos(pos, n)
+    assert unpack_pos(s, n) == pos
+    for k in range(len(s)):
+        with pytest.raises(ValueError): unpack_pos(s[:k], n)
+    with pytest.raises(ValueError): unpack_pos(s + '000', n)       # (bytes after the deflated stream)
+
+
+@pytest.mark.parametrize('field,value', [(0, 10**30), (1, 2**64 + 3), (0, 2**63)])
+def test_a_window_cursor_too_big_is_refused_saying_the_bound_it_passed(root, field, value):
+    "`window=[10**30, 0]` was refused as 'expected an int >= 0', which it is: the message now names the upper bound."
+    kw = dict(rank=0, world_size=1, n_logical_shards=16, shuffle_window=9, prefetch=0, bos_token=1)
+    with StreamingLoader(root, 16, 2, **kw) as ld:
+        for _ in range(5): next(ld)
+        st = json.loads(json.dumps(ld.state_dict()))
+    st['datasets']['web']['window'][field] = value
+    with StreamingLoader(root, 16, 2, **kw) as fresh:
+        with pytest.raises(ValueError) as e: fresh.load_state_dict(st)
+    assert f"['web']['window'][{field}]={value!r:.60} is invalid: expected an int >= 0 and < 2**63" in str(e.value)
