@@ -72,3 +72,22 @@ def test_a_window_cursor_too_big_is_refused_saying_the_bound_it_passed(root, fie
     with StreamingLoader(root, 16, 2, **kw) as fresh:
         with pytest.raises(ValueError) as e: fresh.load_state_dict(st)
     assert f"['web']['window'][{field}]={value!r:.60} is invalid: expected an int >= 0 and < 2**63" in str(e.value)
+
+
+def test_a_rescale_of_block_states_goes_on_with_reservoir_windows(root):
+    """What happens, pinned (it was not written anywhere): a rescale merges the windows by naming their pieces, so the
+    rescaled loaders go on with reservoir windows whatever their `shuffle`, and save reservoir states from then on (a
+    resume on as many ranks keeps block windows). Exactly once holds (tests/test_schedule_review, check-resume)."""
+    from nanochat_dl.bench.check import loader_maker, run_ranks
+    make = loader_maker('tokens', root, 2, 16, shuffle_window=40, max_chunk=24, bos_token=1, n_logical_shards=12)
+    _, _, st = run_ranks(make, 2, 6)
+    assert all(s['config']['shuffle'] == 'block' and 'window' in s['datasets']['web'] for s in st)
+    _, _, same = run_ranks(make, 2, 3, st)
+    assert all(s['config']['shuffle'] == 'block' for s in same)
+    _, _, st3 = run_ranks(make, 3, 3, st)
+    assert all(s['config']['shuffle'] == 'reservoir' and 'shuffle' in s['datasets']['web'] for s in st3)
+    _, _, st2 = run_ranks(make, 2, 3, st3)
+    assert all(s['config']['shuffle'] == 'reservoir' for s in st2)
+    with make(0, 2, st2) as a: rows = [next(a).rows for _ in range(4)]; mid = json.loads(json.dumps(a.state_dict()))
+    with make(0, 2, st2) as a: next(a); next(a); mid = json.loads(json.dumps(a.state_dict()))
+    with make(0, 2) as a: a.load_state_dict(mid); assert all(np.array_equal(next(a).rows, r) for r in rows[2:])
