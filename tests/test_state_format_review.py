@@ -23,7 +23,7 @@ def bomb(n_bytes:int) -> str:
 
 
 def test_a_deflate_bomb_in_pos_is_refused_without_inflating_it():
-    "A packed `pos` is inflated only as far as its shards need (was: 300 MB inflated, ~590 MB peak, before the refusal)."
+    "A packed `pos` is inflated only as far as its shards need (was: 300 MB inflated, ~590 MB peak, then refused)."
     s = bomb(300_000_000)
     tracemalloc.start()
     try:
@@ -53,7 +53,7 @@ def test_a_deflate_bomb_in_a_loader_state_is_refused_naming_the_field(root):
 @pytest.mark.parametrize('pos,n', [([0] * 5, [3] * 5), ([3, 0, 7, 1], [3, 9, 7, 2]), ([], []), ([2**40], [2**41]),
                                    ([5, 5], [0, 10])])
 def test_pack_pos_round_trips_and_every_truncation_is_refused(pos, n):
-    "`unpack_pos(pack_pos(p))` is `p`; each shorter prefix refused (held), and the string with bytes added (was loaded)."
+    "`unpack_pos(pack_pos(p))` is `p`; each shorter prefix refused (held); the string with bytes added (was loaded)."
     s = pack_pos(pos, n)
     assert unpack_pos(s, n) == pos
     for k in range(len(s)):
@@ -91,3 +91,29 @@ def test_a_rescale_of_block_states_goes_on_with_reservoir_windows(root):
     with make(0, 2, st2) as a: rows = [next(a).rows for _ in range(4)]; mid = json.loads(json.dumps(a.state_dict()))
     with make(0, 2, st2) as a: next(a); next(a); mid = json.loads(json.dumps(a.state_dict()))
     with make(0, 2) as a: a.load_state_dict(mid); assert all(np.array_equal(next(a).rows, r) for r in rows[2:])
+
+
+@pytest.mark.parametrize('stage', ['BlockWindow', 'ShuffleBuffer', 'ListSource'])
+@pytest.mark.parametrize('bad', [[1, 2], None, 'x'])
+def test_a_chain_refuses_a_stage_state_that_is_not_a_dict_naming_the_stage(stage, bad):
+    "A chain's stage state a list, None or a string: was AttributeError (\"'list' object has no attribute 'get'\")."
+    from nanochat_dl.pipe.stages import ListSource, BlockWindow, ShuffleBuffer, Chain
+    cls = ShuffleBuffer if stage == 'ShuffleBuffer' else BlockWindow
+    def build(): return Chain(cls(ListSource(list(range(5))), window=3))
+    c = build()
+    for _ in range(4): next(c)
+    st = dict(c.state_dict(), **{stage: bad})
+    with pytest.raises(ValueError, match=rf"\['{stage}'\] is {type(bad).__name__}: expected a dict"):
+        build().load_state_dict(st)
+
+
+def test_a_block_window_refuses_a_block_number_past_2_63():
+    "The generic stage (a `Chain` has no checksum): `block=10**30` was loaded, its order drawn from its low bits."
+    from nanochat_dl.pipe.stages import ListSource, BlockWindow, Chain
+    def build(): return Chain(BlockWindow(ListSource(list(range(5))), window=3))
+    c = build()
+    for _ in range(4): next(c)
+    st = c.state_dict()
+    st['BlockWindow']['block'] = 10**30
+    with pytest.raises(ValueError, match=r"window state\['block'\]=10+ is invalid: expected an int >= 0 and < 2\*\*63"):
+        build().load_state_dict(st)

@@ -298,7 +298,10 @@ def load_pipeline_state(stage,  # the last stage of a chain
                        ):
     "Load `states` into `stage` and the stages above it, the source first; returns `stage`."
     if stage.upstream is not None: load_pipeline_state(stage.upstream, states)
-    stage.load_state_dict(states[_stage_name(stage)])
+    name = _stage_name(stage)
+    if not isinstance(states[name], dict):
+        raise ValueError(f"state[{name!r}] is {type(states[name]).__name__}: expected a dict, the stage's state_dict()")
+    stage.load_state_dict(states[name])
     return stage
 
 # %% ../../nbs/pipe/05_stages.ipynb #160c9d25
@@ -403,6 +406,7 @@ def load_state_dict(self:BlockWindow, state):
     "Continue exactly from `state`, the stages above already loaded (at the block's start): the block is read again."
     same_settings(self, state, 'window', 'window')
     block = check_int("window state['block']", state['block'], 0)
+    if block >= 1 << 63: raise ValueError(f"window state['block']={block} is invalid: expected an int >= 0 and < 2**63")
     offset = check_int("window state['offset']", state['offset'], 0)
     self.block, self.items, self.order, self.offset, self._above = max(block - 1, 0), [], [], 0, None
     if block:
