@@ -117,3 +117,17 @@ def test_a_block_window_refuses_a_block_number_past_2_63():
     st['BlockWindow']['block'] = 10**30
     with pytest.raises(ValueError, match=r"window state\['block'\]=10+ is invalid: expected an int >= 0 and < 2\*\*63"):
         build().load_state_dict(st)
+
+
+@pytest.mark.parametrize('stage,field', [('BlockWindow', 'block'), ('BlockWindow', 'offset'),
+                                         ('ShuffleBuffer', 'drawn'), ('ShuffleBuffer', 'addresses')])
+def test_a_window_state_missing_a_field_is_refused_naming_it(stage, field):
+    "A window's state without its cursor or its pieces: was KeyError('block') and the like, from deep in the load."
+    from nanochat_dl.pipe.stages import ListSource, BlockWindow, ShuffleBuffer, Chain
+    cls = ShuffleBuffer if stage == 'ShuffleBuffer' else BlockWindow
+    def build(): return Chain(cls(ListSource(list(range(5))), window=3))
+    c = build()
+    for _ in range(4): next(c)
+    st = c.state_dict()
+    del st[stage][field]
+    with pytest.raises(ValueError, match=rf"state\['{field}'\]=None"): build().load_state_dict(st)

@@ -268,12 +268,14 @@ def same_settings(stage, state, what:str, mine:str, keys=('window', 'seed', 'str
 def load_state_dict(self:ShuffleBuffer, state):
     "Continue exactly from `state`, a `state_dict()`: the window's documents are fetched from the stage above."
     same_settings(self, state, 'shuffle', 'buffer')
+    if not isinstance(state.get('addresses'), list):
+        raise ValueError(f"shuffle state['addresses']={state.get('addresses')!r:.40}: expected a list of addresses")
     addrs = [_key(a) for a in state['addresses']]
     if len(addrs) > self.window: raise ValueError(f"shuffle state holds {len(addrs)} addresses for a window of "
                                                   f"{self.window}")
     if len(set(addrs)) != len(addrs): raise ValueError("shuffle state holds an address twice: that document would be "
                                                        "delivered twice")
-    self.drawn, self.done = check_int("shuffle state['drawn']", state['drawn'], 0), False
+    self.drawn, self.done = check_int("shuffle state['drawn']", state.get('drawn'), 0), False
     self.restore(self.upstream.fetch(addrs) if addrs else [])
     return self
 
@@ -405,9 +407,9 @@ def state_dict(self:BlockWindow) -> dict:
 def load_state_dict(self:BlockWindow, state):
     "Continue exactly from `state`, the stages above already loaded (at the block's start): the block is read again."
     same_settings(self, state, 'window', 'window')
-    block = check_int("window state['block']", state['block'], 0)
+    block = check_int("window state['block']", state.get('block'), 0)
     if block >= 1 << 63: raise ValueError(f"window state['block']={block} is invalid: expected an int >= 0 and < 2**63")
-    offset = check_int("window state['offset']", state['offset'], 0)
+    offset = check_int("window state['offset']", state.get('offset'), 0)
     self.block, self.items, self.order, self.offset, self._above = max(block - 1, 0), [], [], 0, None
     if block:
         try: self._fill()
