@@ -132,3 +132,20 @@ def test_a_window_state_missing_a_field_is_refused_naming_it(stage, field):
     st = c.state_dict()
     del st[stage][field]
     with pytest.raises(ValueError, match=rf"state\['{field}'\]=None"): build().load_state_dict(st)
+
+
+@pytest.mark.parametrize('pack', ['concat', 'bestfit'])
+@pytest.mark.parametrize('win', [1, 1000])
+def test_held_window_1_and_window_past_the_dataset_resume_exactly_twice_in_a_row(tmp_path, pack, win):
+    "What held: 8 documents, blocks across epochs, cut, trimmed, dropped: resumed after each of 16 batches, then again."
+    small = toy_root(tmp_path/'small', {'a': {'x.arrow': 5}, 'b': {'y.arrow': 3}}, seed=1)
+    kw = dict(rank=0, world_size=1, n_logical_shards=4, bos_token=1, eos_token=2, pack=pack, shuffle_window=win,
+              pack_buffer=4, max_chunk=5, min_length=3, strip_tokens=(1,), prefetch=0)
+    with StreamingLoader(small, 16, 2, **kw) as ld:
+        got = [(b.rows, json.loads(json.dumps(b.state))) for b in (next(ld) for _ in range(20))]
+    for k in range(16):
+        with StreamingLoader(small, 16, 2, **kw) as a:
+            a.load_state_dict(got[k][1]); b = next(a); assert np.array_equal(b.rows, got[k + 1][0]), k
+            st = json.loads(json.dumps(b.state))
+        with StreamingLoader(small, 16, 2, **kw) as a:
+            a.load_state_dict(st); assert np.array_equal(next(a).rows, got[k + 2][0]), k
