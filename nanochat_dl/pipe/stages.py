@@ -268,12 +268,14 @@ def same_settings(stage, state, what:str, mine:str, keys=('window', 'seed', 'str
 def load_state_dict(self:ShuffleBuffer, state):
     "Continue exactly from `state`, a `state_dict()`: the window's documents are fetched from the stage above."
     same_settings(self, state, 'shuffle', 'buffer')
+    if not isinstance(state.get('addresses'), list):
+        raise ValueError(f"shuffle state['addresses']={state.get('addresses')!r:.40}: expected a list of addresses")
     addrs = [_key(a) for a in state['addresses']]
     if len(addrs) > self.window: raise ValueError(f"shuffle state holds {len(addrs)} addresses for a window of "
                                                   f"{self.window}")
     if len(set(addrs)) != len(addrs): raise ValueError("shuffle state holds an address twice: that document would be "
                                                        "delivered twice")
-    self.drawn, self.done = check_int("shuffle state['drawn']", state['drawn'], 0), False
+    self.drawn, self.done = check_int("shuffle state['drawn']", state.get('drawn'), 0), False
     self.restore(self.upstream.fetch(addrs) if addrs else [])
     return self
 
@@ -298,7 +300,10 @@ def load_pipeline_state(stage,  # the last stage of a chain
                        ):
     "Load `states` into `stage` and the stages above it, the source first; returns `stage`."
     if stage.upstream is not None: load_pipeline_state(stage.upstream, states)
-    stage.load_state_dict(states[_stage_name(stage)])
+    name = _stage_name(stage)
+    if not isinstance(states[name], dict):
+        raise ValueError(f"state[{name!r}] is {type(states[name]).__name__}: expected a dict, the stage's state_dict()")
+    stage.load_state_dict(states[name])
     return stage
 
 # %% ../../nbs/pipe/05_stages.ipynb #160c9d25
@@ -402,8 +407,9 @@ def state_dict(self:BlockWindow) -> dict:
 def load_state_dict(self:BlockWindow, state):
     "Continue exactly from `state`, the stages above already loaded (at the block's start): the block is read again."
     same_settings(self, state, 'window', 'window')
-    block = check_int("window state['block']", state['block'], 0)
-    offset = check_int("window state['offset']", state['offset'], 0)
+    block = check_int("window state['block']", state.get('block'), 0)
+    if block >= 1 << 63: raise ValueError(f"window state['block']={block} is invalid: expected an int >= 0 and < 2**63")
+    offset = check_int("window state['offset']", state.get('offset'), 0)
     self.block, self.items, self.order, self.offset, self._above = max(block - 1, 0), [], [], 0, None
     if block:
         try: self._fill()

@@ -20,7 +20,7 @@ def read_int(where:str,    # the field's path in the state, for the message
     "`v` if it is an int in `[lo, hi)`; else a ValueError naming `where`."
     if type(v) is not int or not lo <= v < hi:
         raise ValueError(f"{where}={v!r:.60} is invalid: expected an int >= {lo}"
-                         + (f" and < {hi}" if hi < INT_LIMIT else ""))
+                         + (f" and < {hi}" if hi < INT_LIMIT else " and < 2**63" if type(v) is int and v >= hi else ""))
     return v
 
 def read_field(d,          # the dict holding the field

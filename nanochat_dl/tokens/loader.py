@@ -94,7 +94,7 @@ class StreamingLoader(BaseLoader):
                  rank=None, world_size=None,  # default: from torch.distributed / torchrun's environment
                  n_logical_shards:int=1024,   # logical shards per dataset, whatever the world size
                  shuffle_window:int=10_000,   # documents (pieces) per dataset's shuffle window; 0: no shuffle
-                 shuffle:str='block',   # 'block' (a state of a cursor) or 'reservoir' (before /4); states keep theirs
+                 shuffle:str='block',   # 'block' (a cursor) or 'reservoir'; a state keeps its own; rescaled: reservoir
                  seed:int=0,                  # decides every order and draw
                  bos_token=None, eos_token=None, sep_token=None,   # delimiters around each document (see `Framing`)
                  pad_token=0,               # fills rows in 'pad' and 'bestfit'

@@ -102,7 +102,9 @@ def unpack_pos(s:str, n, where:str='pos') -> list:
     m = np.asarray(n, dtype=np.int64)
     try:
         if not (isinstance(s, str) and s.startswith('z')): raise ValueError
-        raw = zlib.decompress(base64.b85decode(s[1:]))
+        dz = zlib.decompressobj()                    # inflated no further than the shards need (a bomb refused)
+        raw = dz.decompress(base64.b85decode(s[1:]), 10 + 8 * len(m))
+        if not dz.eof or dz.unconsumed_tail or dz.unused_data: raise ValueError
         w, D = raw[0], int.from_bytes(raw[1:9], 'little')
         if w not in (1, 2, 4, 8) or len(raw) != 9 + w * len(m): raise ValueError
         z = np.frombuffer(raw[9:], dtype=f'<u{w}').astype(np.int64)
