@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from ..text.loader import PackedLoader
 from ..tokens.loader import StreamingLoader
-from ..tokens.elastic import load_loader_states
+from ..tokens.elastic import load_loader_states, loader_state_path
 from ..pipe.packing import show_batch
 from ..core import get_data_dir, check_int
 from ..pipe.state import read_skipped
@@ -137,7 +137,7 @@ def dropin_state(st):
     return st['at_batch'] if isinstance(st, dict) and isinstance(st.get('at_batch'), dict) else st
 
 def _states_in(path, rank) -> list:
-    "`[(step, state)]` of rank `rank` found at `path`: a state file, a checkpoint folder, or a folder of them."
+    "`[(step, state, file)]` of rank `rank` at `path` (a state file, a checkpoint folder, or a folder of them), in order."
     p = Path(path).expanduser()
     if p.is_file():
         try: st = json.loads(p.read_text())
@@ -145,7 +145,7 @@ def _states_in(path, rank) -> list:
         st = dropin_state(st)
         if not (isinstance(st, dict) and isinstance(st.get('step'), int)):
             raise ValueError(f"{p} holds no loader state_dict() (no step): inspect replays from one")
-        return [(st['step'], st)]
+        return [(st['step'], st, p)]
     if not p.is_dir(): raise FileNotFoundError(f"{p}: no such state file or checkpoint folder")
     folders = [p] if any(q.name.startswith('loader_state.') for q in p.iterdir()) else sorted(q for q in p.iterdir()
                                                                                                if q.is_dir())
@@ -159,25 +159,25 @@ def _states_in(path, rank) -> list:
         if not isinstance(st.get('step'), int):
             raise ValueError(f"{f}: rank {rank}'s state has no step (nanochat's {{pq_idx, rg_idx, epoch}}?): inspect "
                              f"replays from a loader's state_dict()")
-        out.append((st['step'], st))
+        out.append((st['step'], st, loader_state_path(f, rank, len(sts))))
     if sizes and not out:
         raise ValueError(f"{p}: its checkpoints hold {sorted(set(sizes))} ranks: --rank {rank} is none")
     if not out: raise FileNotFoundError(f"{p} holds no loader state (loader_state.rank*.json) in it or its folders")
-    return sorted(out, key=lambda x: x[0])
+    return sorted(out, key=lambda x: (x[0], x[2].stat().st_mtime))   # equal steps: the later save (a restart's) last
 
 # %% ../../nbs/bench/20_inspect.ipynb #3701304f
 def nearest_state(path, A:int, rank:int=0) -> dict:
     "The latest state at `path` saved at or before step `A` (for rank `rank`)."
     found = _states_in(path, check_int('--rank', rank, 0))
-    before = [st for s, st in found if s <= A]
+    before = [st for s, st, _ in found if s <= A]
     if not before: raise ValueError(f"every state at {path} is after step {A} (the earliest is at step {found[0][0]}): "
                                     f"a replay goes forward only")
     return before[-1]
 
 def run_skipped(path, rank:int=0) -> list:
     "The steps the run skipped, as the latest state at `path` records them (its `skipped` runs)."
-    step, st = _states_in(path, check_int('--rank', rank, 0))[-1]
-    return read_skipped(st.get('skipped', []), step, f"{path}: rank {rank}'s state['skipped']")
+    step, st, file = _states_in(path, check_int('--rank', rank, 0))[-1]   # (its file named in an error)
+    return read_skipped(st.get('skipped', []), step, f"{file}: rank {rank}'s state['skipped']")
 
 def skip_notes(runs, A:int, B:int) -> list:
     "A line for each of `runs` that meets steps `A..B`."
