@@ -62,3 +62,11 @@ def test_notes_partly_overlapping():
     assert skip_notes(runs, 4, 9) == ['steps 2..4 were skipped by the run (loader.skip): made, not trained on',
                                       'steps 9..9 were skipped by the run (loader.skip): made, not trained on']
     assert skip_notes(runs, 0, 1) == [] and skip_notes(runs, 5, 8) == [] and len(skip_notes(runs, 0, 2)) == 1
+
+
+def test_a_rank_gone_after_a_rescale_still_sees_the_later_skips(tmp_path):
+    "4 ranks saved at 8, steps 9..10 skipped, rescaled to 2 ranks saved at 12: --rank 3 over 8..11 marks 9..10."
+    for r in range(4): save_loader_states(tmp_path/'step08', state(8), 8, rank=r, world_size=4)
+    for r in range(2): save_loader_states(tmp_path/'step12', state(12, [[9, 2]]), 12, rank=r, world_size=2)
+    assert run_skipped(tmp_path, rank=3) == [[9, 2]]
+    assert run_skipped(tmp_path, rank=1) == [[9, 2]] and run_skipped(tmp_path/'step08', rank=3) == []

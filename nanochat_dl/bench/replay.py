@@ -177,6 +177,7 @@ def nearest_state(path, A:int, rank:int=0) -> dict:
 def run_skipped(path, rank:int=0) -> list:
     "The steps the run skipped, as the latest state at `path` records them (its `skipped` runs)."
     step, st, file = _states_in(path, check_int('--rank', rank, 0))[-1]   # (its file named in an error)
+    if rank and (run := _states_in(path, 0)[-1])[0] > step: step, st, file = run   # a later save lacks it (rescaled)
     return read_skipped(st.get('skipped', []), step, f"{file}: rank {rank}'s state['skipped']")
 
 def skip_notes(runs, A:int, B:int) -> list:
