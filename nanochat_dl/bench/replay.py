@@ -40,14 +40,18 @@ def loader_from_state(state,            # a loader's `state_dict()`
                       tokenizer=None,   # text: the tokenizer the state was made with
                       **kw):            # more arguments for the loader (e.g. `tokenizer_threads`)
     "The loader `state` came from, rebuilt from its settings over `data`, resumed at it (CPU, no prefetch thread)."
-    c, kind = state['config'], state_loader(state)
+    c, kind = state.get('config') if isinstance(state, dict) else None, state_loader(state)
+    if not isinstance(c, dict): raise ValueError("state['config'] is missing: expected a loader's state_dict()")
+    need = ('seq_len', 'batch_size', 'datasets') if kind == 'tokens' else ('B', 'T')
+    if lacks := [k for k in need if k not in c]:
+        raise ValueError(f"state['config'] lacks {lacks}: expected the settings a loader's state_dict() saves")
     if kind == 'tokens':
         if c.get('n_workers', 1) != 1:
             raise ValueError(f"this state is DataLoader worker {c['worker']} of {c['n_workers']}'s: give the loader "
                              f"state a StreamingLoader saved, or a worker's through StreamingDataset")
-        ld = StreamingLoader(data, **{k: c[k] for k in _TOKEN_ARGS}, device='cpu', prefetch=0, **kw)
+        ld = StreamingLoader(data, **{k: c[k] for k in _TOKEN_ARGS if k in c}, device='cpu', prefetch=0, **kw)
     else:
-        args = {a: c[k] for a, k in _TEXT_ARGS.items()} | ({'max_wait': c['max_wait']} if 'max_wait' in c else {})
+        args = {a: c[k] for a, k in (_TEXT_ARGS | dict(max_wait='max_wait')).items() if k in c}
         ld = PackedLoader(tokenizer, data_dir=data, device='cpu', prefetch=0, **args, **kw)
     try: ld.load_state_dict(state)
     except BaseException: ld.close(); raise
@@ -137,7 +141,7 @@ def dropin_state(st):
     return st['at_batch'] if isinstance(st, dict) and isinstance(st.get('at_batch'), dict) else st
 
 def _states_in(path, rank) -> list:
-    "`[(step, state, file)]` of rank `rank` at `path` (a state file, a checkpoint folder, or a folder of them), in order."
+    "`[(step, state, file)]` of rank `rank` at `path` (a state file, a checkpoint folder, or a folder of them)."
     p = Path(path).expanduser()
     if p.is_file():
         try: st = json.loads(p.read_text())
