@@ -90,6 +90,8 @@ _WHERE = {
     'DATASET_MIX': '.scale',
     'DOCS_PER_FILE': '.scale',
     'GOALS': '.scale',
+    'goals_plot': '.scale',
+    'goals_table': '.scale',
     'hash64': '.scale',
     'in_subprocess': '.scale',
     'name_key': '.scale',

@@ -8,7 +8,7 @@ memory, state size and time, and the rescale to 768 ranks, measured as the docum
 __all__ = ['SCALE_EOS', 'DATASET_MIX', 'DOCS_PER_FILE', 'GOALS', 'hash64', 'name_key', 'paired_counts', 'synthetic_ids',
            'SyntheticFile', 'scale_spec', 'synthetic_manifest', 'write_manifest', 'SyntheticRoot', 'write_synthetic',
            'peak_rss_mb', 'rss_mb', 'scale_root', 'worker_figures', 'save_world', 'rescale_figures', 'in_subprocess',
-           'rank_row', 'bench_scale', 'scale_table', 'scale_plot', 'bench_scale_cli']
+           'rank_row', 'bench_scale', 'goals_table', 'scale_table', 'goals_plot', 'scale_plot', 'bench_scale_cli']
 
 # %% ../../nbs/bench/18_bench_scale.ipynb #d93308a2
 import gc, hashlib, json, os, resource, shutil, subprocess, sys, tempfile, threading, time
@@ -312,41 +312,55 @@ def _cell(r, k, fmt) -> str:
     s = fmt.format(v)
     return s.replace('e+0', 'e') if k == 'docs' else s
 
-def scale_table(rows,             # `bench_scale`'s rows
-                head:bool=True,   # with the header and the goals
-               ) -> str:
-    "The rows as a plain-text table, the load average beside each run, the goals under the header."
-    w = [max(len(h), 8) for _, h, _ in _COLS]
+def goals_table(rows,           # rows of figures, each with its `load` (before, after)
+                cols,           # `(key, header, format)` per column
+                head:bool=True, # with the header and the goals
+                width:int=8) -> str:   # the narrowest column
+    "The rows as a plain-text table, the load average beside each run, the goals (`GOALS`) under the header."
+    w = [max(len(h), width) for _, h, _ in cols]
     line = lambda cells, load='': '  '.join(f"{c:>{n}}" for c, n in zip(cells, w)) + load
     goal = {'first_batch_s': f"<= {GOALS['first_batch_s']:g}", 'rss_rank_mb': f"<= {GOALS['rss_rank_mb']}",
             'state_kb': f"<= {GOALS['state_kb']}", 'rescale_s': f"<= {GOALS['rescale_s']:g}"}
-    out = [line([h for _, h, _ in _COLS], '  load (before, after)'), line([goal.get(k, '') for k, _, _ in _COLS],
+    out = [line([h for _, h, _ in cols], '  load (before, after)'), line([goal.get(k, '') for k, _, _ in cols],
            '  (goals, per rank)')] if head else []
     for r in rows:
         load = ', '.join('-' if x is None else f"{x:.2f}" for x in r['load'])
-        out.append(line([_cell(r, k, f) for k, _, f in _COLS], f"  {load}"))
+        out.append(line([_cell(r, k, f) for k, _, f in cols], f"  {load}"))
     return '\n'.join(out)
 
+def scale_table(rows,             # `bench_scale`'s rows
+                head:bool=True,   # with the header and the goals
+               ) -> str:
+    "`bench_scale`'s rows as a plain-text table (`goals_table`)."
+    return goals_table(rows, _COLS, head)
+
 # %% ../../nbs/bench/18_bench_scale.ipynb #afdb8d76
-def scale_plot(rows,        # `bench_scale`'s rows
-               path=None,   # also write the figure to this PNG
-              ):
-    "How each per-rank figure grows with the documents, against its goal (dashed)."
+def goals_plot(rows,          # rows of figures
+               x:str,         # the key of what grows (the x axis) ...
+               xlabel:str,    # ... and its name
+               title:str,     # the figure's title
+               path=None):    # also write the figure to this PNG
+    "How each per-rank figure grows with `x`, against its goal (dashed)."
     import matplotlib.pyplot as plt
     fig, axs = plt.subplots(1, 4, figsize=(13, 3.2))
-    x = [r['docs'] for r in rows]
+    xs = [r[x] for r in rows]
     for ax, (k, what) in zip(axs, (('first_batch_s', 'first batch (s)'), ('rss_rank_mb', 'peak RSS per rank (MiB)'),
                                    ('state_kb', 'state per rank (KB)'), ('rescale_s', 'rescale plan (s)'))):
-        pts = [(a, r[k]) for a, r in zip(x, rows) if r.get(k) is not None]
+        pts = [(a, r[k]) for a, r in zip(xs, rows) if r.get(k) is not None]
         if pts: ax.plot(*zip(*pts), 'o-')
         ax.axhline(GOALS[k], ls='--', c='C3', lw=1)
-        ax.set(xscale='log', yscale='log', xlabel='documents', title=what)
-    r = rows[-1]
-    fig.suptitle(f"rank {r['rank']} of {r['ranks']} x {r['workers']} workers, synthetic root; {r['cpus']} CPUs",
-                 fontsize=10)
+        ax.set(xscale='log', yscale='log', xlabel=xlabel, title=what)
+    fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     if path is not None: fig.savefig(path, dpi=100); plt.close(fig)
     return fig
+
+def scale_plot(rows,        # `bench_scale`'s rows
+               path=None):  # also write the figure to this PNG
+    "How each per-rank figure grows with the documents, against its goal (dashed)."
+    r = rows[-1]
+    return goals_plot(rows, 'docs', 'documents', f"rank {r['rank']} of {r['ranks']} x {r['workers']} workers, "
+                      f"synthetic root; {r['cpus']} CPUs", path)
 
 # %% ../../nbs/bench/18_bench_scale.ipynb #fff02228
 def _sizes(s) -> list:

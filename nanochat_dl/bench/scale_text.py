@@ -17,7 +17,7 @@ from ..core import load_average
 from ..text.tokenizer import Tokenizer
 from ..text.loader import PackedLoader
 from ..text.shards import DESCRIBED
-from .scale import peak_rss_mb, rss_mb, GOALS
+from .scale import peak_rss_mb, rss_mb, goals_table, goals_plot
 from .text_source import describe_text, text_words, FINEWEB_SHAPE
 
 # %% ../../nbs/bench/18b_bench_scale_text.ipynb #6265ba78
@@ -168,38 +168,16 @@ _COLS = (('shards', 'shards', '{:,}'), ('ranks', 'ranks', '{}'), ('first_batch_s
 def text_table(rows,             # `bench_scale_text`'s rows
                head:bool=True,   # with the header and the goals
               ) -> str:
-    "The rows as a plain-text table, the load average beside each run, the goals under the header."
-    w = [max(len(h), 7) for _, h, _ in _COLS]
-    line = lambda cells, load='': '  '.join(f"{c:>{n}}" for c, n in zip(cells, w)) + load
-    goal = {'first_batch_s': f"<= {GOALS['first_batch_s']:g}", 'rss_rank_mb': f"<= {GOALS['rss_rank_mb']}",
-            'state_kb': f"<= {GOALS['state_kb']}", 'rescale_s': f"<= {GOALS['rescale_s']:g}"}
-    out = [line([h for _, h, _ in _COLS], '  load (before, after)'), line([goal.get(k, '') for k, _, _ in _COLS],
-           '  (goals, per rank)')] if head else []
-    for r in rows:
-        cells = ['-' if r.get(k) is None else f.format(r[k]) for k, _, f in _COLS]
-        out.append(line(cells, '  ' + ', '.join('-' if x is None else f"{x:.2f}" for x in r['load'])))
-    return '\n'.join(out)
+    "`bench_scale_text`'s rows as a plain-text table (`goals_table`)."
+    return goals_table(rows, _COLS, head, width=7)
 
 # %% ../../nbs/bench/18b_bench_scale_text.ipynb #4066fdf1
 def text_plot(rows,        # `bench_scale_text`'s rows
-              path=None,   # also write the figure to this PNG
-             ):
+              path=None):  # also write the figure to this PNG
     "How each per-rank figure grows with the shards, against its goal (dashed)."
-    import matplotlib.pyplot as plt
-    fig, axs = plt.subplots(1, 4, figsize=(13, 3.2))
-    x = [r['shards'] for r in rows]
-    for ax, (k, what) in zip(axs, (('first_batch_s', 'first batch (s)'), ('rss_rank_mb', 'peak RSS per rank (MiB)'),
-                                   ('state_kb', 'state per rank (KB)'), ('rescale_s', 'rescale plan (s)'))):
-        pts = [(a, r[k]) for a, r in zip(x, rows) if r.get(k) is not None]
-        if pts: ax.plot(*zip(*pts), 'o-')
-        ax.axhline(GOALS[k], ls='--', c='C3', lw=1)
-        ax.set(xscale='log', yscale='log', xlabel='shards', title=what)
     r = rows[-1]
-    fig.suptitle(f"PackedLoader, rank {r['rank']} of {r['ranks']}, FineWeb-Edu's shape (described shards); "
-                 f"{r['cpus']} CPUs", fontsize=10)
-    fig.tight_layout()
-    if path is not None: fig.savefig(path, dpi=100); plt.close(fig)
-    return fig
+    return goals_plot(rows, 'shards', 'shards', f"PackedLoader, rank {r['rank']} of {r['ranks']}, FineWeb-Edu's "
+                      f"shape (described shards); {r['cpus']} CPUs", path)
 
 # %% ../../nbs/bench/18b_bench_scale_text.ipynb #fb03b374
 from fastcore.script import call_parse
