@@ -1838,6 +1838,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                                       'nanochat_dl/tokens/dataset.py'),
                                             'nanochat_dl.tokens.dataset.StreamingDataset._ensure': ( 'tokens/dataset.html#streamingdataset._ensure',
                                                                                                      'nanochat_dl/tokens/dataset.py'),
+                                            'nanochat_dl.tokens.dataset.StreamingDataset._forget_forked': ( 'tokens/dataset.html#streamingdataset._forget_forked',
+                                                                                                            'nanochat_dl/tokens/dataset.py'),
                                             'nanochat_dl.tokens.dataset.StreamingDataset._open_root': ( 'tokens/dataset.html#streamingdataset._open_root',
                                                                                                         'nanochat_dl/tokens/dataset.py'),
                                             'nanochat_dl.tokens.dataset.StreamingDataset._world': ( 'tokens/dataset.html#streamingdataset._world',

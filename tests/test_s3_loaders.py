@@ -224,6 +224,31 @@ def test_a_forked_worker_builds_its_own_stream(local, s3root, tmp_path, monkeypa
     ds._stream.root.close()
 
 
+def test_a_forked_worker_never_takes_a_lock_the_parent_held_at_the_fork(s3root, local, tmp_path, monkeypatch):
+    "A thread of the parent holds its stream's root and cache locks while a forked DataLoader worker starts: the worker drops the parent's stream (the parent's to close) instead of closing it, which would wait forever on a lock no thread of its own will release (CI hung here: a prefetch thread held the cache's lock at the fork). The parent's prefetches are held before their requests: pyarrow's S3 client cannot be made in a child forked while a request of the parent's was in flight, which the chapter says."
+    from torchdata.stateful_dataloader import StatefulDataLoader
+    import nanochat_dl.io.cache as R
+    from nanochat_dl.tokens.dataset import StreamingDataset
+    kw = dict(n_logical_shards=16, shuffle_window=20, seed=3, bos_token=1)
+    rows = lambda dl, n: [x.clone() for x, _ in itertools.islice(dl, n)]
+    want = rows(StatefulDataLoader(StreamingDataset(local, 32, **kw), batch_size=4), 4)
+    parent, real, gate, took = os.getpid(), R.FileCache._fetch, threading.Event(), threading.Event()
+    def held(self, rel, demand):
+        if os.getpid() == parent and not demand: gate.wait(120)
+        return real(self, rel, demand)
+    monkeypatch.setattr(R.FileCache, '_fetch', held)
+    ds = StreamingDataset(s3root, 32, **kw, cache_dir=tmp_path/'c')
+    ds.state_dict()                                       # the parent's stream exists (unit 0 of 1)
+    root = ds._stream.root
+    def hold():
+        with root._lock, root.cache._lock: took.set(); gate.wait(120)
+    t = threading.Thread(target=hold, daemon=True); t.start(); took.wait(10)
+    try: got = rows(StatefulDataLoader(ds, batch_size=4, num_workers=1, multiprocessing_context='fork', timeout=30), 4)
+    finally: gate.set(); t.join(10)
+    assert len(got) == 4 and all(torch.equal(a, b) for a, b in zip(got, want))
+    ds.close()
+
+
 def test_a_token_root_given_is_opened_again_with_its_settings(local, s3root, tmp_path):
     "A `StreamingDataset` made from a `TokenRoot` opens it again where it iterates with the same settings: cache folder and cap, files fetched ahead, the fetch's retries and timeouts, the check of the files, the column."
     from nanochat_dl.tokens import StreamingDataset

@@ -55,6 +55,7 @@ def _ensure(self:StreamingDataset) -> TokenStream:
     "This worker's stream."
     info = torch.utils.data.get_worker_info()
     w, nw = (0, 1) if info is None else (info.id, info.num_workers)
+    self._forget_forked()
     if self._stream is None or self._built != (os.getpid(), w, nw):
         root = self._open_root()
         if data_fingerprint(root, self.config['datasets']) != self.fingerprint['data']:
@@ -116,8 +117,16 @@ def _close_box(box) -> bool:
     s.root.close(); return True
 
 @patch
+def _forget_forked(self:StreamingDataset):
+    "In a process forked from the one that built the stream: drop that stream (the other process's to close)."
+    if self._built is None or self._built[0] == os.getpid(): return
+    if self._drop is not None: self._drop.detach()   # closing it here could wait forever on a lock held at the fork
+    self._box, self._drop, self._stream, self._built = [None], None, None, None
+
+@patch
 def close(self:StreamingDataset):
     "Unmap the files this process's stream holds (a later iteration opens them again). Idempotent."
+    self._forget_forked()
     if self._drop is not None: self._drop.detach(); self._drop = None
     _close_box(self._box); self._stream = self._built = None
 
