@@ -13,7 +13,7 @@ from ..pipe.stages import check_state
 from pathlib import Path
 from ..core import atomic_write, check_int, get_dist_info
 from ..pipe.state import read_field, read_int
-from .world import unit_states, first_differing
+from .state import unit_states, first_differing
 
 # %% ../../nbs/tokens/13_elastic.ipynb #e1000009
 CHECKPOINT_FORMAT = 'nanochat_dl.loader_states/1'

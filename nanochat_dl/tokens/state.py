@@ -5,7 +5,7 @@ it is resumed, the run's id and the checksum that seals a state."""
 
 # %% auto #0
 __all__ = ['FORMAT', 'OLD_FORMATS', 'SEALED_OLD', 'SHUFFLES', 'data_fingerprint', 'stream_config', 'check_resume', 'run_id',
-           'check_checksum']
+           'check_checksum', 'unit_states', 'unit_of', 'first_differing', 'read_window', 'refuse_twice', 'lineage']
 
 # %% ../../nbs/tokens/12g_state.ipynb #54b12d2d
 import hashlib, json, math
@@ -15,7 +15,7 @@ from ..core import check_int, get_dist_info
 from .root import TokenRoot
 from .meta import file_sha256
 from ..pipe.bestfit import MAX_WAIT
-from ..pipe.state import read_field, unit_name, check_seal, run_digest
+from ..pipe.state import read_field, read_int, read_runs, unit_name, check_seal, run_digest
 from .pieces import check_weight, is_schedule, MixSchedule, mix_key
 from ..pipe.packing import PACKS
 
@@ -219,3 +219,80 @@ def check_checksum(state:dict,          # a state whose fields were checked alre
                    stacklevel:int=3):   # the frame a warning names (3: the caller of the function that calls this)
     "Refuse a state whose checksum does not match its fields (`check_seal`; old formats load unchecked)."
     check_seal(state, OLD_FORMATS, where=where, stacklevel=stacklevel)
+
+# %% ../../nbs/tokens/12g_state.ipynb #e1000002
+def unit_states(states,            # every rank's state: a loader's, a worker's, or a `StatefulDataLoader`'s
+                paths:bool=False,  # `(path, state)` pairs, the path as `states[0]['_snapshot'][...]['dataset_state']`
+               ) -> list:
+    "The state of every unit of work in `states`."
+    if not isinstance(states, (list, tuple)):
+        raise TypeError(f"states is {type(states).__name__}: expected a list of every rank's state")
+    out = []
+    for j, s in enumerate(states):
+        if not isinstance(s, dict):
+            raise TypeError(f"states[{j}] is {type(s).__name__}: expected a dict from state_dict()")
+        if 'format' in s: out.append((f"states[{j}]", s))
+        # a StatefulDataLoader with workers: one state per worker
+        elif isinstance(s.get('_snapshot'), dict):
+            at = f"states[{j}]['_snapshot']['_worker_snapshots']"
+            ws = read_field(s['_snapshot'], '_worker_snapshots', dict, f"states[{j}]['_snapshot']")
+            out += [(f"{at}[{k!r}]['dataset_state']",
+                     read_field(w, 'dataset_state', dict, f"{at}[{k!r}]")) for k, w in ws.items()]
+        elif 'dataset_state' in s:                                   # one without workers
+            out.append((f"states[{j}]['dataset_state']", read_field(s, 'dataset_state', dict, f"states[{j}]")))
+        else:
+            raise ValueError(f"states[{j}] has no 'format' (its keys: {sorted(s)[:8]}): expected a state from "
+                             f"state_dict() (a loader's, a dataset's or a StatefulDataLoader's)")
+    return out if paths else [s for _, s in out]
+
+# %% ../../nbs/tokens/12g_state.ipynb #d6b1f8a2
+def unit_of(c, at) -> tuple:
+    "`(rank, world_size, worker, n_workers)` of the config of the state at `at` (`states[j]`), checked."
+    r, W, w, nw = (read_int(f"{at}['config'][{k!r}]", c.get(k), lo) for k, lo in (('rank', 0), ('world_size', 1),
+                                                                                  ('worker', 0), ('n_workers', 1)))
+    if r >= W or w >= nw: raise ValueError(f"{at}['config'] says rank {r} of {W}, worker {w} of {nw}: no such unit")
+    return r, W, w, nw
+
+def first_differing(xs):
+    "The index of the first value that differs from `xs[0]`, or None."
+    return next((j for j, x in enumerate(xs) if x != xs[0]), None)
+
+# %% ../../nbs/tokens/12g_state.ipynb #b9a063c5
+def read_window(d:dict,    # a dataset's part of a unit's state
+                where:str, # its path in the states, for the messages
+               ) -> tuple:
+    "`(drawn, doc, epoch, start)` of the shuffle window in `d`, each field checked."
+    sh, w_ = read_field(d, 'shuffle', dict, where), where + "['shuffle']"
+    drawn = read_int(w_ + "['drawn']", sh.get('drawn'))
+    doc = read_field(sh, 'doc', list, w_)
+    for k, g in enumerate(doc): read_int(f"{w_}['doc'][{k}]", g)
+    return drawn, doc, read_runs(sh.get('epoch'), w_ + "['epoch']", len(doc), 1), read_runs(sh.get('start'),
+                                                                                          w_ + "['start']", len(doc))
+
+
+# %% ../../nbs/tokens/12g_state.ipynb #24b775f9
+def refuse_twice(# `{(dataset, doc, epoch): [(max_chunk piece, start, kind, where)]}`, kind 0 window, 1 entry, 2 cut
+                held:dict,
+                names,     # the datasets' names
+                concat:bool, # the pack is 'concat' (a piece of a max_chunk piece is then the whole of it)
+               ):
+    "Refuse `held` where a piece is held twice, or lies beyond the cut of its document: it would be delivered twice."
+    for (i, g, e), ps in held.items():
+        ps.sort()
+        what = f"document {g} (epoch {e}) of dataset {names[i]!r}"
+        cuts = [p for p in ps if p[2] == 2]
+        for c in cuts:
+            p = next((p for p in ps if p is not c and p[0] >= c[1]), None)
+            if p is not None:
+                raise ValueError(f"{p[3]}: a piece of {what} at {p[1]} is also held by {c[3]}, which cuts it from "
+                                 f"{c[1]}: it would be delivered twice")
+        for p, q in zip(ps, ps[1:]):
+            if p[2] != 2 and q[2] != 2 and p[0] == q[0] and (p[1] == q[1] or p[2] == 0 or q[2] == 0 or concat):
+                raise ValueError(f"{q[3]}: the piece of {what} at {q[1]} is also held by {p[3]}: it would be delivered "
+                                 f"twice")
+
+# %% ../../nbs/tokens/12g_state.ipynb #e7c2a9b3
+def lineage(run, step, old, new) -> str:
+    "The id of a run after a rescale at `step` from world `old` to world `new`."
+    return hashlib.sha1(json.dumps([run, step, old, new]).encode()).hexdigest()[:16]
+
