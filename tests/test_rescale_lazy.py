@@ -96,3 +96,16 @@ def test_a_bad_unit_is_named_by_the_rank_that_needs_it(root):
     # unsealed: the field is still named first, not the checksum
     raw = [states[0], dict(bad[1], checksum=states[1].get('checksum'))]
     with pytest.raises(ValueError, match=r"states\[1\]\['datasets'\]\['web'\]\['window'\]"): World(raw, tr, cfg, fp)
+
+
+def test_a_piece_held_by_two_units_is_refused_by_every_rank(root):
+    # unit 1's packer entries copied into unit 0: refused when the world is made (addresses only, no block read again),
+    # whichever rank makes it, as the full expansion refuses it
+    tr = TokenRoot(root)
+    states, cfg, fp = saved(tr, 2, 1, 6, **dict(KW, pack='bestfit'))
+    from nanochat_dl.pipe.state import seal
+    assert states[1]['packer']['entries']
+    bad = [seal(dict(states[0], packer=states[1]['packer'])), states[1]]
+    for lazy in (True, False):
+        with pytest.raises(ValueError, match=r"states\[0\]\['packer'\]\['entries'\]\[0\]: document"):
+            World(bad, tr, cfg, fp, lazy=lazy).state_for(0, 3)

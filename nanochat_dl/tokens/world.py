@@ -139,8 +139,7 @@ def _expanded(self:World, u:int) -> dict:
 @patch
 def _needs(self:World, lo:int, hi:int) -> list:
     "The saved units whose logical shards meet `lo..hi`: the only ones a new unit of those shards takes pieces from."
-    a, b = self.own_bounds
-    return np.flatnonzero((a < hi) & (b > lo) & (a < b)).tolist()
+    a, b = self.own_bounds; return np.flatnonzero((a < hi) & (b > lo) & (a < b)).tolist()
 
 @patch
 def _dealt(self:World, lo:int, hi:int) -> tuple:
@@ -155,8 +154,7 @@ def _part(self:World, us) -> tuple:
     if key not in self._parts:
         for u in key: self._expanded(u)                      # (in unit order: the first bad one named)
         sets = [self._merge(i, key) for i in range(len(self.config['datasets']))]
-        entries = self._merge_entries(key, sets)
-        self._check_overlaps(sets, entries)
+        self._check_overlaps(sets, entries := self._merge_entries(key, sets))
         self._parts[key] = sets, entries
     return self._parts[key]
 
@@ -240,22 +238,24 @@ def _check_given(self:World) -> list:
             if min(win, sum(n)) and s['config'].get('shuffle') != 'block':     # (a block window's: none drawn)
                 drawn += read_int(where + "['shuffle']['drawn']", read_field(d, 'shuffle', dict, where).get('drawn'))
         out.append((tokens, drawn))
-    S = self.config['n_logical_shards']
-    bounds = [np.asarray(shard_starts(src.n_docs, S)) for src in self.stream.sources]
-    for u, s in enumerate(self.given): self._check_held(u, s, bounds)
-    return out
+    return self._check_held() or out
 
 @patch
-def _check_held(self:World, u:int, s:dict, bounds:list):   # per dataset its shards' first documents
-    "Refuse unit `u`'s packer entries naming a document of a shard it does not walk (addresses only: the rest later)."
-    es, by = s['packer'].get('entries') if isinstance(s.get('packer'), dict) else None, defaultdict(list)
-    for k, x in enumerate(es if isinstance(es, list) else []):   # (a malformed one: named when the unit is read again)
-        if isinstance(x, list) and len(x) > 1 and all(type(v) is int for v in x[:2]) and 0 <= x[0] < len(bounds) and \
-                0 <= x[1] < self.stream.sources[x[0]].n_docs: by[x[0]].append((x[1], k))
-    for i, gk in by.items():
-        G, K = np.array(gk, dtype=np.int64).T
-        Sh = np.searchsorted(bounds[i], G, 'right') - 1
-        self._check_owned(i, G, Sh, np.full(len(G), u), lambda j: f"{self._where(u, 'packer', 'entries')}[{int(K[j])}]")
+def _check_held(self:World):
+    "Refuse a unit's packer entry naming a document of a shard it does not walk (addresses only: the rest later)."
+    rows, S, srcs = [], self.config['n_logical_shards'], self.stream.sources    # (dataset, doc, unit, entry)
+    for u, s in enumerate(self.given):                                # (a malformed entry: named when read again)
+        es = s['packer'].get('entries') if isinstance(s.get('packer'), dict) else None
+        rows += [(x[0], x[1], u, k) for k, x in enumerate(es if isinstance(es, list) else [])
+                 if isinstance(x, list) and len(x) > 1 and all(type(v) is int for v in x[:2]) and 0 <= x[0] < len(srcs)
+                 and 0 <= x[1] < srcs[x[0]].n_docs]
+    I, G, U, K = np.array(rows, dtype=np.int64).reshape(-1, 4).T
+    Sh = np.zeros_like(G)
+    for i, src in enumerate(srcs):
+        if (m := I == i).any(): Sh[m] = np.searchsorted(np.asarray(shard_starts(src.n_docs, S)), G[m], 'right') - 1
+    for j in np.flatnonzero((Sh < self.own_bounds[0][U]) | (Sh >= self.own_bounds[1][U]))[:1].tolist():   # the first
+        self._check_owned(I[j], G[j:j + 1], Sh[j:j + 1], U[j:j + 1],
+                          lambda _: f"{self._where(U[j], 'packer', 'entries')}[{K[j]}]")
 
 # %% ../../nbs/tokens/12h_world.ipynb #7ce37c27
 @patch
