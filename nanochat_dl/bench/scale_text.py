@@ -13,7 +13,7 @@ __all__ = ['python_texts', 'train_bench_tokenizer', 'children_peak_mb', 'train_f
 import json, os, shutil, subprocess, sys, tempfile, time
 from pathlib import Path
 import numpy as np
-from ..core import load_average
+from ..core import load_average, load_line
 from ..text.tokenizer import Tokenizer
 from ..text.loader import PackedLoader
 from ..text.shards import DESCRIBED
@@ -211,14 +211,14 @@ def bench_scale_all_cli(loader:str='both',       # 'tokens' (pre-tokenized), 'te
                         text_rank:int=27,        # text: the rank measured
                         text_new_ranks:int=41,   # text: the world size of the rescale
                         threads:int=4,           # text: tokenizer worker processes per rank
-                        text_plan:str='balanced',   # text: 'balanced' (the split's row groups in turn) or 'striding'
+                        text_plan:str='balanced',   # text: 'balanced' (row groups in turn) or 'striding'
                         plot:str=None,           # also write the plot(s) to this PNG
                         json_out:str=None):      # also write the rows to this JSON file
     """Run one rank of a big job over data that exists only as metadata, for the pre-tokenized loader, the text
     loader (FineWeb-Edu's shape), or both: first batch, memory, state size and time, the rescale."""
     if loader not in ('tokens', 'text', 'both'):
-        print(f"nanochat-dl bench-scale: error: --loader {loader!r}: expected tokens, text or both", file=sys.stderr)
-        return 2
+        return print(f"nanochat-dl bench-scale: error: --loader {loader!r}: expected tokens, text or both",
+                     file=sys.stderr) or 2
     if loader != 'text':
         rc = bench_scale_cli.__wrapped__(docs=docs, files=files, ranks=ranks, rank=rank, workers=workers,
                                          new_ranks=new_ranks, batch_size=batch_size, seq_len=seq_len, seed=seed,
@@ -247,12 +247,14 @@ def _text_cli(shards, text_ranks, text_rank, text_new_ranks, ranks, rank, B, T, 
             raise ValueError(f"--text-plan {text_plan!r}: expected balanced or striding")
     except ValueError as e:
         print(f"nanochat-dl bench-scale: error: {e}", file=sys.stderr); return 2
-    print(f"PackedLoader ({text_plan} plan; load average {load_average()}, a shared machine): rank {text_rank} of "
+    before = load_average()
+    print(f"PackedLoader ({text_plan} plan): rank {text_rank} of "
           f"{text_ranks} (and {rank} of {ranks}), FineWeb-Edu's shape "
           f"({FINEWEB_SHAPE['row_groups']} row groups of {FINEWEB_SHAPE['rows']:,} documents a shard), B={B}, T={T}, "
           f"{threads} tokenizer workers; rescale to {text_new_ranks} ranks; {os.cpu_count()} CPUs")
     rows = bench_scale_text(S, text_ranks, text_rank, (ranks, rank), text_new_ranks, B, T, threads, seed=seed,
                             balanced=text_plan == 'balanced')
+    print(f"({load_line(before)}: a shared machine)")
     big = rows[-1].get('big_refused')
     print(f"rank {rank} of {ranks}: " + (f"refused: {big}" if big else "served"))
     if plot: text_plot(rows, plot)

@@ -38,6 +38,23 @@ def _steps_of(states) -> list:
                          f"after batch {steps[odd]!r:.20}: expected the states every rank saved at the same step")
     return steps
 
+# %% ../../nbs/text/09b_rescale.ipynb #34eedc8e
+def _one_run(states):
+    "The world size of the states' run, checked to be one run's: the same world size and settings (rank apart)."
+    W = states[0]['config'].get('world_size')
+    c0 = dict(states[0]['config'], balanced=states[0]['config'].get('balanced', False))   # (named only when True)
+    for i, sd in enumerate(states):
+        c = sd['config']
+        if not same_value(c.get('world_size'), W):
+            raise ValueError(f"resume_state_dict mixes runs of different world sizes: entry 0 has "
+                             f"world_size={W!r:.40}, entry {i} "
+                             f"{c.get('world_size')!r:.40}: expected the states of every rank of one run")
+        c = dict(c, balanced=c.get('balanced', False))
+        diff = [k for k in CONFIG_KEYS + ('balanced',) if k != 'rank' and not same_value(c.get(k), c0.get(k))]
+        if diff: raise ValueError(f"resume_state_dict mixes states of different runs: entry {i} has "
+                                  f"{diff[0]}={c.get(diff[0])!r:.40}, entry 0 {c0.get(diff[0])!r:.40}")
+    return W
+
 # %% ../../nbs/text/09b_rescale.ipynb #fd1a2c0f
 def _check_list(states, cfg) -> tuple:
     "The list of every rank's state, checked as one run's at one step: `(W, index of each rank, steps)`."
@@ -52,19 +69,7 @@ def _check_list(states, cfg) -> tuple:
         if sd['format'] != states[0].get('format'):
             raise ValueError(f"resume_state_dict mixes formats: entry 0 is {states[0].get('format')!r:.60}, entry {i} "
                              f"{sd['format']!r}: expected the states every rank saved at the same step")
-    W = states[0]['config'].get('world_size')
-    for i, sd in enumerate(states):
-        c = sd['config']
-        if not same_value(c.get('world_size'), W):
-            raise ValueError(f"resume_state_dict mixes runs of different world sizes: entry 0 has "
-                             f"world_size={W!r:.40}, entry {i} "
-                             f"{c.get('world_size')!r:.40}: expected the states of every rank of one run")
-        c, c0 = dict(c, balanced=c.get('balanced', False)), states[0]['config']   # (named only when True)
-        c0 = dict(c0, balanced=c0.get('balanced', False))
-        diff = [k for k in CONFIG_KEYS + ('balanced',) if k != 'rank' and not same_value(c.get(k), c0.get(k))]
-        if diff: raise ValueError(f"resume_state_dict mixes states of different runs: entry {i} has "
-                                  f"{diff[0]}={c.get(diff[0])!r:.40}, entry 0 {c0.get(diff[0])!r:.40}")
-    W = field_int(W, (0, 'config', 'world_size'), 1)
+    W = field_int(_one_run(states), (0, 'config', 'world_size'), 1)
     at = {}
     for i, sd in enumerate(states):
         r = field_int(sd['config'].get('rank'), (i, 'config', 'rank'), 0, W)
@@ -128,6 +133,19 @@ def _deal_groups(ld, olds, entries, W, step):
                                  metrics=ld.packer.metrics_state()))
     ld.batch.step, ld.resumed = step, 'rescaled'
 
+# %% ../../nbs/text/09b_rescale.ipynb #49fd8eed
+def _check_old(ld, sd, r, W, i, plan, counters):
+    "Check `sd`, entry `i` of the list, as the state of rank `r` of `W` of `ld`'s run (errors led by the entry)."
+    cfg, bal = ld.config, ld.reader.balanced
+    mine = {**cfg, 'rank': r, 'world_size': W, **{k: sd['config'][k] for k in _MAY_DIFFER if k in sd['config']}}
+    rd = RowGroupReader(ld.files, r, W, cfg['tokenizer_batch_size'], shuffle=cfg['shuffle'], seed=cfg['seed'],
+                        text_column=cfg['text_column'], balanced=bal)
+    rd._layout, rd._bytes = ld.reader._layout, ld.reader._bytes   # the footers, read once
+    if bal: rd._epoch_plan = lambda e: plan.order(e)[r::W]         # the split's order, made once for all ranks
+    try: check_loader_state(sd, mine, ld.fingerprint, rd, counters)
+    except (TypeError, ValueError) as err: raise _entry_error(err, i, r, W) from None
+    finally: rd.close()
+
 # %% ../../nbs/text/09b_rescale.ipynb #8296e20f
 def resume_many(ld,     # the loader to resume: a `PackedLoader` that has handed out no batch
                 states): # every rank's state, saved at one step
@@ -136,22 +154,14 @@ def resume_many(ld,     # the loader to resume: a `PackedLoader` that has handed
     cfg = ld.config
     W, at, steps = _check_list(states, cfg)
     plan, counters, entries, columns, olds = ld.source.plan, tuple(ld.packer.metrics_state()), {}, {}, []
-    bal = ld.reader.balanced
     # each rank resumes its own state; every rank checks them all, so all refuse a list or none
     same = W == cfg['world_size']
     for r in range(W):
         if same and r == cfg['rank']: continue   # its own state: checked once, by `_resume` below
         sd = states[at[r]]
-        mine = {**cfg, 'rank': r, 'world_size': W, **{k: sd['config'][k] for k in _MAY_DIFFER if k in sd['config']}}
-        rd = RowGroupReader(ld.files, r, W, cfg['tokenizer_batch_size'], shuffle=cfg['shuffle'], seed=cfg['seed'],
-                            text_column=cfg['text_column'], balanced=bal)
-        rd._layout, rd._bytes = ld.reader._layout, ld.reader._bytes   # the footers, read once
-        if bal: rd._epoch_plan = lambda e, r=r: plan.order(e)[r::W]   # the split's order, made once for all ranks
-        try: check_loader_state(sd, mine, ld.fingerprint, rd, counters)
-        except (TypeError, ValueError) as err: raise _entry_error(err, at[r], r, W) from None
-        finally: rd.close()
+        _check_old(ld, sd, r, W, at[r], plan, counters)
         if same: continue
-        if bal: olds.append(sd)
+        if ld.reader.balanced: olds.append(sd)
         else: columns.update(_old_columns(sd, plan, W))
         _add_entries(entries, sd, r)
     j, W2 = cfg['rank'], cfg['world_size']
@@ -159,7 +169,7 @@ def resume_many(ld,     # the loader to resume: a `PackedLoader` that has handed
         try: ld._resume(states[at[j]])   # this rank's own state: exact, token for token
         except (TypeError, ValueError) as err: raise _entry_error(err, at[j], j, W) from None
         return
-    if bal: return _deal_groups(ld, olds, entries, W, steps[0])
+    if ld.reader.balanced: return _deal_groups(ld, olds, entries, W, steps[0])
     mine = {c: v for c, v in columns.items() if c % W2 == j}
     align = plan.align(mine.values()) if mine else max(v[0] for v in columns.values())
     if all(v[0] == align and plan.is_start(v) for v in mine.values()): mine = {}
