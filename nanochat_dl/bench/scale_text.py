@@ -226,8 +226,7 @@ def bench_scale_all_cli(loader:str='both',       # 'tokens' (pre-tokenized), 'te
                                          json_out=json_out)
         if rc or loader == 'tokens': return rc
     return _text_cli(shards, text_ranks, text_rank, text_new_ranks, ranks, rank, batch_size, seq_len, threads, seed,
-                     text_plan,
-                     plot and (_text_name(plot, '.png') if loader == 'both' else plot),
+                     text_plan, plot and (_text_name(plot, '.png') if loader == 'both' else plot),
                      json_out and (_text_name(json_out, '.json') if loader == 'both' else json_out))
 
 # %% ../../nbs/bench/18b_bench_scale_text.ipynb #d69767f7
