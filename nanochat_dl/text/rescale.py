@@ -6,7 +6,7 @@
 __all__ = ['resume_many', 'open_epoch']
 
 # %% ../../nbs/text/09b_rescale.ipynb #acea484b
-import itertools
+import itertools, math
 from .reader import RowGroupReader
 from .stages import address_columns
 from .state import (STATE_FORMAT, V3_FORMAT, CONFIG_KEYS, STAGE_NAMES, BUFFER_COLUMNS, field_dict, field_int,
@@ -108,15 +108,18 @@ def _caught_up(sd, plan) -> int:
     e = cur['epoch']
     return e if plan.pos(e, cur['file'], cur['rg']) == r and cur['row'] == 0 else e + 1
 
-def _old_unread(sd, plan, W, align) -> list:
+def _old_unread(sd, plan, W, align,
+                j=0, W2=1) -> list:   # only the positions `p` with `p % W2 == j` (default: all)
     "What the balanced rank that saved `sd` (one of `W`) left unread before epoch `align`: `[epoch, file, rg, row]`."
     r, src = sd['config']['rank'], sd['stages']['source']
-    out = [list(v) for v in (src.get('elastic') or {}).get('groups', [])]   # listed to catch up, then its own
-    cur = src['cursor']
+    out = [list(v) for v in (src.get('elastic') or {}).get('groups', [])   # listed to catch up, then its own
+           if plan.pos(*v[:3]) % W2 == j]
+    cur, step = src['cursor'], W * W2 // math.gcd(W, W2)   # its positions `p, p + W, ...` that are `j` mod `W2`
     e, p, row = cur['epoch'], plan.pos(cur['epoch'], cur['file'], cur['rg']), cur['row']
-    while e < align:
+    while e < align:   # (one in each `step`: the rank's share, not every row group of the epoch)
         order = plan.order(e)
-        out += [[e, *order[q], row if q == p else 0] for q in range(p, len(order), W)]
+        for q0 in range(p, min(p + step, len(order)), W):
+            if q0 % W2 == j: out += [[e, *order[q], row if q == p else 0] for q in range(q0, len(order), step)]
         e, p, row = e + 1, r, 0
     return out
 
@@ -124,8 +127,7 @@ def _deal_groups(ld, olds, entries, W, step):
     "Resume `ld` (rank `j` of `W'`) from the balanced states `olds` of `W` ranks: its share of what is left unread."
     plan, j, W2 = ld.source.plan, ld.config['rank'], ld.config['world_size']
     align = max(_caught_up(sd, plan) for sd in olds)
-    mine = sorted((v for sd in olds for v in _old_unread(sd, plan, W, align) if plan.pos(*v[:3]) % W2 == j),
-                  key=plan.key)
+    mine = sorted((v for sd in olds for v in _old_unread(sd, plan, W, align, j, W2)), key=plan.key)
     ld.reader._start_epoch(align)              # where the new world's own plan takes over
     ld.source.elastic, ld.source.last = dict(align=align, groups=mine), None
     ent = sorted((x for x in entries if plan.pos(*x[:3]) % W2 == j), key=lambda x: (*plan.key(x), x[4]))
