@@ -13,7 +13,7 @@ __all__ = ['python_texts', 'train_bench_tokenizer', 'children_peak_mb', 'train_f
 import json, os, shutil, subprocess, sys, tempfile, time
 from pathlib import Path
 import numpy as np
-from ..core import load_average
+from ..core import load_average, load_line
 from ..text.tokenizer import Tokenizer
 from ..text.loader import PackedLoader
 from ..text.shards import DESCRIBED
@@ -52,12 +52,12 @@ def train_files(folder) -> list:
 
 # %% ../../nbs/bench/18b_bench_scale_text.ipynb #77a97002
 def text_rank_figures(folder, tokenizer_dir, ranks:int, rank:int, batch_size:int=8, seq_len:int=2048,
-                      threads:int=4, repeat:int=5) -> dict:
+                      threads:int=4, repeat:int=5, balanced:bool=False) -> dict:
     "Rank `rank` of `ranks` from its start over the described `folder`: first batch, memory, state (or its refusal)."
     base, t0 = rss_mb(), time.perf_counter()
     tok = Tokenizer.load(tokenizer_dir)
     try: ld = PackedLoader(tok, batch_size, seq_len, files=train_files(folder), rank=rank, world_size=ranks,
-                           device='cpu', tokenizer_threads=threads)
+                           device='cpu', tokenizer_threads=threads, balanced=balanced)
     except ValueError as e: return dict(refused=str(e), refused_s=time.perf_counter() - t0, base_mb=base)
     try:
         b, t1 = next(ld), time.perf_counter()
@@ -72,27 +72,28 @@ def text_rank_figures(folder, tokenizer_dir, ranks:int, rank:int, batch_size:int
 
 # %% ../../nbs/bench/18b_bench_scale_text.ipynb #033f705b
 def save_text_world(folder, tokenizer_dir, ckpt, ranks:int, batch_size:int=8, seq_len:int=2048,
-                    threads:int=1) -> dict:
+                    threads:int=1, balanced:bool=False) -> dict:
     "Every rank's state after its first batch, saved as `loader_state.<rank>.json` in `ckpt`."
+    # (tokenized in threads: a worker process started for each of many ranks would cost more than their first batch)
     t0, tok, total = time.perf_counter(), Tokenizer.load(tokenizer_dir), 0
     ckpt = Path(ckpt); ckpt.mkdir(parents=True, exist_ok=True)
     files = train_files(folder)
     for r in range(ranks):
         with PackedLoader(tok, batch_size, seq_len, files=files, rank=r, world_size=ranks, device='cpu',
-                          tokenizer_threads=threads, prefetch=0) as ld:
+                          tokenizer_threads=threads, prefetch=0, tokenize_in='threads', balanced=balanced) as ld:
             p = ckpt/f"loader_state.{r}.json"
             p.write_text(json.dumps(next(ld).state)); total += p.stat().st_size
     return dict(save_s=time.perf_counter() - t0, saved_bytes=total, rss_mb=peak_rss_mb())
 
 def text_rescale_figures(folder, tokenizer_dir, ckpt, new_ranks:int, rank:int, batch_size:int=8,
-                         seq_len:int=2048, threads:int=4) -> dict:
+                         seq_len:int=2048, threads:int=4, balanced:bool=False) -> dict:
     "Rank `rank` of `new_ranks` resuming from every state in `ckpt`: read them, build its loader, its first batch."
     tok, files = Tokenizer.load(tokenizer_dir), train_files(folder)
     t0 = time.perf_counter()
     states = [json.loads(p.read_text()) for p in sorted(Path(ckpt).glob('loader_state.*.json'))]
     t1 = time.perf_counter()
     with PackedLoader(tok, batch_size, seq_len, files=files, rank=rank, world_size=new_ranks, device='cpu',
-                      tokenizer_threads=threads, resume_state_dict=states) as ld:
+                      tokenizer_threads=threads, resume_state_dict=states, balanced=balanced) as ld:
         t2 = time.perf_counter(); b = next(ld); t3 = time.perf_counter()
     return dict(states=len(states), read_s=t1 - t0, build_s=t2 - t1, rescale_s=t2 - t0, first_after_s=t3 - t2,
                 resumed=ld.resumed, step=b.state['step'], rss_mb=peak_rss_mb())
@@ -108,17 +109,21 @@ def text_subprocess(fn:str,   # a function of this module that returns a JSON-ab
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 def text_row(folder, tok, shards:int, ranks:int, rank:int, big:tuple, new_ranks:int, B:int, T:int, threads:int,
-             rescale:bool) -> dict:
+             rescale:bool, balanced:bool=False) -> dict:
     "One size's figures: the rank, the big job's rank (`big`: ranks, rank), and the rescale (if `rescale`)."
-    kw = dict(folder=folder, tokenizer_dir=tok, batch_size=B, seq_len=T)
+    kw = dict(folder=folder, tokenizer_dir=tok, batch_size=B, seq_len=T, balanced=balanced)
     r = text_subprocess('text_rank_figures', ranks=ranks, rank=rank, threads=threads, **kw)
-    row = dict(shards=shards, ranks=ranks, rank=rank, first_batch_s=r['first_batch_s'], rss_base_mb=r['base_mb'],
+    row = dict(plan='balanced' if balanced else 'striding', shards=shards, ranks=ranks, rank=rank,
+               first_batch_s=r['first_batch_s'], rss_base_mb=r['base_mb'],
                rss_rank_mb=r['rss_mb'] + r['rss_workers_mb'], workers=r['workers'], state_kb=r['state_bytes'] / 1000,
                fingerprint_kb=r['fingerprint_bytes'] / 1000, state_ms=1000 * r['state_s'])
     if big:
         g = text_subprocess('text_rank_figures', ranks=big[0], rank=big[1], threads=threads, **kw)
         row.update(big_ranks=big[0], big_rank=big[1], big_refused=g.get('refused'),
                    big_s=g.get('refused_s', g.get('first_batch_s')))
+        if 'refused' not in g:   # served (the balanced plan): the same figures as the rank's
+            row.update(big_rss_mb=g['rss_mb'] + g['rss_workers_mb'], big_state_kb=g['state_bytes'] / 1000,
+                       big_state_ms=1000 * g['state_s'])
     if rescale:
         ck = Path(folder)/'ckpt'
         sv = text_subprocess('save_text_world', ckpt=ck, ranks=ranks, **kw)
@@ -137,7 +142,8 @@ def bench_scale_text(shards=(1823,),     # shards in all (the last one the val s
                      batch_size:int=8, seq_len:int=2048, threads:int=4, vocab:int=4096, seed:int=0,
                      rescale_upto:int=1823,   # save every rank's state and rescale, up to this many shards
                      shape:dict=None,    # row groups a shard, rows, chars (default `FINEWEB_SHAPE`'s)
-                     log=print) -> list:
+                     log=print,
+                     balanced:bool=False) -> list:   # the balanced plan (`PackedLoader(balanced=True)`), not striding
     "One row per size: a rank over FineWeb-Edu's shape with `shards` described shards, the big job's rank, the rescale."
     rows, tmp = [], Path(tempfile.mkdtemp(prefix='bench-scale-text-'))
     try:
@@ -148,7 +154,7 @@ def bench_scale_text(shards=(1823,),     # shards in all (the last one the val s
             describe_text(folder, S, **sh, words=words, seed=seed)
             before, t0 = load_average(), time.perf_counter()
             row = text_row(str(folder), tok, S, ranks, rank, tuple(big) if big else None, new_ranks, batch_size,
-                           seq_len, threads, S <= rescale_upto)
+                           seq_len, threads, S <= rescale_upto, balanced)
             row.update(load=(before, load_average()), wall_s=time.perf_counter() - t0, cpus=os.cpu_count())
             rows.append(row)
             if log: log(text_table(rows[-1:], head=k == 0))
@@ -157,10 +163,13 @@ def bench_scale_text(shards=(1823,),     # shards in all (the last one the val s
     return rows
 
 # %% ../../nbs/bench/18b_bench_scale_text.ipynb #614e2b65
-_COLS = (('shards', 'shards', '{:,}'), ('ranks', 'ranks', '{}'), ('first_batch_s', 'first batch s', '{:.2f}'),
+_COLS = (('plan', 'plan', '{}'), ('shards', 'shards', '{:,}'), ('ranks', 'ranks', '{}'),
+         ('first_batch_s', 'first batch s', '{:.2f}'),
          ('rss_base_mb', 'imports MiB', '{:.0f}'), ('rss_rank_mb', 'RSS/rank MiB', '{:.0f}'),
          ('state_kb', 'state KB', '{:.1f}'), ('fingerprint_kb', 'of it footers KB', '{:.1f}'),
-         ('state_ms', 'state_dict ms', '{:.2f}'), ('big_s', '1,024: refused s', '{:.2f}'),
+         ('state_ms', 'state_dict ms', '{:.2f}'), ('big_s', 'big: first or refused s', '{:.2f}'),
+         ('big_rss_mb', 'big: RSS MiB', '{:.0f}'), ('big_state_kb', 'big: state KB', '{:.1f}'),
+         ('big_state_ms', 'big: state_dict ms', '{:.2f}'),
          ('new_ranks', 'to ranks', '{}'),
          ('saved_kb', 'all states KB', '{:,.0f}'), ('read_s', 'read s', '{:.2f}'), ('build_s', 'build s', '{:.2f}'),
          ('rescale_s', 'rescale s', '{:.2f}'), ('first_after_s', 'then batch s', '{:.2f}'))
@@ -202,13 +211,14 @@ def bench_scale_all_cli(loader:str='both',       # 'tokens' (pre-tokenized), 'te
                         text_rank:int=27,        # text: the rank measured
                         text_new_ranks:int=41,   # text: the world size of the rescale
                         threads:int=4,           # text: tokenizer worker processes per rank
+                        text_plan:str='balanced',   # text: 'balanced' (row groups in turn) or 'striding'
                         plot:str=None,           # also write the plot(s) to this PNG
                         json_out:str=None):      # also write the rows to this JSON file
     """Run one rank of a big job over data that exists only as metadata, for the pre-tokenized loader, the text
     loader (FineWeb-Edu's shape), or both: first batch, memory, state size and time, the rescale."""
     if loader not in ('tokens', 'text', 'both'):
-        print(f"nanochat-dl bench-scale: error: --loader {loader!r}: expected tokens, text or both", file=sys.stderr)
-        return 2
+        return print(f"nanochat-dl bench-scale: error: --loader {loader!r}: expected tokens, text or both",
+                     file=sys.stderr) or 2
     if loader != 'text':
         rc = bench_scale_cli.__wrapped__(docs=docs, files=files, ranks=ranks, rank=rank, workers=workers,
                                          new_ranks=new_ranks, batch_size=batch_size, seq_len=seq_len, seed=seed,
@@ -216,13 +226,14 @@ def bench_scale_all_cli(loader:str='both',       # 'tokens' (pre-tokenized), 'te
                                          json_out=json_out)
         if rc or loader == 'tokens': return rc
     return _text_cli(shards, text_ranks, text_rank, text_new_ranks, ranks, rank, batch_size, seq_len, threads, seed,
-                     plot and (_text_name(plot, '.png') if loader == 'both' else plot),
+                     text_plan, plot and (_text_name(plot, '.png') if loader == 'both' else plot),
                      json_out and (_text_name(json_out, '.json') if loader == 'both' else json_out))
 
 # %% ../../nbs/bench/18b_bench_scale_text.ipynb #d69767f7
 def _text_name(p:str, ext:str) -> str: return str(Path(p).with_suffix(f'.text{ext}'))
 
-def _text_cli(shards, text_ranks, text_rank, text_new_ranks, ranks, rank, B, T, threads, seed, plot, json_out):
+def _text_cli(shards, text_ranks, text_rank, text_new_ranks, ranks, rank, B, T, threads, seed, text_plan, plot,
+              json_out):
     "The text half of `bench-scale`: the flags checked, the runs, the table, the plot and rows written."
     try:
         S = [int(float(v)) for v in str(shards).split(',') if v.strip()]
@@ -231,12 +242,18 @@ def _text_cli(shards, text_ranks, text_rank, text_new_ranks, ranks, rank, B, T, 
                             text_new_ranks, 1), ('threads', threads, 1), ('batch_size', B, 1), ('seq_len', T, 1)):
             check_int(name, v, lo)
         if text_rank >= text_ranks: raise ValueError(f"text_rank={text_rank} is invalid for text_ranks={text_ranks}")
+        if text_plan not in ('balanced', 'striding'):
+            raise ValueError(f"--text-plan {text_plan!r}: expected balanced or striding")
     except ValueError as e:
         print(f"nanochat-dl bench-scale: error: {e}", file=sys.stderr); return 2
-    print(f"PackedLoader: rank {text_rank} of {text_ranks} (and {rank} of {ranks}), FineWeb-Edu's shape "
+    before = load_average()
+    print(f"PackedLoader ({text_plan} plan): rank {text_rank} of "
+          f"{text_ranks} (and {rank} of {ranks}), FineWeb-Edu's shape "
           f"({FINEWEB_SHAPE['row_groups']} row groups of {FINEWEB_SHAPE['rows']:,} documents a shard), B={B}, T={T}, "
           f"{threads} tokenizer workers; rescale to {text_new_ranks} ranks; {os.cpu_count()} CPUs")
-    rows = bench_scale_text(S, text_ranks, text_rank, (ranks, rank), text_new_ranks, B, T, threads, seed=seed)
+    rows = bench_scale_text(S, text_ranks, text_rank, (ranks, rank), text_new_ranks, B, T, threads, seed=seed,
+                            balanced=text_plan == 'balanced')
+    print(f"({load_line(before)}: a shared machine)")
     big = rows[-1].get('big_refused')
     print(f"rank {rank} of {ranks}: " + (f"refused: {big}" if big else "served"))
     if plot: text_plot(rows, plot)

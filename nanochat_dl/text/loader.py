@@ -136,6 +136,7 @@ class PackedLoader(BaseLoader, Stage):
                  device='auto',                     # 'auto', 'cpu', 'cuda', 'cuda:N' or a torch.device
                  shuffle:bool=False,                # a new row-group order every epoch
                  seed:int=0,                        # the shuffle's seed
+                 balanced:bool=False,               # deal the split's row groups out in turn (not nanochat's striding)
                  rank=None,                         # this rank (default: torch.distributed or $RANK)
                  world_size=None,                   # ranks (default: torch.distributed or $WORLD_SIZE)
                  prefetch:int=2,                    # batches made ahead in the background thread (0: in the caller's)
@@ -195,7 +196,8 @@ def _open(self:PackedLoader, files, split, data_dir, cache_dir, cache_size, refr
 # %% ../../nbs/text/09c_packed.ipynb #1f414d60
 @patch
 def _build(self:PackedLoader, tokenizer, split, kw, max_wait, tokenizer_threads, tokenizer_batch_size, device, shuffle,
-           seed, rank, world_size, slots, copy, views, max_docs_per_row, text_column, utf8_errors, tokenize_in,
+           seed, balanced, rank, world_size, slots, copy, views, max_docs_per_row, text_column, utf8_errors,
+           tokenize_in,
            read_ahead, worker_timeout, worker_reads):
     "The stages source, encode, pack, batch, transfer, and the config a state names."
     tokenizer_batch_size = check_int('tokenizer_batch_size', tokenizer_batch_size)
@@ -205,7 +207,7 @@ def _build(self:PackedLoader, tokenizer, split, kw, max_wait, tokenizer_threads,
     worker_timeout = check_timeout('worker_timeout', worker_timeout)
     self.fingerprint = dict(data=data_fingerprint(self.files), tokenizer=tokenizer_fingerprint(tokenizer))
     reader = RowGroupReader(self.files, rank, world_size, tokenizer_batch_size, shuffle=shuffle, seed=seed,
-                            text_column=text_column, utf8_errors=utf8_errors)
+                            text_column=text_column, utf8_errors=utf8_errors, balanced=bool(balanced))
     encoder = make_encoder(tokenizer, tokenizer_threads, tokenize_in, worker_timeout)   # a failure must close it again
     try:
         # an address starts with its epoch: with `bestfit-pad` and `bestfit-split`, every epoch ends
@@ -217,6 +219,7 @@ def _build(self:PackedLoader, tokenizer, split, kw, max_wait, tokenizer_threads,
                            tokenizer_batch_size=reader.batch_size, rank=reader.rank, world_size=reader.world_size,
                            shuffle=reader.shuffle, seed=reader.seed, text_column=text_column, pad_id=packer.pad_id,
                            max_docs_per_row=packer.max_docs_per_row, max_wait=packer.max_wait)
+        if reader.balanced: self.config['balanced'] = True   # (named only then: striding's states and runs unchanged)
         self.source = RowGroupSource(reader)
         self.encode = EncodeStage(self.source, encoder, read_ahead, worker_reads)
         self.pack = PackStage(self.encode, packer)
@@ -353,7 +356,8 @@ def pass_over(self:PackedLoader, item):
 # %% ../../nbs/text/09c_packed.ipynb #1f1271aa
 @patch
 def _setup(self:PackedLoader, tokenizer, batch_size, seq_len, split, data_dir, files, pack, pack_buffer, max_wait,
-           tokenizer_threads, tokenizer_batch_size, device, shuffle, seed, rank, world_size, prefetch, slots, copy,
+           tokenizer_threads, tokenizer_batch_size, device, shuffle, seed, balanced, rank, world_size, prefetch, slots,
+           copy,
            views, pad_token, max_docs_per_row, text_column, utf8_errors, tokenize_in, read_ahead, worker_timeout,
            worker_reads, resume_state_dict, cache_dir, cache_size, refresh, renamed):
     "Build the loader from the arguments of `PackedLoader(...)` (its docments say what each is)."
@@ -362,11 +366,12 @@ def _setup(self:PackedLoader, tokenizer, batch_size, seq_len, split, data_dir, f
     tokenizer.get_bos_token_id()          # refused without one: every document starts with BOS
     kw = new_names(renamed, stacklevel=4, batch_size=batch_size, seq_len=seq_len, pack=pack, pack_buffer=pack_buffer,
                    pad_token=pad_token)
-    self._check(tokenizer, kw, prefetch, shuffle=shuffle, copy=copy, views=views, worker_reads=worker_reads,
+    self._check(tokenizer, kw, prefetch, shuffle=shuffle, balanced=balanced, copy=copy, views=views,
+                worker_reads=worker_reads,
                 refresh=refresh)
     self._open(files, split, data_dir, cache_dir, cache_size, refresh)
-    self._build(tokenizer, split, kw, max_wait, tokenizer_threads, tokenizer_batch_size, device, shuffle, seed, rank,
-                world_size, slots, copy, views, max_docs_per_row, text_column, utf8_errors, tokenize_in,
+    self._build(tokenizer, split, kw, max_wait, tokenizer_threads, tokenizer_batch_size, device, shuffle, seed,
+                balanced, rank, world_size, slots, copy, views, max_docs_per_row, text_column, utf8_errors, tokenize_in,
                 read_ahead, worker_timeout, worker_reads)
     self._begin(resume_state_dict)
 
@@ -381,6 +386,8 @@ def _resume_nanochat(self:PackedLoader, sd):
                          "this loader (with 'format') or nanochat's {'pq_idx', 'rg_idx', 'epoch'} alone")
     if cfg['shuffle']: raise ValueError("a nanochat state {pq_idx, rg_idx, epoch} can only be continued with "
                                         "shuffle=False")
+    if cfg.get('balanced'): raise ValueError("a nanochat state {pq_idx, rg_idx, epoch} can only be continued with "
+                                             "nanochat's striding (balanced=False)")
     for k, lo, hi in (('pq_idx', 0, len(self.files)), ('rg_idx', 0, None), ('epoch', 1, MAX_EPOCHS)):
         if k in sd: field_int(sd[k], (k,), lo, hi)
     old = self.source.reader

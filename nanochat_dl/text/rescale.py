@@ -6,7 +6,7 @@
 __all__ = ['resume_many', 'open_epoch']
 
 # %% ../../nbs/text/09b_rescale.ipynb #acea484b
-import itertools
+import itertools, math
 from .reader import RowGroupReader
 from .stages import address_columns
 from .state import (STATE_FORMAT, V3_FORMAT, CONFIG_KEYS, STAGE_NAMES, BUFFER_COLUMNS, field_dict, field_int,
@@ -38,6 +38,23 @@ def _steps_of(states) -> list:
                          f"after batch {steps[odd]!r:.20}: expected the states every rank saved at the same step")
     return steps
 
+# %% ../../nbs/text/09b_rescale.ipynb #34eedc8e
+def _one_run(states):
+    "The world size of the states' run, checked to be one run's: the same world size and settings (rank apart)."
+    W = states[0]['config'].get('world_size')
+    c0 = dict(states[0]['config'], balanced=states[0]['config'].get('balanced', False))   # (named only when True)
+    for i, sd in enumerate(states):
+        c = sd['config']
+        if not same_value(c.get('world_size'), W):
+            raise ValueError(f"resume_state_dict mixes runs of different world sizes: entry 0 has "
+                             f"world_size={W!r:.40}, entry {i} "
+                             f"{c.get('world_size')!r:.40}: expected the states of every rank of one run")
+        c = dict(c, balanced=c.get('balanced', False))
+        diff = [k for k in CONFIG_KEYS + ('balanced',) if k != 'rank' and not same_value(c.get(k), c0.get(k))]
+        if diff: raise ValueError(f"resume_state_dict mixes states of different runs: entry {i} has "
+                                  f"{diff[0]}={c.get(diff[0])!r:.40}, entry 0 {c0.get(diff[0])!r:.40}")
+    return W
+
 # %% ../../nbs/text/09b_rescale.ipynb #fd1a2c0f
 def _check_list(states, cfg) -> tuple:
     "The list of every rank's state, checked as one run's at one step: `(W, index of each rank, steps)`."
@@ -52,18 +69,7 @@ def _check_list(states, cfg) -> tuple:
         if sd['format'] != states[0].get('format'):
             raise ValueError(f"resume_state_dict mixes formats: entry 0 is {states[0].get('format')!r:.60}, entry {i} "
                              f"{sd['format']!r}: expected the states every rank saved at the same step")
-    W = states[0]['config'].get('world_size')
-    for i, sd in enumerate(states):
-        c = sd['config']
-        if not same_value(c.get('world_size'), W):
-            raise ValueError(f"resume_state_dict mixes runs of different world sizes: entry 0 has "
-                             f"world_size={W!r:.40}, entry {i} "
-                             f"{c.get('world_size')!r:.40}: expected the states of every rank of one run")
-        diff = [k for k in CONFIG_KEYS if k != 'rank' and not same_value(c.get(k), states[0]['config'].get(k))]
-        if diff: raise ValueError(f"resume_state_dict mixes states of different runs: entry {i} has "
-                                  f"{diff[0]}={c.get(diff[0])!r:.40}, "
-                                  f"entry 0 {states[0]['config'].get(diff[0])!r:.40}")
-    W = field_int(W, (0, 'config', 'world_size'), 1)
+    W = field_int(_one_run(states), (0, 'config', 'world_size'), 1)
     at = {}
     for i, sd in enumerate(states):
         r = field_int(sd['config'].get('rank'), (i, 'config', 'rank'), 0, W)
@@ -95,6 +101,53 @@ def _entry_error(err, i, r, W):
     "`err` again, its message led by the list entry `i` it is about (the state of rank `r` of `W`)."
     return type(err)(f"resume_state_dict[{i}] (rank {r} of {W}): {err}")
 
+# %% ../../nbs/text/09b_rescale.ipynb #2618bac0
+def _caught_up(sd, plan) -> int:
+    "The epoch at whose start the balanced rank that saved `sd` stands once it has read what it began."
+    r, cur = sd['config']['rank'], sd['stages']['source']['cursor']
+    e = cur['epoch']
+    return e if plan.pos(e, cur['file'], cur['rg']) == r and cur['row'] == 0 else e + 1
+
+def _old_unread(sd, plan, W, align,
+                j=0, W2=1) -> list:   # only the positions `p` with `p % W2 == j` (default: all)
+    "What the balanced rank that saved `sd` (one of `W`) left unread before epoch `align`: `[epoch, file, rg, row]`."
+    r, src = sd['config']['rank'], sd['stages']['source']
+    out = [list(v) for v in (src.get('elastic') or {}).get('groups', [])   # listed to catch up, then its own
+           if plan.pos(*v[:3]) % W2 == j]
+    cur, step = src['cursor'], W * W2 // math.gcd(W, W2)   # its positions `p, p + W, ...` that are `j` mod `W2`
+    e, p, row = cur['epoch'], plan.pos(cur['epoch'], cur['file'], cur['rg']), cur['row']
+    while e < align:   # (one in each `step`: the rank's share, not every row group of the epoch)
+        order = plan.order(e)
+        for q0 in range(p, min(p + step, len(order)), W):
+            if q0 % W2 == j: out += [[e, *order[q], row if q == p else 0] for q in range(q0, len(order), step)]
+        e, p, row = e + 1, r, 0
+    return out
+
+def _deal_groups(ld, olds, entries, W, step):
+    "Resume `ld` (rank `j` of `W'`) from the balanced states `olds` of `W` ranks: its share of what is left unread."
+    plan, j, W2 = ld.source.plan, ld.config['rank'], ld.config['world_size']
+    align = max(_caught_up(sd, plan) for sd in olds)
+    mine = sorted((v for sd in olds for v in _old_unread(sd, plan, W, align, j, W2)), key=plan.key)
+    ld.reader._start_epoch(align)              # where the new world's own plan takes over
+    ld.source.elastic, ld.source.last = dict(align=align, groups=mine), None
+    ent = sorted((x for x in entries if plan.pos(*x[:3]) % W2 == j), key=lambda x: (*plan.key(x), x[4]))
+    ld.pack.load_state_dict(dict(buffer=address_columns([x[:4] for x in ent], [x[4] for x in ent], ld.pack.fields),
+                                 metrics=ld.packer.metrics_state()))
+    ld.batch.step, ld.resumed = step, 'rescaled'
+
+# %% ../../nbs/text/09b_rescale.ipynb #49fd8eed
+def _check_old(ld, sd, r, W, i, plan, counters):
+    "Check `sd`, entry `i` of the list, as the state of rank `r` of `W` of `ld`'s run (errors led by the entry)."
+    cfg, bal = ld.config, ld.reader.balanced
+    mine = {**cfg, 'rank': r, 'world_size': W, **{k: sd['config'][k] for k in _MAY_DIFFER if k in sd['config']}}
+    rd = RowGroupReader(ld.files, r, W, cfg['tokenizer_batch_size'], shuffle=cfg['shuffle'], seed=cfg['seed'],
+                        text_column=cfg['text_column'], balanced=bal)
+    rd._layout, rd._bytes = ld.reader._layout, ld.reader._bytes   # the footers, read once
+    if bal: rd._epoch_plan = lambda e: plan.order(e)[r::W]         # the split's order, made once for all ranks
+    try: check_loader_state(sd, mine, ld.fingerprint, rd, counters)
+    except (TypeError, ValueError) as err: raise _entry_error(err, i, r, W) from None
+    finally: rd.close()
+
 # %% ../../nbs/text/09b_rescale.ipynb #8296e20f
 def resume_many(ld,     # the loader to resume: a `PackedLoader` that has handed out no batch
                 states): # every rank's state, saved at one step
@@ -102,27 +155,23 @@ def resume_many(ld,     # the loader to resume: a `PackedLoader` that has handed
     # else the columns and buffered documents re-dealt.
     cfg = ld.config
     W, at, steps = _check_list(states, cfg)
-    plan, counters, entries, columns = ld.source.plan, tuple(ld.packer.metrics_state()), {}, {}
+    plan, counters, entries, columns, olds = ld.source.plan, tuple(ld.packer.metrics_state()), {}, {}, []
     # each rank resumes its own state; every rank checks them all, so all refuse a list or none
     same = W == cfg['world_size']
     for r in range(W):
         if same and r == cfg['rank']: continue   # its own state: checked once, by `_resume` below
         sd = states[at[r]]
-        mine = {**cfg, 'rank': r, 'world_size': W, **{k: sd['config'][k] for k in _MAY_DIFFER if k in sd['config']}}
-        rd = RowGroupReader(ld.files, r, W, cfg['tokenizer_batch_size'], shuffle=cfg['shuffle'], seed=cfg['seed'],
-                            text_column=cfg['text_column'])
-        rd._layout, rd._bytes = ld.reader._layout, ld.reader._bytes   # the footers, read once
-        try: check_loader_state(sd, mine, ld.fingerprint, rd, counters)
-        except (TypeError, ValueError) as err: raise _entry_error(err, at[r], r, W) from None
-        finally: rd.close()
+        _check_old(ld, sd, r, W, at[r], plan, counters)
         if same: continue
-        columns.update(_old_columns(sd, plan, W))
+        if ld.reader.balanced: olds.append(sd)
+        else: columns.update(_old_columns(sd, plan, W))
         _add_entries(entries, sd, r)
     j, W2 = cfg['rank'], cfg['world_size']
     if same:
         try: ld._resume(states[at[j]])   # this rank's own state: exact, token for token
         except (TypeError, ValueError) as err: raise _entry_error(err, at[j], j, W) from None
         return
+    if ld.reader.balanced: return _deal_groups(ld, olds, entries, W, steps[0])
     mine = {c: v for c, v in columns.items() if c % W2 == j}
     align = plan.align(mine.values()) if mine else max(v[0] for v in columns.values())
     if all(v[0] == align and plan.is_start(v) for v in mine.values()): mine = {}
@@ -141,6 +190,7 @@ def open_epoch(sd,             # a `PackedLoader` state
               ) -> int:
     "The lowest epoch a rank's state may still deliver documents of: its cursor's, its columns', its buffered ones'."
     src = sd['stages']['source']
-    cols = src.get('elastic', {}).get('columns', [])
+    el = src.get('elastic', {})
+    cols = el.get('columns', []) + el.get('groups', [])
     return min([src['cursor']['epoch'], *(c[0] for c in cols), *(sd['stages']['pack']['buffer']['epoch'] if buffered
                                                                   else ())])

@@ -15,7 +15,7 @@ from ..core import human_bytes
 from .shards import open_shard_bytes
 from ..pipe.packing import HELD
 from ..pipe.bestfit import GUARDED, MAX_WAIT
-from .stages import ColumnPlan
+from .stages import ColumnPlan, catching_up
 from ..pipe.state import read_int, read_dict, same_value, seal, check_seal, run_digest, read_skipped
 
 # %% ../../nbs/text/09a_state.ipynb #1a77854a
@@ -170,6 +170,12 @@ def _check_position(reader, i, at, key, o, cursor, elastic, prev) -> tuple:
                          f"{name(f)} in epoch {e}")
     rows = reader._rows(f)[g]
     if r >= rows: raise ValueError(f"{at} has row={r}, but row group {g} of {name(f)} has {rows} rows")
+    if elastic and e < elastic['align'] and 'groups' in elastic:   # balanced: before its row group's next row listed
+        r0 = elastic['groups'].get((e, f, g))
+        if r0 is not None and r >= r0:
+            raise ValueError(f"{at} ({key}) is not before row {r0}, where its row group is still to be caught up: a "
+                             f"buffered document has been read already")
+        return prev
     if elastic and e < elastic['align']:
         col, plan = elastic['columns'].get(g), elastic['plan']
         if col is not None and plan.key((e, f, g, r)) >= plan.key(col):
@@ -255,7 +261,8 @@ def _check_source(src, cfg, reader, present, sd) -> tuple:
     try: e, f, g, r = reader.check_state(rd)
     except ValueError as err: raise ValueError(f"{field_name(S + ('cursor',))}: {err}") from None
     field_int(e, S + ('cursor', 'epoch'), 1, MAX_EPOCHS)
-    if 'elastic' in src: _check_elastic(src['elastic'], S + ('elastic',), reader, (e, f, g, r))
+    if 'elastic' in src:
+        (_check_groups if reader.balanced else _check_elastic)(src['elastic'], S + ('elastic',), reader, (e, f, g, r))
     if not same_value(rd['batch_size'], cfg['tokenizer_batch_size']):
         raise ValueError(f"{field_name(S + ('cursor', 'batch_size'))}={rd['batch_size']!r:.60}: expected "
                          f"{cfg['tokenizer_batch_size']} (tokenizer_batch_size)")
@@ -286,10 +293,11 @@ def _check_source(src, cfg, reader, present, sd) -> tuple:
 # %% ../../nbs/text/09a_state.ipynb #aecb2a01
 def _check_config(sd, cfg):
     "Check that the state's config is this loader's `cfg` (a state from before `max_wait`: its strategy's default)."
-    theirs = field_dict(sd['config'], ('config',), CONFIG_KEYS, optional=('max_wait',))
+    theirs = field_dict(sd['config'], ('config',), CONFIG_KEYS, optional=('max_wait', 'balanced'))
     if 'max_wait' not in theirs:   # a state from before the setting: made with its strategy's default
         theirs = dict(theirs, max_wait=MAX_WAIT if cfg['strategy'] in GUARDED else None)
-    for k in CONFIG_KEYS + ('max_wait',):
+    theirs, cfg = dict(theirs, balanced=theirs.get('balanced', False)), dict(cfg, balanced=cfg.get('balanced', False))
+    for k in CONFIG_KEYS + ('max_wait', 'balanced'):   # (`balanced` named only when True: striding's states unchanged)
         if not same_value(theirs[k], cfg[k]):
             raise ValueError(f"resume_state_dict['config']: saved by a loader with {k}={theirs[k]!r:.60}, but this "
                              f"loader has {k}={cfg[k]!r}: "
@@ -327,8 +335,9 @@ def check_loader_state(sd, cfg, fingerprint, reader, counters):
     for k in field_dict(pack['metrics'], ('stages', 'pack', 'metrics'), counters):
         field_int(pack['metrics'][k], ('stages', 'pack', 'metrics', k))
     el = st['source'].get('elastic')
-    _check_buffer(pack['buffer'], cfg, reader, cursor,
-                  el and dict(align=el['align'], columns={v[2]: v for v in el['columns']}, plan=ColumnPlan(reader)))
+    if el and reader.balanced: el = dict(align=el['align'], groups={tuple(v[:3]): v[3] for v in el['groups']})
+    elif el: el = dict(align=el['align'], columns={v[2]: v for v in el['columns']}, plan=ColumnPlan(reader))
+    _check_buffer(pack['buffer'], cfg, reader, cursor, el)
     _check_ages(pack, cfg)
     if not v3: _check_run(sd, cfg, fingerprint)
     try: check_seal(sd, checksum=checksum_v3 if v3 else state_checksum, where='resume_state_dict')
@@ -371,6 +380,35 @@ def _check_elastic(el, S, reader, cursor):
         raise ValueError(f"{field_name(S)}: align={align}, but its columns catch up at the start of epoch "
                          f"{plan.align(el['columns'])}")
 
+# %% ../../nbs/text/09a_state.ipynb #ebe5ae74
+def _check_groups(el, S, reader, cursor):
+    "A balanced rank's `elastic` entry: row groups of its share before epoch `align`, in reading order, at a document."
+    el = field_dict(el, S, ('align', 'groups'))   # (the reader's cursor waits at the start of epoch `align`)
+    align, groups = field_int(el['align'], S + ('align',), 1), el['groups']
+    if not isinstance(groups, list): raise TypeError(f"{field_name(S + ('groups',))} must be a list, got "
+                                                     f"{type(groups).__name__}")
+    if cursor[0] < align: raise ValueError(f"{field_name(S)}: align={align}, but the reader's cursor {list(cursor)} "
+                                           f"is in an earlier epoch")
+    start = next(([align, f, g, 0] for f, g in reader._epoch_plan(align) if reader._rows(f)[g]), None)
+    if groups and list(cursor) != start:
+        raise ValueError(f"{field_name(S)}: align={align} with row groups still to catch up, but the reader's cursor "
+                         f"{list(cursor)} is not this rank's first document of epoch {align} ({start})")
+    prev = None
+    for i, v in enumerate(groups):
+        P = S + ('groups', i)
+        if not (isinstance(v, list) and len(v) == 4): raise ValueError(f"{field_name(P)}={v!r:.80} is invalid: "
+                                                                       f"expected [epoch, file, rg, row]")
+        e, f = field_int(v[0], P + (0,), 1, align), field_int(v[1], P + (1,), 0, len(reader.files))
+        g = field_int(v[2], P + (2,), 0, len(reader._rows(f)))
+        field_int(v[3], P + (3,), 0, reader._rows(f)[g])
+        place = reader._place(e, f, g)
+        if place is None: raise ValueError(f"{field_name(P)}: row group {g} of file {f} in epoch {e} is not one of "
+                                           f"rank {reader.rank} of {reader.world_size}'s share")
+        if prev is not None and place <= prev:
+            raise ValueError(f"{field_name(P)}={v} does not come after entry {i - 1} in reading order: the row "
+                             f"groups to catch up are listed once each, in order")
+        prev = place
+
 # %% ../../nbs/text/09a_state.ipynb #753b31ba
 def run_id(config:dict,       # the loader's settings (`CONFIG_KEYS`, and `max_wait`)
            fingerprint:dict,  # its data's and tokenizer's
@@ -397,7 +435,8 @@ def loader_state(stages,      # `{name: state}` of the chain (`pipeline_state`),
     src = stages['source']   # its own copies below: the next batch's state may share them
     stages['source'] = dict(cursor=dict(src['cursor']), last=src['last'] and dict(src['last']))
     el = src.get('elastic')
-    if el is not None and (el['columns'] or min(stages['pack']['buffer']['epoch'], default=el['align']) < el['align']):
+    if el is not None and (catching_up(el)
+                           or min(stages['pack']['buffer']['epoch'], default=el['align']) < el['align']):
         # a rescale's traces: columns being caught up, or their documents still buffered
         stages['source']['elastic'] = el
     sd = dict(src['last']) if src['last'] else {}
