@@ -71,6 +71,13 @@ def slow_down(ld, kind, delay, fail_at=None, exc=None, after=0):
     return n
 
 
+@pytest.fixture(autouse=True)
+def no_warm_pool(monkeypatch):
+    "Encode workers exit with their loader: a warm pool's kept workers (made by whichever test ran first) are not left."
+    from nanochat_dl.text.procs import REUSE_ENV
+    monkeypatch.setenv(REUSE_ENV, '0')
+
+
 @pytest.fixture
 def baseline():
     "Threads and descriptors before the test: after close, the loader has left none of its own."
