@@ -138,8 +138,8 @@ def _expanded(self:World, u:int) -> dict:
 # %% ../../nbs/tokens/12h_world.ipynb #f1e6c3a8
 @patch
 def _needs(self:World, lo:int, hi:int) -> list:
-    "The saved units whose logical shards meet `lo..hi`: the only ones a new unit of those shards takes pieces from."
-    a, b = self.own_bounds; return np.flatnonzero((a < hi) & (b > lo) & (a < b)).tolist()
+    "The saved units whose logical shards meet `lo..hi`, and those of none: every one a new unit of them must check."
+    a, b = self.own_bounds; return np.flatnonzero(((a < hi) & (b > lo)) | (a == b)).tolist()
 
 @patch
 def _dealt(self:World, lo:int, hi:int) -> tuple:

@@ -1,0 +1,69 @@
+"""An adversary's review of the lazy rescale (nbs/tokens/12h_world.ipynb, `World(lazy=True)`): what the full expansion
+(`lazy=False`, the reference) refuses, every lazy rank refuses too, and what it deals, a lazy rank deals the same."""
+from collections import defaultdict
+
+import pytest
+
+from nanochat_dl.pipe.state import seal
+from nanochat_dl.tokens.root import TokenRoot
+from nanochat_dl.tokens import World, owned_shards, unit_states
+from test_elastic import KW, Unit, deliver
+from test_streaming import SPEC, toy_root
+
+pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")
+
+
+@pytest.fixture(scope='module')
+def root(tmp_path_factory):
+    return toy_root(tmp_path_factory.mktemp('lazyreview')/'root', SPEC)
+
+
+def saved(tr, W, nw, n, **kw):
+    "Every unit's state (one per unit, flat) of `W` ranks of `nw` workers after up to `n` batches each (a unit of no shard: none)."
+    units = [Unit(tr, r, W, w, nw, **kw) for r in range(W) for w in range(nw)]
+    for u in units:
+        try: deliver(u, tr, defaultdict(list), n)
+        except StopIteration: pass                     # a worker of no logical shard has nothing to deliver
+    states = [u.state() for u in units]
+    cfg = units[0].ld.config if units[0].ld else units[0].ds.config
+    fp = units[0].ld.fingerprint if units[0].ld else units[0].ds.fingerprint
+    for u in units: u.close()
+    return states, cfg, fp
+
+
+def idle(states, S):
+    "The index of the first state whose unit walks no logical shard."
+    return next(j for j, s in enumerate(states) if not len(owned_shards(S, s['config']['rank'], s['config']['world_size'],
+                                                                        s['config']['worker'], s['config']['n_workers'])))
+
+
+def tampered(s, how, other):
+    "State `s` (of a unit of no logical shard) made to hold what it cannot, resealed; `other` a unit's state that walks shards."
+    web = s['datasets']['web']
+    if how == 'window': d = dict(web, window=[0, 10**6])                       # a block window's cursor beyond the data
+    elif how == 'parked': d = dict(web, parked=[[other['packer']['entries'][0][1], 1, 0]])
+    elif how == 'cut': d = dict(web, cut=[5, 1, 0])
+    if how == 'entry':                                                         # a packer entry naming no document
+        return seal(dict(s, packer=dict(s['packer'], entries=[[2, 10**6, 1, 0, 0]])))
+    return seal(dict(s, datasets=dict(s['datasets'], web=d)))
+
+
+@pytest.mark.parametrize('how', ['parked', 'cut', 'entry'])
+def test_a_tampered_unit_of_no_shard_is_refused_by_every_rank(root, how):
+    # 13 ranks of 2 workers over 24 logical shards: two workers walk none; the full expansion reads them again and
+    # refuses what they cannot hold; a lazy rank never needs them, and must refuse it all the same
+    tr = TokenRoot(root)
+    states, cfg, fp = saved(tr, 13, 2, 2, **dict(KW, pack='bestfit'))
+    j = idle(states, cfg['n_logical_shards'])
+    other = next(s for s in states if s['packer']['entries'] and s['packer']['entries'][0][0] == 2)
+    bad = list(states); bad[j] = tampered(states[j], how, other)
+    with pytest.raises(ValueError, match=rf"states\[{j}\]"): World(bad, tr, cfg, fp, lazy=False).states_for(3)
+    for r in range(3):
+        with pytest.raises(ValueError, match=rf"states\[{j}\]"): World(bad, tr, cfg, fp).state_for(r, 3)
+
+
+def test_units_of_no_shard_deal_as_the_full_expansion(root):
+    tr = TokenRoot(root)
+    states, cfg, fp = saved(tr, 13, 2, 2, **dict(KW, pack='bestfit'))
+    want = World(states, tr, cfg, fp, lazy=False).states_for(3)
+    assert [World(states, tr, cfg, fp).state_for(r, 3) for r in range(3)] == want
