@@ -4,7 +4,7 @@ from collections import defaultdict
 
 import pytest
 
-from nanochat_dl.pipe.state import seal
+from nanochat_dl.pipe.state import runs_of, seal
 from nanochat_dl.tokens.root import TokenRoot
 from nanochat_dl.tokens import World, owned_shards, unit_states
 from test_elastic import KW, Unit, deliver
@@ -67,3 +67,31 @@ def test_units_of_no_shard_deal_as_the_full_expansion(root):
     states, cfg, fp = saved(tr, 13, 2, 2, **dict(KW, pack='bestfit'))
     want = World(states, tr, cfg, fp, lazy=False).states_for(3)
     assert [World(states, tr, cfg, fp).state_for(r, 3) for r in range(3)] == want
+
+
+def runs(rle): return [v for v, c in rle for _ in range(c)]
+
+
+def held_twice(a, b, how):
+    "State `a` made to hold a piece `b` holds (of `b`'s shards), resealed: in its window, as its cut or as a piece parked."
+    d, other = dict(a['datasets']['code']), b['datasets']['code']
+    if how == 'window':
+        w, o = d['shuffle'], other['shuffle']
+        d['shuffle'] = dict(w, doc=w['doc'] + o['doc'][:1], epoch=runs_of(runs(w['epoch']) + runs(o['epoch'])[:1]),
+                            start=runs_of(runs(w['start']) + runs(o['start'])[:1]))
+    elif how == 'cut': d['cut'] = other['cut']
+    else: d['parked'] = [[o, e, 0] for o, e in zip(other['shuffle']['doc'][:1], runs(other['shuffle']['epoch']))]
+    return seal(dict(a, datasets=dict(a['datasets'], code=d)))
+
+
+@pytest.mark.parametrize('how', ['window', 'cut', 'parked'])
+def test_a_piece_held_by_two_units_in_a_window_cut_or_parked_is_refused_by_every_rank(root, how):
+    # reservoir windows, cuts and pieces parked are named in the states as saved: a piece of old rank 1's shards held by
+    # old rank 0 is refused by every new rank, as the full expansion refuses it (rank 2 of 3 needs only old rank 1)
+    tr = TokenRoot(root)
+    states, cfg, fp = saved(tr, 2, 1, 5, **dict(KW, pack='bestfit', shuffle='reservoir'))
+    assert states[1]['datasets']['code']['cut'] and states[1]['datasets']['code']['shuffle']['doc']
+    bad = [held_twice(states[0], states[1], how), states[1]]
+    with pytest.raises(ValueError, match=r"states\[0\]"): World(bad, tr, cfg, fp, lazy=False).states_for(3)
+    for r in range(3):
+        with pytest.raises(ValueError, match=r"states\[0\]"): World(bad, tr, cfg, fp).state_for(r, 3)
