@@ -95,3 +95,17 @@ def test_a_piece_held_by_two_units_in_a_window_cut_or_parked_is_refused_by_every
     with pytest.raises(ValueError, match=r"states\[0\]"): World(bad, tr, cfg, fp, lazy=False).states_for(3)
     for r in range(3):
         with pytest.raises(ValueError, match=r"states\[0\]"): World(bad, tr, cfg, fp).state_for(r, 3)
+
+
+def test_a_dealt_state_shares_nothing_with_the_world_or_another_state(root):
+    # one world deals many units (a job's rank reuses it for its workers, `states_for` for every unit): what one caller
+    # does to the state it got (its config's weights, datasets, tokens stripped) changes no other state, nor what comes next
+    tr = TokenRoot(root)
+    states, cfg, fp = saved(tr, 2, 2, 3, **dict(KW, pack='bestfit'))
+    want = World(states, tr, cfg, fp, lazy=False).states_for(3)
+    for lazy in (True, False):
+        world = World(states, tr, cfg, fp, lazy=lazy)
+        got = world.states_for(3)
+        for s in got[:1] + [world.state_for(2, 3)]:
+            s['config']['weights'].append(9); s['config']['datasets'].append('x'); s['config']['strip_tokens'].append(5)
+        assert got[1:] == want[1:] and world.states_for(3) == want

@@ -432,7 +432,7 @@ def state_for(self:World, rank:int,       # the rank of the unit ...
                   **({} if self.batch_size is None else dict(batch_size=self.batch_size)))
     fp = dict(data={k: dict(v) for k, v in self.fingerprint['data'].items()}, tokenizer=self.fingerprint['tokenizer'])
     return seal(dict(format=FORMAT, run=lineage(self.run, self.step, [self.W, self.nws], [W, nw]), step=self.step,
-                       config=config, fingerprint=fp, datasets=datasets,
+                       config=json.loads(json.dumps(config)), fingerprint=fp, datasets=datasets,   # (its own lists)
                        packer=_packer_state(entries, self.stream.packer.metrics_state(), cfg['pack']),
                        **self._mix(datasets)))
 
