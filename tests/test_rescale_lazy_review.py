@@ -109,3 +109,20 @@ def test_a_dealt_state_shares_nothing_with_the_world_or_another_state(root):
         for s in got[:1] + [world.state_for(2, 3)]:
             s['config']['weights'].append(9); s['config']['datasets'].append('x'); s['config']['strip_tokens'].append(5)
         assert got[1:] == want[1:] and world.states_for(3) == want
+
+
+def test_every_document_once_after_lazy_rescales_through_units_of_no_shard(root):
+    # 2 -> 13 x 2 (two workers of no logical shard) -> 3, reservoir windows, bestfit: each new unit loads the list of
+    # every saved state itself (lazy); every token of every document of epoch 1 is delivered exactly once
+    from test_streaming import assert_tiles
+    tr, cov, st = TokenRoot(root), defaultdict(list), None
+    kw = dict(KW, pack='bestfit', shuffle='reservoir')
+    for j, (W, nw) in enumerate([(2, 1), (13, 2), (3, 1)]):
+        units = [Unit(tr, r, W, w, nw, **kw) for r in range(W) for w in range(nw)]
+        for u in units:
+            if st is not None: u.load(st)
+            try: deliver(u, tr, cov, [3, 2, None][j])
+            except StopIteration: pass
+        st = [u.state() for u in units]
+        for u in units: u.close()
+    assert_tiles(cov, tr, 1)
