@@ -2570,6 +2570,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                          'nanochat_dl/tokens/state.py'),
                                           'nanochat_dl.tokens.state.first_differing': ( 'tokens/state.html#first_differing',
                                                                                         'nanochat_dl/tokens/state.py'),
+                                          'nanochat_dl.tokens.state.held_docs': ( 'tokens/state.html#held_docs',
+                                                                                  'nanochat_dl/tokens/state.py'),
                                           'nanochat_dl.tokens.state.lineage': ('tokens/state.html#lineage', 'nanochat_dl/tokens/state.py'),
                                           'nanochat_dl.tokens.state.read_window': ( 'tokens/state.html#read_window',
                                                                                     'nanochat_dl/tokens/state.py'),

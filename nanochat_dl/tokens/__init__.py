@@ -95,6 +95,7 @@ _WHERE = {
     'data_fingerprint': '.state',
     'first_differing': '.state',
     'FORMAT': '.state',
+    'held_docs': '.state',
     'lineage': '.state',
     'OLD_FORMATS': '.state',
     'read_window': '.state',

@@ -5,7 +5,8 @@ it is resumed, the run's id and the checksum that seals a state."""
 
 # %% auto #0
 __all__ = ['FORMAT', 'OLD_FORMATS', 'SEALED_OLD', 'SHUFFLES', 'data_fingerprint', 'stream_config', 'check_resume', 'run_id',
-           'check_checksum', 'unit_states', 'unit_of', 'first_differing', 'read_window', 'refuse_twice', 'lineage']
+           'check_checksum', 'unit_states', 'unit_of', 'first_differing', 'read_window', 'refuse_twice', 'lineage',
+           'held_docs']
 
 # %% ../../nbs/tokens/12g_state.ipynb #54b12d2d
 import hashlib, json, math
@@ -296,3 +297,24 @@ def lineage(run, step, old, new) -> str:
     "The id of a run after a rescale at `step` from world `old` to world `new`."
     return hashlib.sha1(json.dumps([run, step, old, new]).encode()).hexdigest()[:16]
 
+
+# %% ../../nbs/tokens/12g_state.ipynb #4c52eee0
+def held_docs(s:dict,   # a unit's state, as saved
+              names,    # the run's datasets
+             ) -> np.ndarray:
+    "Rows `(kind, dataset, doc, k)` of what `s` names: 0 packer entry k, 1 reservoir window piece k, 2 cut, 3 parked k."
+    rows, pk = [], s.get('packer')                   # (a malformed field left out: named when its unit is read again)
+    es = pk.get('entries') if isinstance(pk, dict) else None
+    rows += [(0, x[0], x[1], k) for k, x in enumerate(es if isinstance(es, list) else []) if isinstance(x, list)
+             and len(x) > 1 and all(type(v) is int for v in x[:2]) and 0 <= x[0] < len(names)]
+    ds, parts = s.get('datasets') if isinstance(s.get('datasets'), dict) else {}, []
+    for i, name in enumerate(names):
+        d = ds.get(name) if isinstance(ds.get(name), dict) else {}
+        c, ps, w = d.get('cut'), d.get('parked'), d.get('shuffle')
+        rows += [(2, i, c[0], 0)] if isinstance(c, list) and c and type(c[0]) is int else []
+        rows += [(3, i, x[0], k) for k, x in enumerate(ps if isinstance(ps, list) else [])
+                 if isinstance(x, list) and x and type(x[0]) is int]
+        if s['config'].get('shuffle') != 'block' and isinstance(w, dict) and isinstance(w.get('doc'), list):
+            if (doc := np.asarray(w['doc'])).ndim == 1 and doc.dtype.kind == 'i':     # (a block's: named when read)
+                n = len(doc); parts.append(np.stack([np.full(n, 1), np.full(n, i), doc, np.arange(n)]).astype(np.int64))
+    return np.concatenate([np.array(rows, dtype=np.int64).reshape(-1, 4).T] + parts, axis=1)

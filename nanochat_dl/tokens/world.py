@@ -20,7 +20,7 @@ from .stream import TokenStream, ShardCursors, unpack_pos
 from .fast import FastTokenStream
 from .pieces import mix_key
 from .state import FORMAT, check_resume, check_checksum, unit_states, first_differing, unit_of
-from .state import read_window, refuse_twice, lineage
+from .state import read_window, refuse_twice, lineage, held_docs
 
 # %% ../../nbs/tokens/12h_world.ipynb #e1000003
 class _Set(NamedTuple):
@@ -138,8 +138,8 @@ def _expanded(self:World, u:int) -> dict:
 # %% ../../nbs/tokens/12h_world.ipynb #f1e6c3a8
 @patch
 def _needs(self:World, lo:int, hi:int) -> list:
-    "The saved units whose logical shards meet `lo..hi`: the only ones a new unit of those shards takes pieces from."
-    a, b = self.own_bounds; return np.flatnonzero((a < hi) & (b > lo) & (a < b)).tolist()
+    "The saved units whose logical shards meet `lo..hi`, and those of none: every one a new unit of them must check."
+    a, b = self.own_bounds; return np.flatnonzero(((a < hi) & (b > lo)) | (a == b)).tolist()
 
 @patch
 def _dealt(self:World, lo:int, hi:int) -> tuple:
@@ -242,20 +242,20 @@ def _check_given(self:World) -> list:
 
 @patch
 def _check_held(self:World):
-    "Refuse a unit's packer entry naming a document of a shard it does not walk (addresses only: the rest later)."
-    rows, S, srcs = [], self.config['n_logical_shards'], self.stream.sources    # (dataset, doc, unit, entry)
-    for u, s in enumerate(self.given):                                # (a malformed entry: named when read again)
-        es = s['packer'].get('entries') if isinstance(s.get('packer'), dict) else None
-        rows += [(x[0], x[1], u, k) for k, x in enumerate(es if isinstance(es, list) else [])
-                 if isinstance(x, list) and len(x) > 1 and all(type(v) is int for v in x[:2]) and 0 <= x[0] < len(srcs)
-                 and 0 <= x[1] < srcs[x[0]].n_docs]
-    I, G, U, K = np.array(rows, dtype=np.int64).reshape(-1, 4).T
+    "Refuse a piece a unit's state names as saved (`held_docs`) of a shard the unit does not walk, on every rank."
+    names, S, srcs = self.config['datasets'], self.config['n_logical_shards'], self.stream.sources
+    hs = [held_docs(s, names) for s in self.given]
+    (T, I, G, K), U = np.concatenate(hs, axis=1), np.repeat(np.arange(len(hs)), [h.shape[1] for h in hs])
+    ok = (G >= 0) & (G < np.array([src.n_docs for src in srcs], dtype=np.int64)[I])     # (else: named when read again)
+    T, I, G, K, U = (x[ok] for x in (T, I, G, K, U))
     Sh = np.zeros_like(G)
     for i, src in enumerate(srcs):
         if (m := I == i).any(): Sh[m] = np.searchsorted(np.asarray(shard_starts(src.n_docs, S)), G[m], 'right') - 1
     for j in np.flatnonzero((Sh < self.own_bounds[0][U]) | (Sh >= self.own_bounds[1][U]))[:1].tolist():   # the first
-        self._check_owned(I[j], G[j:j + 1], Sh[j:j + 1], U[j:j + 1],
-                          lambda _: f"{self._where(U[j], 'packer', 'entries')}[{K[j]}]")
+        u, k, name = int(U[j]), int(K[j]), names[I[j]]
+        at = [f"{self._where(u, 'packer', 'entries')}[{k}]", f"{self._where(u, 'datasets', name, 'shuffle')} piece {k}",
+              self._where(u, 'datasets', name, 'cut'), f"{self._where(u, 'datasets', name, 'parked')}[{k}]"][T[j]]
+        self._check_owned(I[j], G[j:j + 1], Sh[j:j + 1], U[j:j + 1], lambda _: at)
 
 # %% ../../nbs/tokens/12h_world.ipynb #7ce37c27
 @patch
@@ -432,7 +432,7 @@ def state_for(self:World, rank:int,       # the rank of the unit ...
                   **({} if self.batch_size is None else dict(batch_size=self.batch_size)))
     fp = dict(data={k: dict(v) for k, v in self.fingerprint['data'].items()}, tokenizer=self.fingerprint['tokenizer'])
     return seal(dict(format=FORMAT, run=lineage(self.run, self.step, [self.W, self.nws], [W, nw]), step=self.step,
-                       config=config, fingerprint=fp, datasets=datasets,
+                       config=json.loads(json.dumps(config)), fingerprint=fp, datasets=datasets,   # (its own lists)
                        packer=_packer_state(entries, self.stream.packer.metrics_state(), cfg['pack']),
                        **self._mix(datasets)))
 
