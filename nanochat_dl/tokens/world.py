@@ -165,7 +165,9 @@ def _expand(self:World):
             m = str(e)
             if m.startswith('state['): m = at + m[len('state'):]
             raise ValueError(f"{m} ({unit_name(s['config'])})") from None
-        self.states[k] = dict(s, datasets=unit.explicit_state()['datasets'])
+        ex = unit.explicit_state()                               # (a bestfit packer's inputs by number: named too)
+        pk = ex['packer'] if 'inputs' in s['packer'] else s['packer']
+        self.states[k] = dict(s, datasets=ex['datasets'], packer=pk)
 
 # %% ../../nbs/tokens/12h_world.ipynb #e1000005
 @patch
