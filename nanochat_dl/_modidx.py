@@ -2195,6 +2195,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                                 'nanochat_dl/tokens/packers.py'),
                                             'nanochat_dl.tokens.packers.BestFitRows.next_batch': ( 'tokens/packers.html#bestfitrows.next_batch',
                                                                                                    'nanochat_dl/tokens/packers.py'),
+                                            'nanochat_dl.tokens.packers.BestFitRows.numbers': ( 'tokens/packers.html#bestfitrows.numbers',
+                                                                                                'nanochat_dl/tokens/packers.py'),
                                             'nanochat_dl.tokens.packers.BestFitRows.restore': ( 'tokens/packers.html#bestfitrows.restore',
                                                                                                 'nanochat_dl/tokens/packers.py'),
                                             'nanochat_dl.tokens.packers.BestFitRows.snap': ( 'tokens/packers.html#bestfitrows.snap',

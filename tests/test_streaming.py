@@ -437,9 +437,11 @@ def test_a_plausible_edit_is_refused_by_the_checksum(root, edit):
         sd = json.loads(json.dumps(ld.state_dict()))
     StreamingLoader(root, 12, 2, **kw).load_state_dict(json.loads(json.dumps(sd))).close()   # as handed out: loads
     PLAUSIBLE[edit](sd)
+    # (a bestfit packer's inputs by number, /5: a mix counter moved is caught before, its inputs pulled again)
+    why = r"\['checksum'\] does not match" + (r"|pulled again do not end where" if 'mix counter' in edit else '')
     for form in (sd, [sd]):
         with StreamingLoader(root, 12, 2, **kw) as fresh:
-            with pytest.raises(ValueError, match=r"\['checksum'\] does not match"): fresh.load_state_dict(form)
+            with pytest.raises(ValueError, match=why): fresh.load_state_dict(form)
 
 
 def test_a_state_of_the_format_before_the_checksum_loads_unchecked(root):

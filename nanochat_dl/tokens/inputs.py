@@ -23,18 +23,15 @@ class Marks:
     "Where a stream stood before each pull of its packer: the inputs pulled before, the mixer's counters, the windows."
     def __init__(self, n:int=0,       # inputs pulled before the first mark (the packer's `docs_in`)
                  keep:int=4096):      # the most inputs a resume reads again: older marks are let go
-        self.n, self.keep, self.log, self.at, self.ix = n, keep, [], [], {}
+        self.n, self.keep, self.log, self.at = n, keep, [], []
     def add(self, tokens, windows, parked:bool, row:int):
         "Mark the stream before a pull: the mixer's `tokens`, each window's `snapshot()`, the packer's row then."
         if self.at and self.at[0] < self.n - 2 * self.keep:       # let go, in new lists (snapshots keep the old)
-            j, lo = bisect.bisect_left(self.at, self.n - self.keep), self.n - self.keep
-            self.log, self.at, self.ix = self.log[j:], self.at[j:], {k: v for k, v in self.ix.items() if v >= lo}
+            j = bisect.bisect_left(self.at, self.n - self.keep)
+            self.log, self.at = self.log[j:], self.at[j:]
         self.log.append((self.n, tokens, windows, parked, row)); self.at.append(self.n)
-    def number(self, keys):
-        "Number the inputs a pull gave (their keys), in order."
-        n = self.n
-        self.ix.update(zip(keys, range(n, n + len(keys)))); self.n = n + len(keys)
-    def snap(self) -> tuple: return self.log, self.at, len(self.at), self.ix, self.n
+    def number(self, keys): self.n += len(keys)             # (the inputs a pull gave: numbered in order)
+    def snap(self) -> tuple: return self.log, self.at, len(self.at), self.n
 
 # %% ../../nbs/tokens/12da_inputs.ipynb #00ea4322
 def pack_ints(xs,              # ints >= 0
@@ -97,18 +94,16 @@ def next_rows(self:NumberedInputs, B:int):
 
 # %% ../../nbs/tokens/12da_inputs.ipynb #3bc3e671
 @patch
-def _inputs_state(self:NumberedInputs, ents, held, marks, wins, made:int):   # `made`: the rows made then
+def _inputs_state(self:NumberedInputs, ps, marks, wins, made:int):   # `ps`: the packer's snap; `made`: rows then
     "The packer's inputs by number, and where to read them again (`Marks`); None where they cannot be (see above)."
-    log, at, m, ix, n = marks
-    try: idx, hx = np.fromiter((ix[k] for k, _ in ents), np.int64, len(ents)), [ix[k] for k in held]
-    except KeyError: return None                              # (entered before the marks: a resume from entries)
-    e0 = min(int(idx.min(initial=n)), min(hx, default=n))
+    log, at, m, n = marks
+    idx, hx, late, unknown = self.packer.numbers(ps), ps[7], ps[8], ps[9]
+    if unknown or min(hx, default=0) < 0: return None        # (restored from entries: numbers not known)
+    e0 = min(int(idx.min()) if len(idx) else n, min(hx, default=n))
     j = bisect.bisect_right(at, e0, 0, m) - 1
-    if j < 0 or at[j] < n - self.marks.keep or log[j][3]: return None     # (parked pieces then: not read again)
-    if (idx[1:] <= idx[:-1]).any(): return None                # (held pieces let in after later ones)
+    # (parked pieces then: not pulled again; one let in after a later pull: it did not enter at its pull's row)
+    if j < 0 or at[j] < n - self.marks.keep or log[j][3] or e0 <= late: return None
     rows = np.fromiter((x[4] for x in log[j:m]), np.int64, m - j)           # the packer's row at each pull
-    got = np.fromiter((r for _, r in ents), np.int64, len(ents))
-    if (got != rows[np.searchsorted(np.asarray(at[j:m]), idx, 'right') - 1]).any(): return None   # (let in later)
     a0, tokens, was = log[j][:3]
     bits = np.zeros(n - a0, np.uint8); bits[idx - a0] = 1
     vals = np.concatenate([[n - a0, len(hx)], np.asarray(hx, dtype=np.int64) - a0, [made - rows[0]],
@@ -151,14 +146,14 @@ def _replay_inputs(self:NumberedInputs, st, pk, ds) -> tuple:
     r.marks.log = [x[:4] + (y,) for x, y in zip(r.marks.log, rows)]     # (the packer's rows then: not pulled again)
     items = [(k[0], k[1], k[2], k[3], 0 if j < ne else HELD, L, k[4])
              for j, (k, L, _) in enumerate(got[x] for x in rel)]
-    return items, [rows[got[x][2]] for x in rel[:ne]], r.marks
+    return items, [rows[got[x][2]] for x in rel[:ne]], r.marks, [n - span + x for x in rel]
 
 # %% ../../nbs/tokens/12da_inputs.ipynb #bc055c32
 @patch
 def _at_mark(self:NumberedInputs, st, rp, w, a0):
     "A stream of these settings where `rp` (`_inputs_state`'s 'replay') says this one stood, `a0` inputs pulled."
-    r, starts = type(self)(self.given_root, self.cfg, self.cfg['worker'], self.cfg['n_workers']), rp.get('starts') or {}
-    ws = read_field(rp, 'windows', list, w)
+    r = type(self)(self.given_root, self.cfg, self.cfg['worker'], self.cfg['n_workers'])
+    ws, starts = read_field(rp, 'windows', list, w), read_field(rp, 'starts', dict, w) if 'starts' in rp else {}
     if len(ws) != len(self.names): raise ValueError(f"{w}['windows']: expected one per dataset {self.names}")
     for i, name in enumerate(self.names):
         if r.mixer.ups[i] is None: continue

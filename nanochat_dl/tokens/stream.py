@@ -55,7 +55,7 @@ def state_of(self:TokenStream, snap,
         out[name] = d
     mix = {k: v for k, v in self.mixer.state_dict().items() if k != 'tokens'}   # its anchor, if any (set on a load)
     by = None if explicit or len(snap) < 9 or snap[8] is None else self._inputs_state(   # by number, if it can
-        self.packer.entries(ps), ps[3], snap[8], [x[2] for x in ds], metrics['rows'])
+        ps, snap[8], [x[2] for x in ds], metrics['rows'])
     return dict(step=step, datasets=out, packer=dict(by or self._packer_state(ps), metrics=metrics),
                 **(dict(mix=mix) if mix else {}))
 
@@ -383,8 +383,8 @@ def parse_state(self:TokenStream, st) -> dict:
     out['datasets'] = [self._parse_dataset(i, read_field(ds, n, dict, "state['datasets']"),
                                            f"state['datasets'][{n!r}]") for i, n in enumerate(self.names)]
     pk = read_field(st, 'packer', dict, 'state')
-    rows = out['marks'] = None
-    if 'inputs' in pk: out['entries'], rows, out['marks'] = self._replay_inputs(st, pk, out['datasets'])   # (by number)
+    rows = out['marks'] = out['numbers'] = None
+    if 'inputs' in pk: out['entries'], rows, out['marks'], out['numbers'] = self._replay_inputs(st, pk, out['datasets'])
     else: out['entries'] = self._parse_entries(pk, out['datasets'])
     self._check_once(out['datasets'], out['entries'])
     out['metrics'] = self._parse_metrics(pk, out['entries'])
@@ -414,7 +414,7 @@ def load_state(self:TokenStream, st:dict):
         if ch is not None: ch.load_state_dict(dict(cut=None if d['cut'] is None else list(d['cut'])))
         if sh is not None: _load_window(sh, *d['shuffle'])
     self.mixer.load_state_dict(self._mix_state(st, p))
-    self._load_packer(p['entries'], p['metrics'], p['entered'])
+    self._load_packer(p['entries'], p['metrics'], p['entered'], p['numbers'])
     self.__dict__.pop('_mk', None)                    # marks from the inputs read again, else from here on
     if p['marks'] is not None: self._mk = p['marks']
     self.parked, self.step = [list(d['parked']) for d in p['datasets']], p['step']
@@ -449,12 +449,12 @@ def _load_window(sh:ShuffleBuffer, drawn, addresses):
     sh.restore(sh.upstream.fetch(addresses) if addresses else [])
 
 @patch
-def _load_packer(self:TokenStream, items, metrics, entered=None):
+def _load_packer(self:TokenStream, items, metrics, entered=None, numbers=None):
     "Refill the packer from checked entries."
     self.packer.load_metrics_state(metrics)
     pieces = [(self.framing.render(self.sources[i].doc(g), a, a + n), (i, g, e, a, L),
                off) for i, g, e, a, off, n, L in items]
-    if hasattr(self.packer, 'snap'): self.packer.restore(pieces, entered)   # `BestFitRows`
+    if hasattr(self.packer, 'snap'): self.packer.restore(pieces, entered, numbers)   # `BestFitRows`
     else: self.packer.restore(pieces)
 
 # %% ../../nbs/tokens/12e_stream.ipynb #eba759e3
