@@ -2177,6 +2177,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                               'nanochat_dl/tokens/packers.py'),
                                             'nanochat_dl.tokens.packers.BestFitRows._intake': ( 'tokens/packers.html#bestfitrows._intake',
                                                                                                 'nanochat_dl/tokens/packers.py'),
+                                            'nanochat_dl.tokens.packers.BestFitRows._journal': ( 'tokens/packers.html#bestfitrows._journal',
+                                                                                                 'nanochat_dl/tokens/packers.py'),
                                             'nanochat_dl.tokens.packers.BestFitRows._late': ( 'tokens/packers.html#bestfitrows._late',
                                                                                               'nanochat_dl/tokens/packers.py'),
                                             'nanochat_dl.tokens.packers.BestFitRows._overdue': ( 'tokens/packers.html#bestfitrows._overdue',

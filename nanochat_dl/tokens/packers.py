@@ -312,11 +312,7 @@ def next_batch(self:BestFitRows, B:int, pull, out=None) -> PackedBatch:
     self.buffered_tokens -= B * C - padded
     tot['placed'] += len(placed); tot['emitted'] += B * C; tot['rows'] += B
     self._row = tot['rows']
-    self._log.append((self._added, placed))
-    # a new list: snapshots keep the old one
-    if len(self._log) > 256: self._base, self._log = self.entries(self.snap()), []
-    self._xlog.append((np.array(self._added_x, dtype=np.int64), np.array(gone, dtype=np.int64)))
-    if len(self._xlog) > 32: self._xbase, self._xlog = self.numbers(self.snap()), []
+    self._journal(placed, gone)
     return LazyBatch(rows, segments, self, before, B)
 
 # %% ../../nbs/tokens/12c_packers.ipynb #ep13bf04
@@ -324,13 +320,6 @@ def next_batch(self:BestFitRows, B:int, pull, out=None) -> PackedBatch:
 def snap(self:BestFitRows): return (self._base, self._log, len(self._log), [k for _, _, k, _ in self._held],
                                     self._xbase, self._xlog, len(self._xlog), [x for *_, x in self._held], self._late_x,
                                     self._unk)
-
-@patch
-def numbers(self:BestFitRows, snap) -> np.ndarray:
-    "The input numbers of the pieces in the buffer at `snap` (held pieces not among them; -1: not known, `snap()[9]`)."
-    base, log, n = snap[4:7]
-    got = np.concatenate([base, *(a for a, _ in log[:n])])
-    return np.setdiff1d(got, np.concatenate([p for _, p in log[:n]]) if n else got[:0], assume_unique=True)
 
 @patch
 def entries(self:BestFitRows, snap) -> list:
@@ -348,6 +337,7 @@ def buffer_keys(self:BestFitRows) -> tuple:
     keys = [k for k, _ in self.entries(ps)]
     return keys + ps[3], [0] * len(keys) + [HELD] * len(ps[3])
 
+# %% ../../nbs/tokens/12c_packers.ipynb #040888c7
 @patch
 def restore(self:BestFitRows, items,   # `(tokens, key, offset)` in order, offset 0 (or `HELD`: kept aside)
             entered=None,              # the row each entry not held entered at (None: the row count now)
@@ -369,6 +359,22 @@ def restore(self:BestFitRows, items,   # `(tokens, key, offset)` in order, offse
     if self.guard and (entered is None or self._overdue()): self._held = self._pop_all() + self._held; self._release()
     self._base, self._log = list(self.entries((self._added, [], 0))), []
     self._xbase, self._xlog, self._fresh = np.sort(np.array(self._added_x, dtype=np.int64)), [], self._tot['docs_in']
+
+# %% ../../nbs/tokens/12c_packers.ipynb #45cd9f66
+@patch
+def _journal(self:BestFitRows, placed, gone):
+    "Log a batch: the keys in and placed (rebased every 256 batches), and their numbers (every 32)."
+    self._log.append((self._added, placed))                 # (new lists: snapshots keep the old)
+    if len(self._log) > 256: self._base, self._log = self.entries(self.snap()), []
+    self._xlog.append((np.array(self._added_x, dtype=np.int64), np.array(gone, dtype=np.int64)))
+    if len(self._xlog) > 32: self._xbase, self._xlog = self.numbers(self.snap()), []
+
+@patch
+def numbers(self:BestFitRows, snap) -> np.ndarray:
+    "The input numbers of the pieces in the buffer at `snap` (held pieces not among them; -1: not known, `snap()[9]`)."
+    base, log, n = snap[4:7]
+    got = np.concatenate([base, *(a for a, _ in log[:n])])
+    return np.setdiff1d(got, np.concatenate([p for _, p in log[:n]]) if n else got[:0], assume_unique=True)
 
 # %% ../../nbs/tokens/12c_packers.ipynb #ep13bf05
 @patch
