@@ -513,7 +513,9 @@ def test_every_leaf_at_a_billion_is_refused_without_memory(root, kw, steps):
     assert not loaded, loaded
     for p, what, msg in res:     # a refusal names the field (the last key on its path); a counter that may be that large, the checksum
         if generic(tuple(p)) in LARGE_COUNTERS:     # (a block number: the block read again may also clash with the packer)
-            assert "['checksum'] does not match" in msg or (p[2:] == ['window', 0] and "['window']" in msg), (p, msg)
+            # (/5, bestfit: a mix counter moved is refused by the packer's inputs pulled again, naming the datasets)
+            assert "['checksum'] does not match" in msg or (p[2:] == ['window', 0] and "['window']" in msg) or (
+                p[2:] == ['tokens'] and "do not end where state['datasets'] stand" in msg), (p, msg)
         elif what == 'refused': assert next(k for k in reversed(p) if isinstance(k, str)) in msg, (p, msg)
 
 

@@ -134,10 +134,11 @@ def _replay_inputs(self:NumberedInputs, st, pk, ds) -> tuple:
         for L, k in zip(lens, keys):
             if c in want: got[c] = (k, L, len(r.marks.at) - 1)            # (and the pull it came in)
             c += 1
-    now = [(d['tokens'], d['epoch'], d['pos']) for d in ds]
-    if c != span or now != [(t, list(s.at(s.cursor())[0]), list(s.at(s.cursor())[1])) for t, s in
-                            zip(r.mixer.tokens, r.sources)]:
-        raise ValueError(f"{w}['replay']: its {span} inputs pulled again do not end where state['datasets'] stand")
+    now = [(d['tokens'], d['epoch'], d['pos'], st['datasets'][n].get('window')) for n, d in zip(self.names, ds)]
+    if c != span or now != [(t, list(s.at(s.cursor())[0]), list(s.at(s.cursor())[1]), None if h is None else
+                             list(h.snapshot()[:2])) for t, s, h in zip(r.mixer.tokens, r.sources, r.shuffles)]:
+        raise ValueError(f"{w}['replay']['tokens'] and ['windows']: its {span} inputs pulled again do not end where "
+                         f"state['datasets'] stand (their 'tokens', cursors and ['window'])")
     ne, at, made = len(rel) - nh, v[2 + nh:], read_int(w + "['metrics']['rows']", pk['metrics'].get('rows'))
     rows = (made - at[0] + np.cumsum([0] + at[1:])).tolist() if len(at) == len(r.marks.at) else [-1]
     if rows[0] < 0 or rows[-1] > made:
@@ -159,7 +160,8 @@ def _at_mark(self:NumberedInputs, st, rp, w, a0):
         if r.mixer.ups[i] is None: continue
         d, s = st['datasets'][name], read_field(starts, name, dict, w + "['starts']") if name in starts else None
         d = dict(d if s is None else dict(s, shards=d.get('shards'), tokens=0), window=ws[i])
-        r._parse_dataset(i, {k: v for k, v in d.items() if k != 'parked'}, f"{w}[{name!r}]")   # (loads it there)
+        at = f"{w}['windows'][{i}]" + ('' if s is None else f" and ['starts'][{name!r}]")
+        r._parse_dataset(i, {k: v for k, v in d.items() if k != 'parked'}, at)   # (loads it there)
     t = read_field(rp, 'tokens', list, w)
     r.mixer.load_state_dict(r._mix_state(st, dict(datasets=[dict(tokens=read_int(f"{w}['tokens'][{i}]", x))
                                                             for i, x in enumerate(t)])))

@@ -234,6 +234,7 @@ def _intake(self:BestFitRows, pull):
     if not self.guard:
         for x in zip(pieces, lens, keys, count(n0)): self._put(*x)
     else: self._held += zip(pieces, lens, keys, count(n0)); self._release()
+    self._fresh = t['docs_in']                               # (a piece let in later is late: not at its pull's row)
 
 # %% ../../nbs/tokens/12c_packers.ipynb #ep13bf02
 @patch
