@@ -153,7 +153,9 @@ def _replay_inputs(self:NumberedInputs, st, pk, ds) -> tuple:
 @patch
 def _at_mark(self:NumberedInputs, st, rp, w, a0):
     "A stream of these settings where `rp` (`_inputs_state`'s 'replay') says this one stood, `a0` inputs pulled."
-    r = type(self)(self.given_root, self.cfg, self.cfg['worker'], self.cfg['n_workers'])
+    c = st.get('config') if isinstance(st.get('config'), dict) else {}      # (pulled with the weights they were)
+    r = type(self)(self.given_root, dict(self.cfg, weights=c['weights']) if 'weights' in c else self.cfg,
+                   self.cfg['worker'], self.cfg['n_workers'])
     ws, starts = read_field(rp, 'windows', list, w), read_field(rp, 'starts', dict, w) if 'starts' in rp else {}
     if len(ws) != len(self.names): raise ValueError(f"{w}['windows']: expected one per dataset {self.names}")
     for i, name in enumerate(self.names):
@@ -163,7 +165,8 @@ def _at_mark(self:NumberedInputs, st, rp, w, a0):
         at = f"{w}['windows'][{i}]" + ('' if s is None else f" and ['starts'][{name!r}]")
         r._parse_dataset(i, {k: v for k, v in d.items() if k != 'parked'}, at)   # (loads it there)
     t = read_field(rp, 'tokens', list, w)
-    r.mixer.load_state_dict(r._mix_state(st, dict(datasets=[dict(tokens=read_int(f"{w}['tokens'][{i}]", x))
-                                                            for i, x in enumerate(t)])))
+    mix = read_field(st, 'mix', dict, 'state') if 'mix' in st else {}        # (its anchor then, if any: the same)
+    r.mixer.load_state_dict(dict(tokens=[read_int(f"{w}['tokens'][{i}]", x) for i, x in enumerate(t)],
+                                 base=mix.get('base')))
     r._mk = Marks(a0, self.marks.keep)
     return r

@@ -415,8 +415,9 @@ def load_state(self:TokenStream, st:dict):
         if sh is not None: _load_window(sh, *d['shuffle'])
     self.mixer.load_state_dict(self._mix_state(st, p))
     self._load_packer(p['entries'], p['metrics'], p['entered'], p['numbers'])
-    self.__dict__.pop('_mk', None)                    # marks from the inputs read again, else from here on
-    if p['marks'] is not None: self._mk = p['marks']
+    self.__dict__.pop('_mk', None)                    # marks from the inputs pulled again, else from here on
+    # (not where the weights change here: the inputs before were mixed by the others)
+    if p['marks'] is not None and self.mixer.base == (st.get('mix') or {}).get('base'): self._mk = p['marks']
     self.parked, self.step = [list(d['parked']) for d in p['datasets']], p['step']
     return self
 
