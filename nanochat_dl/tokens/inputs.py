@@ -137,8 +137,9 @@ def _replay_inputs(self:NumberedInputs, st, pk, ds) -> tuple:
     now = [(d['tokens'], d['epoch'], d['pos'], st['datasets'][n].get('window')) for n, d in zip(self.names, ds)]
     if c != span or now != [(t, list(s.at(s.cursor())[0]), list(s.at(s.cursor())[1]), None if h is None else
                              list(h.snapshot()[:2])) for t, s, h in zip(r.mixer.tokens, r.sources, r.shuffles)]:
-        raise ValueError(f"{w}['replay']['tokens'] and ['windows']: its {span} inputs pulled again do not end where "
-                         f"state['datasets'] stand (their 'tokens', cursors and ['window'])")
+        raise ValueError(f"{w}['replay']['tokens'] and ['windows']: its {span} inputs pulled again (with "
+                         f"state['config']['weights'] and ['mix']) do not end where state['datasets'] stand (their "
+                         f"'tokens', cursors and ['window'])")
     ne, at, made = len(rel) - nh, v[2 + nh:], read_int(w + "['metrics']['rows']", pk['metrics'].get('rows'))
     rows = (made - at[0] + np.cumsum([0] + at[1:])).tolist() if len(at) == len(r.marks.at) else [-1]
     if rows[0] < 0 or rows[-1] > made:
