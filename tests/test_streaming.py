@@ -437,9 +437,12 @@ def test_a_plausible_edit_is_refused_by_the_checksum(root, edit):
         sd = json.loads(json.dumps(ld.state_dict()))
     StreamingLoader(root, 12, 2, **kw).load_state_dict(json.loads(json.dumps(sd))).close()   # as handed out: loads
     PLAUSIBLE[edit](sd)
+    # (a bestfit packer's inputs by number, /5: a mix counter or block moved is caught before, its inputs pulled again)
+    why = r"\['checksum'\] does not match" + (r"|inputs pulled again" if edit in ('a mix counter + 1',
+                                                                                          'a block number + 1') else '')
     for form in (sd, [sd]):
         with StreamingLoader(root, 12, 2, **kw) as fresh:
-            with pytest.raises(ValueError, match=r"\['checksum'\] does not match"): fresh.load_state_dict(form)
+            with pytest.raises(ValueError, match=why): fresh.load_state_dict(form)
 
 
 def test_a_state_of_the_format_before_the_checksum_loads_unchecked(root):
@@ -511,7 +514,9 @@ def test_every_leaf_at_a_billion_is_refused_without_memory(root, kw, steps):
     assert not loaded, loaded
     for p, what, msg in res:     # a refusal names the field (the last key on its path); a counter that may be that large, the checksum
         if generic(tuple(p)) in LARGE_COUNTERS:     # (a block number: the block read again may also clash with the packer)
-            assert "['checksum'] does not match" in msg or (p[2:] == ['window', 0] and "['window']" in msg), (p, msg)
+            # (/5, bestfit: a counter or weight moved is refused by the packer's inputs pulled again, naming it)
+            assert "['checksum'] does not match" in msg or (p[2:] == ['window', 0] and "['window']" in msg) or (
+                "pulled again" in msg and next(k for k in reversed(p) if isinstance(k, str)) in msg), (p, msg)
         elif what == 'refused': assert next(k for k in reversed(p) if isinstance(k, str)) in msg, (p, msg)
 
 

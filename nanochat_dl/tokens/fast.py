@@ -112,11 +112,9 @@ def pull(self:FastTokenStream) -> tuple:
 
 # %% ../../nbs/tokens/12f_fast.ipynb #093882e1
 @patch
-def next_rows(self:FastTokenStream, B:int) -> PackedBatch:
-    "The next `B` rows of `seq_len + 1` tokens, as `TokenStream.next_rows` makes them."
-    packed = self.packer.next_batch(B, self.pull if self.pack == 'bestfit' else self.pull_flat)
-    self.step += 1
-    return packed
+def _packer_pull(self:FastTokenStream):
+    "What the packer pulls (`TokenStream.next_rows` marks its pulls): `pull` for bestfit, else `pull_flat`."
+    return self.pull if self.pack == 'bestfit' else self.pull_flat
 
 @patch
 def _check_window(self:FastTokenStream, i, doc, ep, at, cur, w, first=0):

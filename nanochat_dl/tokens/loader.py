@@ -279,7 +279,9 @@ def open_epochs(state,   # a `StreamingLoader` state (or a `StreamingDataset` wo
         owned = [j for a, b in s['shards'] for j in range(a, b)]
         eps = [e for j, e in zip(owned, runs(s['epoch'])) if starts[j + 1] > starts[j]]
         eps += ([s['cut'][1]] if s['cut'] else []) + (runs(s['shuffle']['epoch']) if 'shuffle' in s else [])
-        eps += [e[2] for e in state['packer']['entries']
+        eps += [e[2] for e in state['packer'].get('entries', [])
                 if state['config']['datasets'][e[0]] == d] + [x[1] for x in s.get('parked', [])]
+        # (inputs by number, /5: drawn since the cursors where the block of their mark began)
+        eps += runs(((state['packer'].get('replay') or {}).get('starts') or {}).get(d, {}).get('epoch', []))
         out[d] = min(eps, default=math.inf)
     return out

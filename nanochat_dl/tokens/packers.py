@@ -10,7 +10,7 @@ __all__ = ['LazyBatch', 'ConcatRows', 'PadRows', 'BestFitRows']
 # %% ../../nbs/tokens/12c_packers.ipynb #31a44758
 import bisect
 from collections import deque
-from itertools import accumulate, repeat
+from itertools import accumulate, count, repeat
 import numpy as np
 from fastcore.basics import patch
 from ..pipe.packing import HELD, PackedBatch, PackerBase
@@ -195,6 +195,9 @@ class BestFitRows(PackerBase):
         self._q, self._lens, self._n = {}, [], 0
         # the journal: (key, row entered) once, then per batch (those in, keys placed)
         self._base, self._log, self._added = [], [], []
+        # the same by input number (`numbers`): (numbers in, numbers placed) per batch; the greatest let in late
+        self._xbase, self._xlog, self._added_x, self._late_x, self._fresh = np.zeros(0, np.int64), [], [], -1, 0
+        self._unk = 0                                             # pieces in the buffer whose numbers are not known
         # key -> (row it entered at, length); keys in the order they entered
         self._at, self._order = {}, deque()
         # dataset -> {epoch: pieces buffered}; (tokens, length, key) kept aside
@@ -204,11 +207,13 @@ class BestFitRows(PackerBase):
     def __len__(self): return self._n + len(self._held)
 
 @patch
-def _put(self:BestFitRows, p, L, k):
+def _put(self:BestFitRows, p, L, k, x=-1):      # `x`: the input's number (-1: not known)
     q = self._q.get(L)
     if q is None: q = self._q[L] = deque()
     if not q: bisect.insort(self._lens, L)
-    q.append((p, k))
+    q.append((p, k, x)); self._added_x.append(x)
+    if x < self._fresh and x > self._late_x: self._late_x = x    # (let in after a later pull: not at its pull's row)
+    if x < 0: self._unk += 1                                  # (restored from entries: numbers not known)
     self._n += 1; self._at[k] = (self._row, L); self._order.append(k); self._added.append((k, self._row))
     if self.guard:
         d = self._ep.get(k[0])
@@ -225,9 +230,11 @@ def _intake(self:BestFitRows, pull):
     t['docs_in'] += len(keys); t['doc_tokens'] += s; t['tokens_in'] += s
     if self.ds_tokens is not None:
         for k, L in zip(keys, lens): self.ds_tokens[k[0]] += self._doc_len(k, L)
+    n0 = self._fresh = t['docs_in'] - len(keys)              # the inputs' numbers: in the order they came
     if not self.guard:
-        for x in zip(pieces, lens, keys): self._put(*x)
-    else: self._held += zip(pieces, lens, keys); self._release()
+        for x in zip(pieces, lens, keys, count(n0)): self._put(*x)
+    else: self._held += zip(pieces, lens, keys, count(n0)); self._release()
+    self._fresh = t['docs_in']                               # (a piece let in later is late: not at its pull's row)
 
 # %% ../../nbs/tokens/12c_packers.ipynb #ep13bf02
 @patch
@@ -236,7 +243,7 @@ def _release(self:BestFitRows) -> bool:
     held, ep, lo = self._held, self._ep, {}
     for d, es in ep.items():
         if es: lo[d] = min(es)
-    for _, _, k in held: lo[k[0]] = min(lo.get(k[0], k[2]), k[2])
+    for _, _, k, _ in held: lo[k[0]] = min(lo.get(k[0], k[2]), k[2])
     keep = []
     for x in held:
         if x[2][2] >= lo[x[2][0]] + 2: keep.append(x)
@@ -276,6 +283,7 @@ def next_batch(self:BestFitRows, B:int, pull, out=None) -> PackedBatch:
     B, C, tot, size = self._check_B(B), self.C, self._tot, self.buffer_size
     before, rows, pieces, segments, placed, qs, lens = dict(tot), self._rows(B, out), [], [], [], self._q, self._lens
     right, padrow, padded, self._added, self._wait = bisect.bisect_right, self._padrow, 0, [], 0
+    self._added_x, gone = [], []
     for r in range(B):
         pos, segs, now = 0, [], tot['rows'] + r
         self._row = now
@@ -290,9 +298,10 @@ def next_batch(self:BestFitRows, B:int, pull, out=None) -> PackedBatch:
                 if i < 0: break
                 L = lens[i]
             q = qs[L]
-            p, k = q.popleft()
+            p, k, x = q.popleft()
             if not q: del lens[i]
-            pieces += p; segs.append((pos, L, k, 0, 0)); placed.append(k)
+            pieces += p; segs.append((pos, L, k, 0, 0)); placed.append(k); gone.append(x)
+            if x < 0: self._unk -= 1
             self._n -= 1; pos += L
             self._placed(k, now)
             if pos == C: break
@@ -304,14 +313,14 @@ def next_batch(self:BestFitRows, B:int, pull, out=None) -> PackedBatch:
     self.buffered_tokens -= B * C - padded
     tot['placed'] += len(placed); tot['emitted'] += B * C; tot['rows'] += B
     self._row = tot['rows']
-    self._log.append((self._added, placed))
-    # a new list: snapshots keep the old one
-    if len(self._log) > 256: self._base, self._log = self.entries(self.snap()), []
+    self._journal(placed, gone)
     return LazyBatch(rows, segments, self, before, B)
 
 # %% ../../nbs/tokens/12c_packers.ipynb #ep13bf04
 @patch
-def snap(self:BestFitRows): return self._base, self._log, len(self._log), [k for _, _, k in self._held]
+def snap(self:BestFitRows): return (self._base, self._log, len(self._log), [k for _, _, k, _ in self._held],
+                                    self._xbase, self._xlog, len(self._xlog), [x for *_, x in self._held], self._late_x,
+                                    self._unk)
 
 @patch
 def entries(self:BestFitRows, snap) -> list:
@@ -329,16 +338,19 @@ def buffer_keys(self:BestFitRows) -> tuple:
     keys = [k for k, _ in self.entries(ps)]
     return keys + ps[3], [0] * len(keys) + [HELD] * len(ps[3])
 
+# %% ../../nbs/tokens/12c_packers.ipynb #040888c7
 @patch
 def restore(self:BestFitRows, items,   # `(tokens, key, offset)` in order, offset 0 (or `HELD`: kept aside)
-            entered=None):             # the row each entry not held entered at (None: the row count now)
+            entered=None,              # the row each entry not held entered at (None: the row count now)
+            numbers=None):             # each item's input number (None: not known)
     "Rebuild the buffer (call `load_metrics_state` first: the rows made are the row count)."
     self._q, self._lens, self._n, self.buffered_tokens, self._at, self._order = {}, [], 0, 0, {}, deque()
     self._ep, self._held, self._added, now = {}, [], [], self._tot['rows']
-    rows = iter([now] * len(items) if entered is None else entered)
+    rows, xs = iter([now] * len(items) if entered is None else entered), iter(numbers or [-1] * len(items))
+    self._added_x, self._late_x, self._fresh, self._unk = [], -1, -1, 0
     if self.ds_tokens is not None: self.ds_tokens[:] = [0] * len(self.ds_tokens)
     for t, k, o in items:
-        x = ([np.asarray(t)], len(t), k)
+        x = ([np.asarray(t)], len(t), k, next(xs))
         self.buffered_tokens += len(t)
         if self.ds_tokens is not None: self.ds_tokens[k[0]] += self._doc_len(k, len(t))
         if o == HELD: self._held.append(x)
@@ -347,25 +359,43 @@ def restore(self:BestFitRows, items,   # `(tokens, key, offset)` in order, offse
     # the guard applied afresh
     if self.guard and (entered is None or self._overdue()): self._held = self._pop_all() + self._held; self._release()
     self._base, self._log = list(self.entries((self._added, [], 0))), []
+    self._xbase, self._xlog, self._fresh = np.sort(np.array(self._added_x, dtype=np.int64)), [], self._tot['docs_in']
+
+# %% ../../nbs/tokens/12c_packers.ipynb #45cd9f66
+@patch
+def _journal(self:BestFitRows, placed, gone):
+    "Log a batch: the keys in and placed (rebased every 256 batches), and their numbers (every 32)."
+    self._log.append((self._added, placed))                 # (new lists: snapshots keep the old)
+    if len(self._log) > 256: self._base, self._log = self.entries(self.snap()), []
+    self._xlog.append((np.array(self._added_x, dtype=np.int64), np.array(gone, dtype=np.int64)))
+    if len(self._xlog) > 32: self._xbase, self._xlog = self.numbers(self.snap()), []
+
+@patch
+def numbers(self:BestFitRows, snap) -> np.ndarray:
+    "The input numbers of the pieces in the buffer at `snap` (held pieces not among them; -1: not known, `snap()[9]`)."
+    base, log, n = snap[4:7]
+    got = np.concatenate([base, *(a for a, _ in log[:n])])
+    return np.setdiff1d(got, np.concatenate([p for _, p in log[:n]]) if n else got[:0], assume_unique=True)
 
 # %% ../../nbs/tokens/12c_packers.ipynb #ep13bf05
 @patch
 def _overdue(self:BestFitRows) -> bool:
     "Whether a buffered piece is two epochs past the oldest of its dataset buffered or held."
     lo = {d: min(es) for d, es in self._ep.items() if es}
-    for _, _, k in self._held: lo[k[0]] = min(lo.get(k[0], k[2]), k[2])
+    for _, _, k, _ in self._held: lo[k[0]] = min(lo.get(k[0], k[2]), k[2])
     return any(max(es) >= lo[d] + 2 for d, es in self._ep.items() if es)
 
 @patch
 def _pop_all(self:BestFitRows) -> list:
-    "Empty the buffer (not what is held), returning `(tokens, length, key)` in the order they entered."
+    "Empty the buffer (not what is held), returning `(tokens, length, key, number)` in the order they entered."
     out = []
     for k in list(self._at):
         L = self._at[k][1]
         q = self._q[L]
-        p, k2 = q.popleft()
-        out.append((p, L, k2))
+        p, k2, x = q.popleft()
+        out.append((p, L, k2, x))
     self._q, self._lens, self._n, self._at, self._order, self._ep, self._added = {}, [], 0, {}, deque(), {}, []
+    self._added_x, self._unk = [], 0
     return out
 
 # %% ../../nbs/tokens/12c_packers.ipynb #1ff41a83

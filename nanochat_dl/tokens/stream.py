@@ -17,9 +17,10 @@ from ..pipe.packing import HELD
 from ..pipe.state import INT_LIMIT, read_field, read_int, read_pairs, read_runs, runs_of, ranges_of, span_text
 from .order import shard_starts, Permutation, shard_key
 from .rows import RowStream
+from .inputs import NumberedInputs
 
 # %% ../../nbs/tokens/12e_stream.ipynb #fce56f00
-class TokenStream(RowStream):
+class TokenStream(NumberedInputs, RowStream):
     "A `RowStream` whose state can be saved after any batch and loaded to resume its rows exactly."
 
 # %% ../../nbs/tokens/12e_stream.ipynb #0c0f4d69
@@ -31,10 +32,12 @@ def snapshot(self:TokenStream):
     held = getattr(self.packer, 'ds_tokens', None)
     return (self.step, ds, list(self.mixer.tokens), self._packer_snap(), self.packer.metrics_state(),
             None if held is None else list(held),
-            getattr(self.packer, '_wait', 0), [list(p) for p in self.parked] if any(self.parked) else None)
+            getattr(self.packer, '_wait', 0), [list(p) for p in self.parked] if any(self.parked) else None,
+            None if self.marks is None else self.marks.snap())
 
 @patch
-def state_of(self:TokenStream, snap) -> dict:
+def state_of(self:TokenStream, snap,
+             explicit:bool=False) -> dict:   # name every input of the packer (what a rescale merges)
     "The JSON state at `snap`."
     step, ds, tokens, ps, metrics = snap[:5]
     out, parked = {}, snap[7] or [[]] * len(self.names)
@@ -51,7 +54,9 @@ def state_of(self:TokenStream, snap) -> dict:
         if pk: d['parked'] = [[g, e, a] for g, e, a, *_ in pk]
         out[name] = d
     mix = {k: v for k, v in self.mixer.state_dict().items() if k != 'tokens'}   # its anchor, if any (set on a load)
-    return dict(step=step, datasets=out, packer=dict(self._packer_state(ps), metrics=metrics),
+    by = None if explicit or len(snap) < 9 or snap[8] is None else self._inputs_state(   # by number, if it can
+        ps, snap[8], [x[2] for x in ds], metrics['rows'])
+    return dict(step=step, datasets=out, packer=dict(by or self._packer_state(ps), metrics=metrics),
                 **(dict(mix=mix) if mix else {}))
 
 @patch
@@ -123,25 +128,29 @@ def _pos_field(self:TokenStream, pos, src):
     return pack_pos(pos, src.n) if self.cfg.get('shuffle') == 'block' else list(pos)
 
 @patch
-def _block_start(self:TokenStream, src, above) -> dict:
+def _block_start(self:TokenStream, src, above, slot:int=0) -> dict:
     "A dataset's fields where its window's block began (`above`: the window's `above_state()`), made once a block."
-    cache = self.__dict__.setdefault('_starts', {})
-    got = cache.get(id(src))
+    cache = self.__dict__.setdefault('_starts', {})          # (slot 1: the packer's mark, `_inputs_state`)
+    got = cache.get((id(src), slot))
     if got is not None and got[0] is above: return got[1]
+    d = dict(shards=ranges_of(src.shards), **self._start_fields(src, above))
+    cache[(id(src), slot)] = (above, d)
+    return d
+
+@patch
+def _start_fields(self:TokenStream, src, above) -> dict:
+    "A dataset's cursors and cut as `above` (a window's `above_state()`) holds them, for a state."
     if 'pieces' in above: cur, cut = above['pieces']; epoch, pos, draws = src.at(cur)      # `Feed`
     else:
         s = above['ShardSource']; epoch, pos, draws = s['epoch'], s['pos'], s['draws']
         cut = above['Chunker']['cut'] if 'Chunker' in above else None
-    d = dict(shards=ranges_of(src.shards), epoch=runs_of(epoch), pos=pack_pos(pos, src.n), draws=draws,
-             cut=None if cut is None else list(cut))
-    cache[id(src)] = (above, d)
-    return d
+    return dict(epoch=runs_of(epoch), pos=pack_pos(pos, src.n), draws=draws, cut=None if cut is None else list(cut))
 
 # %% ../../nbs/tokens/12e_stream.ipynb #73d0a4fa
 @patch
 def explicit_state(self:TokenStream) -> dict:
     "The state as it is now with every window's pieces named and positions as lists (what a rescale merges)."
-    st = self.state_of(self.snapshot())
+    st = self.state_of(self.snapshot(), explicit=True)
     for name, src, ch, sh in zip(self.names, self.sources, self.chunkers, self.shuffles):
         d, (epoch, pos, draws) = st['datasets'][name], src.at(src.cursor())
         d.update(epoch=runs_of(epoch), pos=list(pos), draws=draws)
@@ -374,10 +383,12 @@ def parse_state(self:TokenStream, st) -> dict:
     out['datasets'] = [self._parse_dataset(i, read_field(ds, n, dict, "state['datasets']"),
                                            f"state['datasets'][{n!r}]") for i, n in enumerate(self.names)]
     pk = read_field(st, 'packer', dict, 'state')
-    out['entries'] = self._parse_entries(pk, out['datasets'])
+    rows = out['marks'] = out['numbers'] = None
+    if 'inputs' in pk: out['entries'], rows, out['marks'], out['numbers'] = self._replay_inputs(st, pk, out['datasets'])
+    else: out['entries'] = self._parse_entries(pk, out['datasets'])
     self._check_once(out['datasets'], out['entries'])
     out['metrics'] = self._parse_metrics(pk, out['entries'])
-    out['entered'] = self._parse_entered(pk, out['entries'], out['metrics'])
+    out['entered'] = self._parse_entered(pk, out['entries'], out['metrics']) if rows is None else rows
     return out
 
 @patch
@@ -403,7 +414,10 @@ def load_state(self:TokenStream, st:dict):
         if ch is not None: ch.load_state_dict(dict(cut=None if d['cut'] is None else list(d['cut'])))
         if sh is not None: _load_window(sh, *d['shuffle'])
     self.mixer.load_state_dict(self._mix_state(st, p))
-    self._load_packer(p['entries'], p['metrics'], p['entered'])
+    self._load_packer(p['entries'], p['metrics'], p['entered'], p['numbers'])
+    self.__dict__.pop('_mk', None)                    # marks from the inputs pulled again, else from here on
+    # (not where the weights change here: the inputs before were mixed by the others)
+    if p['marks'] is not None and self.mixer.base == (st.get('mix') or {}).get('base'): self._mk = p['marks']
     self.parked, self.step = [list(d['parked']) for d in p['datasets']], p['step']
     return self
 
@@ -419,6 +433,7 @@ def _take_kind(self:TokenStream, st):
         raise ValueError(f"state['config']['shuffle']={str(kind)[:40]!r}: expected 'block' or 'reservoir'")
     if kind != self.cfg.get('shuffle', 'reservoir'):                # a fresh stream (nothing read yet) built again
         self.__init__(self.given_root, dict(self.cfg, shuffle=kind), self.cfg['worker'], self.cfg['n_workers'])
+        self.__dict__.pop('_mk', None)
 
 # %% ../../nbs/tokens/12e_stream.ipynb #640a5708
 @patch
@@ -435,12 +450,12 @@ def _load_window(sh:ShuffleBuffer, drawn, addresses):
     sh.restore(sh.upstream.fetch(addresses) if addresses else [])
 
 @patch
-def _load_packer(self:TokenStream, items, metrics, entered=None):
+def _load_packer(self:TokenStream, items, metrics, entered=None, numbers=None):
     "Refill the packer from checked entries."
     self.packer.load_metrics_state(metrics)
     pieces = [(self.framing.render(self.sources[i].doc(g), a, a + n), (i, g, e, a, L),
                off) for i, g, e, a, off, n, L in items]
-    if hasattr(self.packer, 'snap'): self.packer.restore(pieces, entered)   # `BestFitRows`
+    if hasattr(self.packer, 'snap'): self.packer.restore(pieces, entered, numbers)   # `BestFitRows`
     else: self.packer.restore(pieces)
 
 # %% ../../nbs/tokens/12e_stream.ipynb #eba759e3

@@ -131,9 +131,9 @@ def _expanded(self:World, u:int) -> dict:
             m = str(e)
             if m.startswith('state['): m = at + m[len('state'):]
             raise ValueError(f"{m} ({unit_name(s['config'])})") from None
-        s = dict(s, datasets=unit.explicit_state()['datasets'])
-    self._read[u] = s
-    return s
+        ex = unit.explicit_state()                               # (a bestfit packer's inputs by number: named too)
+        s = dict(s, datasets=ex['datasets'], packer=ex['packer'] if 'inputs' in s['packer'] else s['packer'])
+    self._read[u] = s; return s
 
 # %% ../../nbs/tokens/12h_world.ipynb #f1e6c3a8
 @patch
