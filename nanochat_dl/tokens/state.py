@@ -304,18 +304,21 @@ def held_docs(s:dict,   # a unit's state, as saved
               names,    # the run's datasets
              ) -> np.ndarray:
     "Rows `(kind, dataset, doc, k)` of what `s` names: 0 packer entry k, 1 reservoir window piece k, 2 cut, 3 parked k."
-    rows, pk = [], s.get('packer')                   # (a malformed field left out: named when its unit is read again)
+    ok = lambda v: type(v) is int and 0 <= v < 2**63     # (a malformed field left out: named when its unit is read again)
+    rows, pk, cfg = [], s.get('packer'), s.get('config') if isinstance(s.get('config'), dict) else {}
     es = pk.get('entries') if isinstance(pk, dict) else None
     rows += [(0, x[0], x[1], k) for k, x in enumerate(es if isinstance(es, list) else []) if isinstance(x, list)
-             and len(x) > 1 and all(type(v) is int for v in x[:2]) and 0 <= x[0] < len(names)]
+             and len(x) > 1 and ok(x[0]) and ok(x[1]) and x[0] < len(names)]
     ds, parts = s.get('datasets') if isinstance(s.get('datasets'), dict) else {}, []
     for i, name in enumerate(names):
         d = ds.get(name) if isinstance(ds.get(name), dict) else {}
         c, ps, w = d.get('cut'), d.get('parked'), d.get('shuffle')
-        rows += [(2, i, c[0], 0)] if isinstance(c, list) and c and type(c[0]) is int else []
-        rows += [(3, i, x[0], k) for k, x in enumerate(ps if isinstance(ps, list) else [])
-                 if isinstance(x, list) and x and type(x[0]) is int]
-        if s['config'].get('shuffle') != 'block' and isinstance(w, dict) and isinstance(w.get('doc'), list):
-            if (doc := np.asarray(w['doc'])).ndim == 1 and doc.dtype.kind == 'i':     # (a block's: named when read)
+        rows += [(2, i, c[0], 0)] if isinstance(c, list) and c and ok(c[0]) else []
+        rows += [(3, i, x[0], k) for k, x in enumerate(ps if isinstance(ps, list) else []) if isinstance(x, list) and x
+                 and ok(x[0])]
+        if cfg.get('shuffle') != 'block' and isinstance(w, dict) and isinstance(w.get('doc'), list):
+            try: doc = np.asarray(w['doc'])                                   # (a block's: named when read)
+            except (ValueError, OverflowError): continue                      # (ragged: named when read)
+            if doc.ndim == 1 and doc.dtype.kind == 'i':
                 n = len(doc); parts.append(np.stack([np.full(n, 1), np.full(n, i), doc, np.arange(n)]).astype(np.int64))
     return np.concatenate([np.array(rows, dtype=np.int64).reshape(-1, 4).T] + parts, axis=1)
