@@ -48,14 +48,16 @@ def tampered(s, how, other):
     return seal(dict(s, datasets=dict(s['datasets'], web=d)))
 
 
-@pytest.mark.parametrize('how', ['parked', 'cut', 'entry'])
-def test_a_tampered_unit_of_no_shard_is_refused_by_every_rank(root, how):
+@pytest.mark.parametrize('how,shuffle', [('parked', 'reservoir'), ('cut', 'reservoir'), ('entry', 'reservoir'),
+                                         ('cut', 'block')])
+def test_a_tampered_unit_of_no_shard_is_refused_by_every_rank(root, how, shuffle):
     # 13 ranks of 2 workers over 24 logical shards: two workers walk none; the full expansion reads them again and
     # refuses what they cannot hold; a lazy rank never needs them, and must refuse it all the same
+    # (reservoir windows: a bestfit state over block windows names its packer's inputs by number, format /5, no entries)
     tr = TokenRoot(root)
-    states, cfg, fp = saved(tr, 13, 2, 2, **dict(KW, pack='bestfit'))
+    states, cfg, fp = saved(tr, 13, 2, 2, **dict(KW, pack='bestfit', shuffle=shuffle))
     j = idle(states, cfg['n_logical_shards'])
-    other = next(s for s in states if s['packer']['entries'] and s['packer']['entries'][0][0] == 2)
+    other = next((s for s in states if s['packer'].get('entries') and s['packer']['entries'][0][0] == 2), None)
     bad = list(states); bad[j] = tampered(states[j], how, other)
     with pytest.raises(ValueError, match=rf"states\[{j}\]"): World(bad, tr, cfg, fp, lazy=False).states_for(3)
     for r in range(3):

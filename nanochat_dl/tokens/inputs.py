@@ -63,8 +63,8 @@ def marks(self:NumberedInputs):
     "The `Marks` of a bestfit packer's inputs over block windows (None otherwise: its state names every input)."
     m = self.__dict__.get('_mk', 0)
     if m == 0:
-        ok = self.pack == 'bestfit' and all(isinstance(sh, BlockWindow) for sh, u in zip(self.shuffles, self.mixer.ups)
-                                            if u is not None)
+        ok = self.pack == 'bestfit' and self.cfg.get('shuffle') == 'block' and all(   # (a unit of no data: by its config)
+            isinstance(sh, BlockWindow) for sh, u in zip(self.shuffles, self.mixer.ups) if u is not None)
         m = self._mk = Marks(self.packer.metrics_state()['docs_in'], 4 * self.cfg['pack_buffer'] + 64 * PULL_GROUP
                              ) if ok else None
     return m
@@ -128,9 +128,10 @@ def _replay_inputs(self:NumberedInputs, st, pk, ds) -> tuple:
         raise ValueError(f"{w}['inputs']: not a packer's inputs: {len(v)} numbers, {len(bits)} bytes of bits for "
                          f"{span} inputs, of at most {min(n, mk.keep)} (inputs named twice, or outside those)")
     r = self._at_mark(st, read_field(pk, 'replay', dict, w), w + "['replay']", n - span)
-    got, c, pull, want = {}, 0, r._marked(r._packer_pull()), set(rel)
-    while c < span:
-        _, lens, keys = pull()
+    got, c, pull, want, at = {}, 0, r._marked(r._packer_pull()), set(rel), v[2 + nh:]
+    for _ in range(len(at)):              # the pulls since the mark, each again (one may give nothing: a unit of no data)
+        try: _, lens, keys = pull()
+        except StopIteration: continue
         for L, k in zip(lens, keys):
             if c in want: got[c] = (k, L, len(r.marks.at) - 1)            # (and the pull it came in)
             c += 1
@@ -140,7 +141,7 @@ def _replay_inputs(self:NumberedInputs, st, pk, ds) -> tuple:
         raise ValueError(f"{w}['replay']['tokens'] and ['windows']: its {span} inputs pulled again (with "
                          f"state['config']['weights'] and ['mix']) do not end where state['datasets'] stand (their "
                          f"'tokens', cursors and ['window'])")
-    ne, at, made = len(rel) - nh, v[2 + nh:], read_int(w + "['metrics']['rows']", pk['metrics'].get('rows'))
+    ne, made = len(rel) - nh, read_int(w + "['metrics']['rows']", pk['metrics'].get('rows'))
     rows = (made - at[0] + np.cumsum([0] + at[1:])).tolist() if len(at) == len(r.marks.at) else [-1]
     if rows[0] < 0 or rows[-1] > made:
         raise ValueError(f"{w}['inputs']: rows {rows[:1]}..{rows[-1:]} at {len(r.marks.at)} pulls: expected one row "
