@@ -67,26 +67,37 @@ def _describe_data(fp):
 
 APPROX = "to continue approximately, as nanochat does, pass only the state's 'pq_idx', 'rg_idx' and 'epoch'"
 
+def _changed_shards(theirs, mine, files) -> tuple:
+    "The names of the shards whose parquet footer is not the state's (their count and order the same), else `()`."
+    old, new = theirs.get('footers') if isinstance(theirs, dict) else None, mine['footers']
+    same = all(theirs.get(k) == mine[k] for k in ('files', 'first', 'last')) if isinstance(theirs, dict) else False
+    if not (same and isinstance(old, str) and len(old) == len(new)): return ()
+    return tuple(Path(files[i]).name for i in range(len(files)) if old[8 * i:8 * i + 8] != new[8 * i:8 * i + 8])
+
+def _more(changed) -> str: return (f" (and {len(changed) - 1} more: {', '.join(changed[1:4])}"
+                                   f"{', ...' if len(changed) > 4 else ''})" if len(changed) > 1 else '')
+
 def _check_data(theirs, mine, files):
     "A state's data fingerprint against this loader's."
-    # the same shard names and sizes, then the same footer of every shard (the changed one named).
+    # the same shard names and sizes, then the same footer of every shard (the changed one named, either way).
     if not isinstance(theirs, dict) or {k: theirs.get(k) for k in _DATA_KEYS} != {k: mine[k] for k in _DATA_KEYS}:
+        changed = _changed_shards(theirs, mine, files)
+        which = (f": shard {changed[0]} changed since the state was saved (another size or name, another parquet "
+                 f"footer){_more(changed)}" if changed else '')
         raise ValueError(f"resume_state_dict['fingerprint']: saved over different data: {_describe_data(theirs)}; "
-                         f"this loader reads "
-                         f"{_describe_data(mine)}: exact resume needs the same shards (names and sizes); {APPROX}")
+                         f"this loader reads {_describe_data(mine)}{which}: exact resume needs the same shards (names "
+                         f"and sizes); {APPROX}")
     old, new = theirs.get('footers'), mine['footers']
     if not isinstance(old, str) or len(old) != len(new):
         raise ValueError(f"resume_state_dict['fingerprint']['data']['footers'] is {old!r:.60}: expected a string of 8 "
                          f"hex digits for "
                          f"each of the {len(files)} shards")
-    changed = [Path(files[i]).name for i in range(len(files)) if old[8 * i:8 * i + 8] != new[8 * i:8 * i + 8]]
+    changed = _changed_shards(theirs, mine, files)
     if changed:
-        more = (f" (and {len(changed) - 1} more: {', '.join(changed[1:4])}{', ...' if len(changed) > 4 else ''})"
-                if len(changed) > 1 else '')
         raise ValueError(f"resume_state_dict['fingerprint']: shard {changed[0]} changed since the state was saved "
                          f"(same name and size, "
-                         f"another parquet footer){more}: its row groups, their sizes or statistics differ, so its "
-                         f"documents may not be "
+                         f"another parquet footer){_more(changed)}: its row groups, their sizes or statistics differ, "
+                         f"so its documents may not be "
                          f"the ones the state points to; exact resume needs the same shards; {APPROX}")
 
 # %% ../../nbs/text/09a_state.ipynb #0087c29d
