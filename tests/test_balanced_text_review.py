@@ -52,3 +52,20 @@ def test_the_catch_up_list_does_not_grow_with_the_epochs_between_ranks(env):
     sd['checksum'] = state_checksum(sd)
     with PackedLoader(env['tok'], files=env['files'], **KW, rank=0, world_size=2, resume_state_dict=old) as ld:
         assert len(ld.state_dict()['stages']['source']['elastic']['groups']) < 1000
+
+
+def test_a_balanced_refusal_gives_advice_it_would_take(env, tmp_path):
+    "The hint of a balanced loader's refusal (continue from nanochat's fields) names balanced=False, which that needs."
+    files = [str(tmp_path / pathlib.Path(f).name) for f in env['files']]
+    for a, b in zip(env['files'], files): shutil.copy(a, b)
+    _, old = run_ranks(dict(env, files=files), 2, 2)
+    _rewrite_one_text(files[0], 1)
+    with pytest.raises(ValueError, match=r"pass only the state's 'pq_idx', 'rg_idx' and 'epoch'") as err:
+        PackedLoader(env['tok'], files=files, **KW, rank=0, world_size=2, resume_state_dict=old[0])
+    assert 'balanced=False' in str(err.value)
+    nano = {k: old[0][k] for k in ('pq_idx', 'rg_idx', 'epoch')}
+    with pytest.raises(ValueError, match=r"balanced=False"):   # (the advice without it: refused)
+        PackedLoader(env['tok'], files=files, **KW, rank=0, world_size=2, resume_state_dict=nano)
+    with PackedLoader(env['tok'], files=files, **{**KW, 'balanced': False}, rank=0, world_size=2,
+                      resume_state_dict=nano) as ld:
+        assert ld.resumed == 'approximate'; next(ld)
