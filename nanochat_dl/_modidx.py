@@ -1773,6 +1773,7 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                         'nanochat_dl.text.state._footer_digest': ( 'text/state.html#_footer_digest',
                                                                                    'nanochat_dl/text/state.py'),
                                         'nanochat_dl.text.state._more': ('text/state.html#_more', 'nanochat_dl/text/state.py'),
+                                        'nanochat_dl.text.state.approx_hint': ('text/state.html#approx_hint', 'nanochat_dl/text/state.py'),
                                         'nanochat_dl.text.state.check_loader_state': ( 'text/state.html#check_loader_state',
                                                                                        'nanochat_dl/text/state.py'),
                                         'nanochat_dl.text.state.checksum_v3': ('text/state.html#checksum_v3', 'nanochat_dl/text/state.py'),
