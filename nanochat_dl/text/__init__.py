@@ -122,6 +122,7 @@ _WHERE = {
     'UNIT_DOCS': '.stages',
     'UNIT_MAX': '.stages',
     'APPROX': '.state',
+    'approx_hint': '.state',
     'BUFFER_COLUMNS': '.state',
     'check_loader_state': '.state',
     'checksum_v3': '.state',

@@ -34,7 +34,8 @@ from .encode import make_encoder, tokenizing
 from .procs import check_timeout
 from .stages import (rank_and_world, RowGroupSource, EncodeStage, PackStage, BatchStage,
                                      TransferStage)
-from .state import (STATE_FORMAT, V3_FORMAT, OLD_FORMATS, NANOCHAT_KEYS, MAX_EPOCHS, APPROX, data_fingerprint,
+from .state import (STATE_FORMAT, V3_FORMAT, OLD_FORMATS, NANOCHAT_KEYS, MAX_EPOCHS, APPROX, approx_hint,
+                                    data_fingerprint,
                                     field_int, check_loader_state, loader_state, run_id,
                                     state_checksum)
 from .rescale import resume_many
@@ -296,7 +297,7 @@ def _resume(self:PackedLoader, sd):
         raise ValueError(f"resume_state_dict has format {sd['format']!r}, written by an earlier version of this "
                          f"loader, which "
                          f"reads {STATE_FORMAT!r} (the states of its stages: source, encode, pack, batch, transfer); "
-                         f"{APPROX}")
+                         f"{approx_hint(self.config)}")
     if sd['format'] not in (STATE_FORMAT, V3_FORMAT):
         raise ValueError(f"resume_state_dict has format {sd['format']!r:.60}: this version reads {STATE_FORMAT!r} (and "
                          f"{V3_FORMAT!r})")

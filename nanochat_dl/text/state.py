@@ -6,7 +6,7 @@ every check a state passes before a document is read."""
 # %% auto #0
 __all__ = ['STATE_FORMAT', 'V3_FORMAT', 'OLD_FORMATS', 'CONFIG_KEYS', 'STAGE_NAMES', 'BUFFER_COLUMNS', 'APPROX', 'MAX_EPOCHS',
            'NANOCHAT_KEYS', 'data_fingerprint', 'state_checksum', 'checksum_v3', 'field_name', 'field_dict',
-           'field_int', 'check_loader_state', 'run_id', 'loader_state']
+           'field_int', 'approx_hint', 'check_loader_state', 'run_id', 'loader_state']
 
 # %% ../../nbs/text/09a_state.ipynb #475e14ec
 import hashlib, json, math, struct, zlib
@@ -67,27 +67,38 @@ def _describe_data(fp):
 
 APPROX = "to continue approximately, as nanochat does, pass only the state's 'pq_idx', 'rg_idx' and 'epoch'"
 
-def _check_data(theirs, mine, files):
+def _changed_shards(theirs, mine, files) -> tuple:
+    "The names of the shards whose parquet footer is not the state's (their count and order the same), else `()`."
+    old, new = theirs.get('footers') if isinstance(theirs, dict) else None, mine['footers']
+    same = all(theirs.get(k) == mine[k] for k in ('files', 'first', 'last')) if isinstance(theirs, dict) else False
+    if not (same and isinstance(old, str) and len(old) == len(new)): return ()
+    return tuple(Path(files[i]).name for i in range(len(files)) if old[8 * i:8 * i + 8] != new[8 * i:8 * i + 8])
+
+def _more(changed) -> str: return (f" (and {len(changed) - 1} more: {', '.join(changed[1:4])}"
+                                   f"{', ...' if len(changed) > 4 else ''})" if len(changed) > 1 else '')
+
+def _check_data(theirs, mine, files, hint=APPROX):   # `hint`: how to continue anyway
     "A state's data fingerprint against this loader's."
-    # the same shard names and sizes, then the same footer of every shard (the changed one named).
+    # the same shard names and sizes, then the same footer of every shard (the changed one named, either way).
     if not isinstance(theirs, dict) or {k: theirs.get(k) for k in _DATA_KEYS} != {k: mine[k] for k in _DATA_KEYS}:
+        changed = _changed_shards(theirs, mine, files)
+        which = (f": shard {changed[0]} changed since the state was saved (another size or name, another parquet "
+                 f"footer){_more(changed)}" if changed else '')
         raise ValueError(f"resume_state_dict['fingerprint']: saved over different data: {_describe_data(theirs)}; "
-                         f"this loader reads "
-                         f"{_describe_data(mine)}: exact resume needs the same shards (names and sizes); {APPROX}")
+                         f"this loader reads {_describe_data(mine)}{which}: exact resume needs the same shards (names "
+                         f"and sizes); {hint}")
     old, new = theirs.get('footers'), mine['footers']
     if not isinstance(old, str) or len(old) != len(new):
         raise ValueError(f"resume_state_dict['fingerprint']['data']['footers'] is {old!r:.60}: expected a string of 8 "
                          f"hex digits for "
                          f"each of the {len(files)} shards")
-    changed = [Path(files[i]).name for i in range(len(files)) if old[8 * i:8 * i + 8] != new[8 * i:8 * i + 8]]
+    changed = _changed_shards(theirs, mine, files)
     if changed:
-        more = (f" (and {len(changed) - 1} more: {', '.join(changed[1:4])}{', ...' if len(changed) > 4 else ''})"
-                if len(changed) > 1 else '')
         raise ValueError(f"resume_state_dict['fingerprint']: shard {changed[0]} changed since the state was saved "
                          f"(same name and size, "
-                         f"another parquet footer){more}: its row groups, their sizes or statistics differ, so its "
-                         f"documents may not be "
-                         f"the ones the state points to; exact resume needs the same shards; {APPROX}")
+                         f"another parquet footer){_more(changed)}: its row groups, their sizes or statistics differ, "
+                         f"so its documents may not be "
+                         f"the ones the state points to; exact resume needs the same shards; {hint}")
 
 # %% ../../nbs/text/09a_state.ipynb #0087c29d
 def _columns_digest(cols, data:bytes) -> str:
@@ -305,6 +316,12 @@ def _check_config(sd, cfg):
                              + ("; to resume at another world size, pass the list of every rank's state"
                                 if k in ('rank', 'world_size') else ''))
 
+# %% ../../nbs/text/09a_state.ipynb #1f923bfe
+def approx_hint(cfg) -> str:
+    "`APPROX` for a loader of settings `cfg`: naming balanced=False where it has the balanced plan."
+    return APPROX + (" with balanced=False (nanochat's striding)" if cfg.get('balanced') else '')
+
+
 # %% ../../nbs/text/09a_state.ipynb #3883acac
 def check_loader_state(sd, cfg, fingerprint, reader, counters):
     "Check a loader state completely."
@@ -319,7 +336,7 @@ def check_loader_state(sd, cfg, fingerprint, reader, counters):
     for k in present: field_int(sd[k], (k,), 1 if k == 'epoch' else 0)
     fp = field_dict(sd['fingerprint'], ('fingerprint',), ('data', 'tokenizer'))
     _check_data(field_dict(fp['data'], ('fingerprint', 'data'), _DATA_KEYS + ('footers',)), fingerprint['data'],
-                reader.files)
+                reader.files, approx_hint(cfg))
     tok = field_dict(fp['tokenizer'], ('fingerprint', 'tokenizer'), tuple(fingerprint['tokenizer']))
     if not all(same_value(tok[k], v) for k, v in fingerprint['tokenizer'].items()):
         raise ValueError(f"resume_state_dict['fingerprint']: saved with a different tokenizer ({_describe_tok(tok)}); "
@@ -341,7 +358,7 @@ def check_loader_state(sd, cfg, fingerprint, reader, counters):
     _check_ages(pack, cfg)
     if not v3: _check_run(sd, cfg, fingerprint)
     try: check_seal(sd, checksum=checksum_v3 if v3 else state_checksum, where='resume_state_dict')
-    except ValueError as e: raise ValueError(f"{e}; {APPROX}") from None
+    except ValueError as e: raise ValueError(f"{e}; {approx_hint(cfg)}") from None
 
 # %% ../../nbs/text/09a_state.ipynb #a27d2082
 def _check_elastic(el, S, reader, cursor):
