@@ -63,7 +63,7 @@ def marks(self:NumberedInputs):
     "The `Marks` of a bestfit packer's inputs over block windows (None otherwise: its state names every input)."
     m = self.__dict__.get('_mk', 0)
     if m == 0:
-        ok = self.pack == 'bestfit' and self.cfg.get('shuffle') == 'block' and all(   # (a unit of no data: by its config)
+        ok = self.pack == 'bestfit' and self.cfg.get('shuffle') == 'block' and all(   # (no data: by config)
             isinstance(sh, BlockWindow) for sh, u in zip(self.shuffles, self.mixer.ups) if u is not None)
         m = self._mk = Marks(self.packer.metrics_state()['docs_in'], 4 * self.cfg['pack_buffer'] + 64 * PULL_GROUP
                              ) if ok else None
@@ -129,7 +129,7 @@ def _replay_inputs(self:NumberedInputs, st, pk, ds) -> tuple:
                          f"{span} inputs, of at most {min(n, mk.keep)} (inputs named twice, or outside those)")
     r = self._at_mark(st, read_field(pk, 'replay', dict, w), w + "['replay']", n - span)
     got, c, pull, want, at = {}, 0, r._marked(r._packer_pull()), set(rel), v[2 + nh:]
-    for _ in range(len(at)):              # the pulls since the mark, each again (one may give nothing: a unit of no data)
+    for _ in range(len(at)):              # the pulls since the mark, each again (one may give nothing: no data)
         try: _, lens, keys = pull()
         except StopIteration: continue
         for L, k in zip(lens, keys):

@@ -304,7 +304,7 @@ def held_docs(s:dict,   # a unit's state, as saved
               names,    # the run's datasets
              ) -> np.ndarray:
     "Rows `(kind, dataset, doc, k)` of what `s` names: 0 packer entry k, 1 reservoir window piece k, 2 cut, 3 parked k."
-    ok = lambda v: type(v) is int and 0 <= v < 2**63     # (a malformed field left out: named when its unit is read again)
+    ok = lambda v: type(v) is int and 0 <= v < 2**63     # (a malformed field left out: named when its unit is read)
     rows, pk, cfg = [], s.get('packer'), s.get('config') if isinstance(s.get('config'), dict) else {}
     es = pk.get('entries') if isinstance(pk, dict) else None
     rows += [(0, x[0], x[1], k) for k, x in enumerate(es if isinstance(es, list) else []) if isinstance(x, list)
