@@ -145,3 +145,16 @@ def test_states_stay_small_and_the_replay_bounded(tmp_path):
         with StreamingLoader(r2, 16, 8, prefetch=0, **kw) as ld:
             ld.load_state_dict(sts[n // 2])
             assert json.loads(json.dumps(next(ld).state)) == sts[n // 2 + 1]
+
+
+@pytest.mark.xfail(strict=True, reason="open: a piece the epoch guard held and let in after a later pull ('late') makes "
+                   "the state name its entries while an older input is buffered; with a small dataset wrapping, most states")
+def test_a_small_dataset_wrapping_keeps_the_state_by_number(tmp_path):
+    # measured: web 4,000 documents mixed 3:1 with books of 20 (books wraps every few batches), pack_buffer 2,000: most
+    # states name their entries (18 of 150 by number, up to 684 entries, 15 KB), where web alone keeps all 150 by number at 1.6 KB
+    r = toy_root(tmp_path/'r', {'web': {'a.arrow': 4000}, 'books': {'y.arrow': 20}}, mean=100, T=512)
+    kw = dict(weights=[3, 1], bos_token=1, pack='bestfit', pack_buffer=2000, shuffle_window=200, n_logical_shards=4,
+              max_chunk=64)
+    with StreamingLoader(r, 128, 8, prefetch=0, **kw) as ld:
+        sts = [json.loads(json.dumps(b.state)) for b in itertools.islice(ld, 150)]
+    assert sum(by_number(s) for s in sts) >= 0.9 * len(sts) and max(len(json.dumps(s)) for s in sts) < 4000
