@@ -156,7 +156,8 @@ def test_a_piece_let_in_late_that_left_the_buffer_does_not_make_the_state_name_e
 
 
 @pytest.mark.xfail(strict=True, reason="open: a piece the epoch guard held and let in after a later pull ('late') makes "
-                   "the state name its entries while an older input is buffered; with a small dataset wrapping, most states")
+                   "the state name its entries while it is buffered (3 to 18 such here); with a small dataset wrapping, most "
+                   "states. A fix: name each late piece's number, row entered and place in the entry order")
 def test_a_small_dataset_wrapping_keeps_the_state_by_number(tmp_path):
     # measured: web 4,000 documents mixed 3:1 with books of 20 (books wraps every few batches), pack_buffer 2,000: most
     # states name their entries (18 of 150 by number, up to 684 entries, 15 KB), where web alone keeps all 150 by number at 1.6 KB
