@@ -102,7 +102,7 @@ def _inputs_state(self:NumberedInputs, ps, marks, wins, made:int):   # `ps`: the
     e0 = min(int(idx.min()) if len(idx) else n, min(hx, default=n))
     j = bisect.bisect_right(at, e0, 0, m) - 1
     # (parked pieces then: not pulled again; one let in after a later pull: it did not enter at its pull's row)
-    if j < 0 or at[j] < n - self.marks.keep or log[j][3] or e0 <= late: return None
+    if j < 0 or at[j] < n - self.marks.keep or log[j][3] or not late.isdisjoint(idx.tolist()): return None
     rows = np.fromiter((x[4] for x in log[j:m]), np.int64, m - j)           # the packer's row at each pull
     a0, tokens, was = log[j][:3]
     bits = np.zeros(n - a0, np.uint8); bits[idx - a0] = 1

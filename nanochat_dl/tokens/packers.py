@@ -195,8 +195,8 @@ class BestFitRows(PackerBase):
         self._q, self._lens, self._n = {}, [], 0
         # the journal: (key, row entered) once, then per batch (those in, keys placed)
         self._base, self._log, self._added = [], [], []
-        # the same by input number (`numbers`): (numbers in, numbers placed) per batch; the greatest let in late
-        self._xbase, self._xlog, self._added_x, self._late_x, self._fresh = np.zeros(0, np.int64), [], [], -1, 0
+        # the same by input number (`numbers`): (numbers in, numbers placed) per batch; those let in late, buffered
+        self._xbase, self._xlog, self._added_x, self._late_in, self._fresh = np.zeros(0, np.int64), [], [], set(), 0
         self._unk = 0                                             # pieces in the buffer whose numbers are not known
         # key -> (row it entered at, length); keys in the order they entered
         self._at, self._order = {}, deque()
@@ -212,7 +212,7 @@ def _put(self:BestFitRows, p, L, k, x=-1):      # `x`: the input's number (-1: n
     if q is None: q = self._q[L] = deque()
     if not q: bisect.insort(self._lens, L)
     q.append((p, k, x)); self._added_x.append(x)
-    if x < self._fresh and x > self._late_x: self._late_x = x    # (let in after a later pull: not at its pull's row)
+    if 0 <= x < self._fresh: self._late_in.add(x)              # (let in after a later pull: not at its pull's row)
     if x < 0: self._unk += 1                                  # (restored from entries: numbers not known)
     self._n += 1; self._at[k] = (self._row, L); self._order.append(k); self._added.append((k, self._row))
     if self.guard:
@@ -302,6 +302,7 @@ def next_batch(self:BestFitRows, B:int, pull, out=None) -> PackedBatch:
             if not q: del lens[i]
             pieces += p; segs.append((pos, L, k, 0, 0)); placed.append(k); gone.append(x)
             if x < 0: self._unk -= 1
+            elif self._late_in: self._late_in.discard(x)
             self._n -= 1; pos += L
             self._placed(k, now)
             if pos == C: break
@@ -319,7 +320,8 @@ def next_batch(self:BestFitRows, B:int, pull, out=None) -> PackedBatch:
 # %% ../../nbs/tokens/12c_packers.ipynb #ep13bf04
 @patch
 def snap(self:BestFitRows): return (self._base, self._log, len(self._log), [k for _, _, k, _ in self._held],
-                                    self._xbase, self._xlog, len(self._xlog), [x for *_, x in self._held], self._late_x,
+                                    self._xbase, self._xlog, len(self._xlog), [x for *_, x in self._held],
+                                    frozenset(self._late_in),
                                     self._unk)
 
 @patch
@@ -347,7 +349,7 @@ def restore(self:BestFitRows, items,   # `(tokens, key, offset)` in order, offse
     self._q, self._lens, self._n, self.buffered_tokens, self._at, self._order = {}, [], 0, 0, {}, deque()
     self._ep, self._held, self._added, now = {}, [], [], self._tot['rows']
     rows, xs = iter([now] * len(items) if entered is None else entered), iter(numbers or [-1] * len(items))
-    self._added_x, self._late_x, self._fresh, self._unk = [], -1, -1, 0
+    self._added_x, self._late_in, self._fresh, self._unk = [], set(), -1, 0
     if self.ds_tokens is not None: self.ds_tokens[:] = [0] * len(self.ds_tokens)
     for t, k, o in items:
         x = ([np.asarray(t)], len(t), k, next(xs))
