@@ -138,6 +138,8 @@ _WHERE = {
     'bench_root': '.stream',
     'bench_stream': '.stream',
     'bench_stream_cli': '.stream',
+    'capture_reads': '.stream',
+    'floor_costs': '.stream',
     'format_bench_stream': '.stream',
     'format_profile': '.stream',
     'memcpy_tokens_per_s': '.stream',

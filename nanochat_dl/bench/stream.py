@@ -5,8 +5,8 @@ against a plain per-document reader, its state's size and the time to resume fro
 
 # %% auto #0
 __all__ = ['BENCH_DATASETS', 'PROFILE_GROUPS', 'bench_root', 'per_document_rows', 'SimpleLoader', 'bench_stream',
-           'format_bench_stream', 'bench_stream_cli', 'stage_costs', 'profile_group', 'profile_loader',
-           'format_profile', 'memcpy_tokens_per_s']
+           'format_bench_stream', 'bench_stream_cli', 'stage_costs', 'profile_group', 'capture_reads', 'floor_costs',
+           'profile_loader', 'format_profile', 'memcpy_tokens_per_s']
 
 # %% ../../nbs/bench/16_bench_stream.ipynb #a96682b6
 import json, math, os, shutil, sys, tempfile, time
@@ -241,6 +241,56 @@ def _own_times(stats) -> dict:
         else: out[f] = out.get(f, 0.0) + tt
     return out
 
+# %% ../../nbs/bench/16_bench_stream.ipynb #e55e9f7c
+def capture_reads(ld,    # a `StreamingLoader` packing 'concat' or 'pad' (pulls gathered in one array)
+                  n:int, # its batches to make
+                  ) -> list:
+    "Per pull of `ld`'s next `n` batches, the `pread`s its `gather` makes: `[(path, byte offset, bytes)]`."
+    s, pulls, gather = ld.stream, [], ld.stream.gather
+    def rec(reads, total):
+        h, one = s.framing.head, []
+        for i, f, fi, a, b, L in reads:                       # (as `gather`: the document's ids a piece holds)
+            lo, hi = max(a - h, 0), min(b - h, L)
+            if hi > lo: tf = s.sources[i].open_file(f); one.append((str(tf.path), *tf.byte_span(fi, lo, hi - lo)))
+        pulls.append(one)
+        return gather(reads, total)
+    s.gather = rec
+    try:
+        for _ in range(n): next(ld)
+    finally: del s.gather
+    return pulls
+
+# %% ../../nbs/bench/16_bench_stream.ipynb #2fcd316d
+def floor_costs(pulls,            # `capture_reads`'s
+                batches:int,      # the batches they made
+                B:int=8, T:int=2048, seed:int=0,
+                repeats:int=3) -> dict:   # runs of each (the best counts)
+    """CPU us per batch of `pulls`' `pread`s alone (`preads`), of an `fstat` per file and pull (`checks`), of the
+    copies ids -> int64 rows -> inputs, targets (`copies`); and of `B` `pread`s of a row each (`rows`)."""
+    paths = sorted({x[0] for one in pulls for x in one})
+    fds = [os.open(q, os.O_RDONLY) for q in paths]
+    try:
+        fd_of, size = dict(zip(paths, fds)), [os.fstat(fd).st_size for fd in fds]
+        most = max([x[2] for one in pulls for x in one] + [4 * (T + 1)])     # bytes of the largest read
+        mv = memoryview(np.empty(most // 4 + 1, np.uint32)).cast('B')
+        reads = [[(fd_of[q], off, mv[:nb]) for q, off, nb in one] for one in pulls]
+        checks = [sorted({r[0] for r in one}) for one in reads]
+        rng, nb = np.random.default_rng(seed), 4 * (T + 1)
+        rows = [[(fds[k], 4 * int(rng.integers(0, max(1, (size[k] - nb) // 4)))) for k in rng.integers(0, len(fds), B)]
+                for _ in range(batches)] if fds else []
+        flat, pv = np.ones(B * (T + 1), np.uint32), os.preadv
+        def copies():
+            r = np.empty((B, T + 1), np.int64); np.copyto(r.reshape(-1), flat, casting='unsafe')
+            a = np.empty((2, B, T), np.int64); np.copyto(a[0], r[:, :-1]); np.copyto(a[1], r[:, 1:])
+        def run(f): return _cpu_us(f, 1, repeats) / batches
+        return dict(preads=run(lambda: [pv(fd, [m], off) for one in reads for fd, off, m in one]),
+                    checks=run(lambda: [os.fstat(fd) for one in checks for fd in one]),
+                    copies=_cpu_us(copies, batches, repeats),
+                    rows=run(lambda: [pv(fd, [mv[:nb]], off) for one in rows for fd, off in one]),
+                    preads_per_batch=sum(map(len, reads)) / batches, checks_per_batch=sum(map(len, checks)) / batches)
+    finally:
+        for fd in fds: os.close(fd)
+
 # %% ../../nbs/bench/16_bench_stream.ipynb #af4f68a8
 def profile_loader(root=None,            # a token root (default: `bench_root()`)
                    B:int=8, T:int=2048,   # rows per batch, tokens per input row
@@ -249,10 +299,12 @@ def profile_loader(root=None,            # a token root (default: `bench_root()`
                    top:int=8,             # the functions listed
                    **kw) -> dict:         # more `StreamingLoader` settings (default: the bench's, BOS and EOS)
     """Where `next(loader)` spends its time (`prefetch=0`): CPU us per batch unprofiled, then under `cProfile` the
-    share of each `PROFILE_GROUPS` group and of the `top` functions (own time, with the built-ins they call)."""
+    share of each `PROFILE_GROUPS` group and of the `top` functions (own time, with the built-ins they call); then
+    (concat, pad) `floor_costs` of `n` more batches; the load average before."""
     import cProfile, pstats
     if root is None: root, kw = bench_root(out=None), dict(dict(weights={'web': 2, 'code': 1, 'books': 1}), **kw)
     kw = dict(dict(bos_token=1, eos_token=2, seed=0), **kw)
+    load = load_average()
     with StreamingLoader(root, T, B, pack=pack, prefetch=0, **kw) as ld:
         for _ in range(10): next(ld)
         cpu = _cpu_us(lambda: next(ld), n)
@@ -261,25 +313,40 @@ def profile_loader(root=None,            # a token root (default: `bench_root()`
         for _ in range(n): next(ld)
         pr.disable()
         pieces = (ld.stream.packer.metrics_state()['docs_in'] - d0) / (ld.stream.step - s0)
+        floor = floor_costs(capture_reads(ld, n), n, B, T) if pack in ('concat', 'pad') else None
     own = _own_times(pstats.Stats(pr)); tot = sum(own.values())
     groups = {}
     for f, t in own.items(): groups[profile_group(f)] = groups.get(profile_group(f), 0.0) + t / tot
     fns = sorted(own.items(), key=lambda x: -x[1])[:top]
-    return dict(pack=pack, cpu_us=cpu, pieces_per_batch=pieces,
+    return dict(pack=pack, cpu_us=cpu, pieces_per_batch=pieces, floor=floor, load=load, B=B,
                 groups=dict(sorted(groups.items(), key=lambda x: -x[1])),
                 top=[(f"{Path(f[0]).parent.name}/{Path(f[0]).name}:{f[2]}", t / tot) for f, t in fns])
 
 # %% ../../nbs/bench/16_bench_stream.ipynb #a48e900c
+_FLOOR_ROWS = (('  the same preads', lambda f: f['preads'], lambda f: f"{f['preads_per_batch']:.1f} a batch"),
+               ('  an fstat a file and pull', lambda f: f['checks'], lambda f: f"{f['checks_per_batch']:.1f}"),
+               ('  copies ids>rows>in,tgt', lambda f: f['copies'], lambda f: 'numpy'),
+               ('= floor, packing at run', lambda f: f['preads'] + f['checks'] + f['copies'], None),
+               ('pre-packed rows: B preads', lambda f: f['rows'] + f['copies'], lambda f: '+ copies'))
+
 def format_profile(ps,   # `profile_loader` results, one per packing mode
                    ) -> str:
-    "`profile_loader`'s results side by side: us a batch per group (its share of the CPU time), the top functions."
+    """`profile_loader`'s results side by side: us a batch per group (its share of the CPU time); the floor (its share
+    of ours, or what it is); the top functions."""
     cols = [f"{p['pack']!r}: {p['cpu_us']:.0f} us, {p['pieces_per_batch']:.1f} pieces" for p in ps]
     w = max(30, *map(len, cols))
     groups = list(dict.fromkeys(g for p in ps for g in p['groups']))
-    lines = ['per batch'.ljust(24) + ''.join(c.rjust(w + 2) for c in cols)]
+    load = ', '.join(f"{p['load']:.2f}" for p in ps if p.get('load') is not None) or '?'
+    lines = [f'per batch (load {load})'.ljust(26) + ''.join(c.rjust(w + 2) for c in cols)]
     for g in groups:
         cell = lambda p: f"{p['cpu_us'] * p['groups'].get(g, 0):.0f} us ({100 * p['groups'].get(g, 0):.0f}%)"
-        lines.append(g.ljust(24) + ''.join(cell(p).rjust(w + 2) for p in ps))
+        lines.append(g.ljust(26) + ''.join(cell(p).rjust(w + 2) for p in ps))
+    if any(p.get('floor') for p in ps):
+        lines.append('floor, same run, no Python a piece:')
+        for name, us, what in _FLOOR_ROWS:
+            cell = lambda p: '—' if not p.get('floor') else f"{us(p['floor']):.0f} us (" + (
+                what(p['floor']) if what else f"ours {p['cpu_us'] / us(p['floor']):.1f}x") + ')'
+            lines.append(name.ljust(26) + ''.join(cell(p).rjust(w + 2) for p in ps))
     for p in ps:
         lines.append(f"top functions, {p['pack']!r}: " + ', '.join(f"{f} {100 * s:.0f}%" for f, s in p['top']))
     return '\n'.join(lines)

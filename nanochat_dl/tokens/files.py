@@ -322,6 +322,19 @@ def read_pieces(out,       # a contiguous uint32 array
             if got < 4 * n: tf.check()
         if got < 4 * n: raise _changed(tf.path, tf.identity, (*tf.identity[:2], off + got, tf.identity[3]))
 
+# %% ../../nbs/tokens/11_files.ipynb #22dcb3f0
+@patch
+def byte_span(self:TokenFile, i,       # the document
+              lo:int=0, n:int=None,     # its ids `lo:lo + n` (None: to its end)
+              ) -> tuple:
+    "`(offset, bytes)`: where ids `lo:lo + n` of document `i` lie in the file, as `read_into` reads them by `pread`."
+    n = int(self.lens[i]) - lo if n is None else n
+    if not 0 <= i < len(self.lens) or lo < 0 or n < 0 or lo + n > self.lens[i]:
+        raise IndexError(f"{self.path}: document {i} has no ids {lo}:{lo + n}")
+    if not self.mapped: raise ValueError(f"{self.path}: its ids are compressed, not read from the file as they are")
+    k = self.dtype.itemsize
+    return (int(self._starts[i]) + lo) * k, n * k
+
 # %% ../../nbs/tokens/11_files.ipynb #ae74944d
 @patch
 def edge_ids(self:TokenFile) -> tuple:
