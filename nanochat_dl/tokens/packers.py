@@ -276,11 +276,9 @@ def next_batch(self:BestFitRows, B:int, pull, out=None) -> PackedBatch:
     B, C, tot, size = self._check_B(B), self.C, self._tot, self.buffer_size
     before, rows, pieces, segments, placed, qs, lens = dict(tot), self._rows(B, out), [], [], [], self._q, self._lens
     right, padrow, padded, self._added, self._added_x, gone = bisect.bisect_right, self._padrow, 0, [], [], []
-    # what each placement books (`_put` undone), in locals: its wait, dataset tokens, epoch count, number
     at, late_in, ds, dl, ep, wait, unk = self._at, self._late_in, self.ds_tokens, self._doc_len, self._ep, 0, 0
     for r in range(B):
-        pos, segs, now = 0, [], tot['rows'] + r
-        self._row = now
+        pos, segs, now = 0, [], tot['rows'] + r; self._row = now
         while True:
             if self._n < size:
                 while self._n < size and (not self._held or self._release()): self._intake(pull)
@@ -297,22 +295,19 @@ def next_batch(self:BestFitRows, B:int, pull, out=None) -> PackedBatch:
             pieces += p; segs.append((pos, L, k, 0, 0)); placed.append(k); gone.append(x)
             if x < 0: unk += 1
             elif late_in: late_in.discard(x)
-            self._n -= 1; pos += L
-            r0 = now - at.pop(k)[0]
-            if r0 > wait: wait = r0
-            if ds is not None: ds[k[0]] -= dl(k, L)
+            self._n -= 1; pos += L; w = now - at.pop(k)[0]   # what `_put` booked, undone: the piece's wait, ...
+            if w > wait: wait = w
+            if ds is not None: ds[k[0]] -= dl(k, L)         # ... its dataset's document tokens, its epoch's count
             if self.guard:
-                d = ep[k[0]]; c = d[k[2]] - 1
-                if c: d[k[2]] = c
-                else: del d[k[2]]
+                d = ep[k[0]]; d[k[2]] -= 1
+                if not d[k[2]]: del d[k[2]]
             if pos == C: break
         if pos < C: pieces.append(padrow[pos:])
         segments.append(segs); padded += C - pos
     np.concatenate(pieces, out=rows.reshape(-1), casting='unsafe')
     self.buffered_tokens -= B * C - padded; self._wait = wait; self._unk -= unk
     tot['padded'] += padded; tot['placed'] += len(placed); tot['emitted'] += B * C; tot['rows'] += B
-    self._row = tot['rows']
-    self._journal(placed, gone)
+    self._row = tot['rows']; self._journal(placed, gone)
     return LazyBatch(rows, segments, self, before, B)
 
 # %% ../../nbs/tokens/12c_packers.ipynb #ep13bf04
