@@ -206,33 +206,40 @@ class BestFitRows(PackerBase):
         self._row = self._wait = 0
     def __len__(self): return self._n + len(self._held)
 
-@patch
-def _put(self:BestFitRows, p, L, k, x=-1):      # `x`: the input's number (-1: not known)
-    q = self._q.get(L)
-    if q is None: q = self._q[L] = deque()
-    if not q: bisect.insort(self._lens, L)
-    q.append((p, k, x)); self._added_x.append(x)
-    if 0 <= x < self._fresh: self._late_in.add(x)              # (let in after a later pull: not at its pull's row)
-    if x < 0: self._unk += 1                                  # (restored from entries: numbers not known)
-    self._n += 1; self._at[k] = (self._row, L); self._order.append(k); self._added.append((k, self._row))
-    if self.guard:
-        d = self._ep.get(k[0])
-        if d is None: d = self._ep[k[0]] = {}
-        d[k[2]] = d.get(k[2], 0) + 1
-
 # %% ../../nbs/tokens/12c_packers.ipynb #a0aa10c4
+@patch
+def _put_all(self:BestFitRows, items):
+    "Let `(tokens, length, key, number)` items into the buffer, in order (a number -1: not known)."
+    qs, lens, at, order, added, added_x = self._q, self._lens, self._at, self._order, self._added, self._added_x
+    row, fresh, late, ep, n, unk = self._row, self._fresh, self._late_in, self._ep if self.guard else None, 0, 0
+    for p, L, k, x in items:
+        q = qs.get(L)
+        if q is None: q = qs[L] = deque()
+        if not q: bisect.insort(lens, L)
+        q.append((p, k, x)); added_x.append(x)
+        if x < 0: unk += 1                                    # (restored from entries: numbers not known)
+        elif x < fresh: late.add(x)                           # (let in after a later pull: not at its pull's row)
+        n += 1; at[k] = (row, L); order.append(k); added.append((k, row))
+        if ep is not None:
+            d = ep.get(k[0])
+            if d is None: d = ep[k[0]] = {}
+            d[k[2]] = d.get(k[2], 0) + 1
+    self._n += n; self._unk += unk
+
+@patch
+def _put(self:BestFitRows, p, L, k, x=-1): self._put_all(((p, L, k, x),))   # one piece (`x`: its number)
+
 @patch
 def _intake(self:BestFitRows, pull):
     pieces, lens, keys = pull()
-    s = sum(lens)
+    s, t, ds = sum(lens), self._tot, self.ds_tokens
     self.buffered_tokens += s
-    t = self._tot
     t['docs_in'] += len(keys); t['doc_tokens'] += s; t['tokens_in'] += s
-    if self.ds_tokens is not None:
-        for k, L in zip(keys, lens): self.ds_tokens[k[0]] += self._doc_len(k, L)
+    if ds is not None:
+        dl = self._doc_len
+        for k, L in zip(keys, lens): ds[k[0]] += dl(k, L)
     n0 = self._fresh = t['docs_in'] - len(keys)              # the inputs' numbers: in the order they came
-    if not self.guard:
-        for x in zip(pieces, lens, keys, count(n0)): self._put(*x)
+    if not self.guard: self._put_all(zip(pieces, lens, keys, count(n0)))
     else: self._held += zip(pieces, lens, keys, count(n0)); self._release()
     self._fresh = t['docs_in']                               # (a piece let in later is late: not at its pull's row)
 
@@ -240,15 +247,13 @@ def _intake(self:BestFitRows, pull):
 @patch
 def _release(self:BestFitRows) -> bool:
     "Let held pieces in, in order, each unless two epochs past the oldest of its dataset buffered or held."
-    held, ep, lo = self._held, self._ep, {}
-    for d, es in ep.items():
-        if es: lo[d] = min(es)
-    for _, _, k, _ in held: lo[k[0]] = min(lo.get(k[0], k[2]), k[2])
-    keep = []
+    held, lo, go, keep = self._held, {d: min(es) for d, es in self._ep.items() if es}, [], []
     for x in held:
-        if x[2][2] >= lo[x[2][0]] + 2: keep.append(x)
-        else: self._put(*x)
+        d, e = x[2][0], x[2][2]
+        if e < lo.get(d, e + 1): lo[d] = e
+    for x in held: (keep if x[2][2] >= lo[x[2][0]] + 2 else go).append(x)
     self._held = keep
+    if go: self._put_all(go)
     return not keep
 
 @patch
@@ -264,34 +269,21 @@ def _late(self:BestFitRows, now:int) -> bool:
     if not self._n: return False
     return bool(self._held) or (self.max_wait is not None and now - self._at[self._head()][0] > self.max_wait)
 
-@patch
-def _placed(self:BestFitRows, k, now:int):
-    "Book piece `k` placed in row `now`: its wait, and its epoch's count."
-    r0, L = self._at.pop(k)
-    if now - r0 > self._wait: self._wait = now - r0
-    if self.ds_tokens is not None: self.ds_tokens[k[0]] -= self._doc_len(k, L)
-    if self.guard:
-        d = self._ep[k[0]]
-        c = d[k[2]] - 1
-        if c: d[k[2]] = c
-        else: del d[k[2]]
-
 # %% ../../nbs/tokens/12c_packers.ipynb #ep13bf03
 @patch
 def next_batch(self:BestFitRows, B:int, pull, out=None) -> PackedBatch:
     "`B` rows, each filled best-fit from the buffer."
     B, C, tot, size = self._check_B(B), self.C, self._tot, self.buffer_size
     before, rows, pieces, segments, placed, qs, lens = dict(tot), self._rows(B, out), [], [], [], self._q, self._lens
-    right, padrow, padded, self._added, self._wait = bisect.bisect_right, self._padrow, 0, [], 0
-    self._added_x, gone = [], []
+    right, padrow, padded, self._added, self._added_x, gone = bisect.bisect_right, self._padrow, 0, [], [], []
+    at, late_in, ds, dl, ep, wait, unk = self._at, self._late_in, self.ds_tokens, self._doc_len, self._ep, 0, 0
     for r in range(B):
-        pos, segs, now = 0, [], tot['rows'] + r
-        self._row = now
+        pos, segs, now = 0, [], tot['rows'] + r; self._row = now
         while True:
             if self._n < size:
                 while self._n < size and (not self._held or self._release()): self._intake(pull)
             if pos == 0 and self._late(now):                # an epoch must drain, or a piece waited too long
-                L = self._at[self._head()][1]
+                L = at[self._head()][1]
                 i = bisect.bisect_left(lens, L)
             else:
                 i = right(lens, C - pos) - 1               # the longest length that fits
@@ -301,20 +293,21 @@ def next_batch(self:BestFitRows, B:int, pull, out=None) -> PackedBatch:
             p, k, x = q.popleft()
             if not q: del lens[i]
             pieces += p; segs.append((pos, L, k, 0, 0)); placed.append(k); gone.append(x)
-            if x < 0: self._unk -= 1
-            elif self._late_in: self._late_in.discard(x)
-            self._n -= 1; pos += L
-            self._placed(k, now)
+            if x < 0: unk += 1
+            elif late_in: late_in.discard(x)
+            self._n -= 1; pos += L; w = now - at.pop(k)[0]   # what `_put` booked, undone: the piece's wait, ...
+            if w > wait: wait = w
+            if ds is not None: ds[k[0]] -= dl(k, L)         # ... its dataset's document tokens, its epoch's count
+            if self.guard:
+                d = ep[k[0]]; d[k[2]] -= 1
+                if not d[k[2]]: del d[k[2]]
             if pos == C: break
         if pos < C: pieces.append(padrow[pos:])
-        segments.append(segs)
-        padded += C - pos
-    tot['padded'] += padded
+        segments.append(segs); padded += C - pos
     np.concatenate(pieces, out=rows.reshape(-1), casting='unsafe')
-    self.buffered_tokens -= B * C - padded
-    tot['placed'] += len(placed); tot['emitted'] += B * C; tot['rows'] += B
-    self._row = tot['rows']
-    self._journal(placed, gone)
+    self.buffered_tokens -= B * C - padded; self._wait = wait; self._unk -= unk
+    tot['padded'] += padded; tot['placed'] += len(placed); tot['emitted'] += B * C; tot['rows'] += B
+    self._row = tot['rows']; self._journal(placed, gone)
     return LazyBatch(rows, segments, self, before, B)
 
 # %% ../../nbs/tokens/12c_packers.ipynb #ep13bf04

@@ -218,8 +218,8 @@ def _bestfit(self:RowStream) -> BestFitRows:
 @patch
 def _piece_doc(self:RowStream, k, n:int) -> int:
     "Document tokens (delimiters not counted) in the piece of `n` tokens with key `k`."
-    h = self._h
-    lo, hi = max(k[3] - h, 0), min(k[3] + n - h, k[4])
+    a = k[3] - self._h                                   # the piece's start in its document
+    lo, hi = (a if a > 0 else 0), (a + n if a + n < k[4] else k[4])
     return hi - lo if hi > lo else 0
 
 @patch
