@@ -134,13 +134,19 @@ def close(self:RowGroupSource): self.reader.close()
 class EpochPlan:
     "A reader's plan whose tables for an epoch are built once, keeping those of the last four epochs or fewer."
     def __init__(self, reader:RowGroupReader): self.reader, self._cache = reader, {}
-    def _build(self, e): raise NotImplementedError   # a subclass's tables for epoch `e`
+    def _build(self, e): raise NotImplementedError   # a subclass's tables of epoch `e`: `({(file, rg): place}, ...)`
     def _epoch(self, e):
         got = self._cache.get(e)
         if got is None:
             if len(self._cache) >= 4: self._cache.clear()
             got = self._cache[e] = self._build(e)
         return got
+    def pos(self, e, f, g) -> int:
+        "Where row group `g` of file `f` comes in epoch `e`'s reading order of the whole split."
+        return self._epoch(e)[0][f, g]
+    def key(self, v) -> tuple:
+        "`(epoch, position, row)`: sorts documents `[epoch, file, rg, row]` in reading order."
+        return v[0], self.pos(v[0], v[1], v[2]), v[3]
 
 # %% ../../nbs/text/09_loader.ipynb #fc3658f7
 class ColumnPlan(EpochPlan):
@@ -161,12 +167,6 @@ class ColumnPlan(EpochPlan):
     def columns(self) -> list:
         "The columns that hold documents (the same in every epoch)."
         return sorted(self._epoch(1)[1])
-    def pos(self, e, f, g) -> int:
-        "Where row group `g` of file `f` comes in epoch `e`'s reading order of the whole split."
-        return self._epoch(e)[0][f, g]
-    def key(self, v) -> tuple:
-        "`(epoch, position, row)`: sorts documents `[epoch, file, rg, row]` in reading order."
-        return v[0], self.pos(v[0], v[1], v[2]), v[3]
 
 # %% ../../nbs/text/09_loader.ipynb #bd94fa0b
 @patch
@@ -212,16 +212,10 @@ class SplitPlan(EpochPlan):
         rd = self.reader
         order = row_group_plan([rd._rows(f) for f in range(len(rd.files))], 0, 1, e, shuffle=rd.shuffle,
                                seed=rd.seed, balanced=True)
-        return order, {fg: i for i, fg in enumerate(order)}
+        return {fg: i for i, fg in enumerate(order)}, order
     def order(self, e) -> list:
         "Epoch `e`'s `(file, row group)` pairs in reading order: rank `r` of `W` reads `order(e)[r::W]`."
-        return self._epoch(e)[0]
-    def pos(self, e, f, g) -> int:
-        "Where row group `g` of file `f` comes in epoch `e`'s order."
-        return self._epoch(e)[1][f, g]
-    def key(self, v) -> tuple:
-        "`(epoch, position, row)`: sorts documents `[epoch, file, rg, row]` in reading order."
-        return v[0], self.pos(v[0], v[1], v[2]), v[3]
+        return self._epoch(e)[1]
 
 def catching_up(el) -> list:
     "A rescaled source's `elastic` entry: its columns (striding) or row groups (balanced) still to catch up, if any."
