@@ -3,6 +3,7 @@ nanochat's striding file by file: every row group once per epoch across 7 and 12
 at most 9), exact resume at odd points, the rescale of balanced states (3 -> 2, 2 -> 5, chains, random
 chains) tiling epoch 1 exactly once, and the refusals of states whose plan is not the loader's."""
 import json, re
+from functools import partial
 
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
@@ -11,47 +12,17 @@ from nanochat_dl.text.loader import PackedLoader
 from nanochat_dl.text.shards import row_group_plan
 from nanochat_dl.pipe.packing import STRATEGIES
 from toytext import toy_text_env
-from test_elastic_text import check_tiling
+import elastictext
+from elastictext import LAYOUT, check_tiling
 
-LAYOUT = [[3, 2, 4, 1, 3, 2, 2, 3], [2, 3, 1, 4, 2, 3, 3], [4, 1, 2, 3, 2, 1, 3, 2, 2]]
-KW = dict(batch_size=2, seq_len=32, pack_buffer=6, tokenizer_batch_size=2, device='cpu', tokenizer_threads=1,
-          tokenize_in='threads', prefetch=0, balanced=True)
+KW = dict(elastictext.KW, balanced=True)
 
 
 @pytest.fixture(scope='module')
 def env(tmp_path_factory): return toy_text_env(tmp_path_factory.mktemp('balanced'), LAYOUT)
 
 
-def epoch_done(sd, e=1):
-    "Whether a rank's state has nothing of epoch `e` left: its cursor past it, no row group of it to catch up, none buffered."
-    src = sd['stages']['source']
-    el = src.get('elastic', {})
-    return (src['cursor']['epoch'] > e and all(v[0] > e for v in el.get('columns', []) + el.get('groups', []))
-            and all(x > e for x in sd['stages']['pack']['buffer']['epoch']))
-
-
-def run_ranks(env, W, k, states=None, **kw):
-    "Ranks 0..W-1 (from the list `states`), `k` batches each (None: until epoch 1 is done): their segments, last states."
-    segs, out = [], []
-    for r in range(W):
-        with PackedLoader(env['tok'], files=env['files'], **{**KW, **kw}, rank=r, world_size=W,
-                          resume_state_dict=states) as ld:
-            assert ld.resumed == (None if states is None else 'exact' if len(states) == W else 'rescaled')
-            sd, n = ld.state_dict(), 0
-            while (n < k) if k is not None else not epoch_done(sd):
-                b = next(ld); n += 1; sd = b.state
-                segs += [(tuple(s.key), s.offset, s.length, s.dropped) for row in b.segments for s in row]
-                assert n < 2000, "epoch 1 never finished"
-        out.append(json.loads(json.dumps(sd)))
-    return segs, out
-
-
-def chain(env, sizes, ks, **kw):
-    segs, states = [], None
-    for i, W in enumerate(sizes):
-        s, states = run_ranks(env, W, ks[i] if i < len(sizes) - 1 else None, states, **kw)
-        segs += s
-    return segs
+run_ranks, chain = partial(elastictext.run_ranks, KW), partial(elastictext.chain, KW)   # this file's settings
 
 
 def test_the_plan_deals_row_groups_in_turn():

@@ -4,6 +4,7 @@ real processes (`torchrun --nproc_per_node 2`, gloo on the CPU) saving, restarti
 In every case the segments all ranks placed, labelled with their epoch, tile each document of epoch 1 exactly once
 (placed, or cropped where the strategy crops), and cover no token of epoch 2 twice."""
 import json, os, re, shutil, subprocess, sys, textwrap
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -12,60 +13,16 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from nanochat_dl.text.loader import PackedLoader
 from nanochat_dl.pipe.packing import STRATEGIES
 from toytext import toy_text_env
+import elastictext
+from elastictext import LAYOUT, KW, check_tiling
 from stateedit import DELETE, edited, paths   # a state's paths, and a copy with one field edited, as the single-state sweep uses them
-
-LAYOUT = [[3, 2, 4, 1, 3, 2, 2, 3], [2, 3, 1, 4, 2, 3, 3], [4, 1, 2, 3, 2, 1, 3, 2, 2]]   # 9 columns: up to 9 ranks
-KW = dict(batch_size=2, seq_len=32, pack_buffer=6, tokenizer_batch_size=2, device='cpu', tokenizer_threads=1, tokenize_in='threads', prefetch=0)
 
 
 @pytest.fixture(scope='module')
 def env(tmp_path_factory): return toy_text_env(tmp_path_factory.mktemp('elastic'), LAYOUT)
 
 
-def epoch_done(sd, e=1):
-    "Whether a rank's state has nothing of epoch `e` left: no column still in it, none of its documents buffered."
-    src = sd['stages']['source']
-    return (src['cursor']['epoch'] > e and all(v[0] > e for v in src.get('elastic', {}).get('columns', []))
-            and all(x > e for x in sd['stages']['pack']['buffer']['epoch']))
-
-
-def run_ranks(env, W, k, states=None, **kw):
-    "Loaders for ranks 0..W-1 (from the list `states`), `k` batches each (None: until epoch 1 is done): segments `(key, offset, length, dropped)`, last states."
-    segs, out = [], []
-    for r in range(W):
-        with PackedLoader(env['tok'], files=env['files'], **{**KW, **kw}, rank=r, world_size=W, resume_state_dict=states) as ld:
-            assert ld.resumed == (None if states is None else 'exact' if len(states) == W else 'rescaled')
-            sd, n = ld.state_dict(), 0
-            while (n < k) if k is not None else not epoch_done(sd):
-                b = next(ld); n += 1; sd = b.state
-                segs += [(tuple(s.key), s.offset, s.length, s.dropped) for row in b.segments for s in row]
-                assert n < 2000, "epoch 1 never finished"
-        out.append(json.loads(json.dumps(sd)))
-    return segs, out
-
-
-def check_tiling(segs, lens, strategy):
-    "Epoch 1: the ranges of every document placed or cropped tile it exactly once; epoch 2: no token twice. Returns the tokens cropped in epoch 1."
-    cover = {1: {}, 2: {}}
-    for key, off, n, dropped in segs:
-        if key[0] in cover:
-            cover[key[0]].setdefault(key[1:], []).append((off, off + n + dropped - (strategy == 'bestfit-split' and off > 0)))
-    assert set(cover[1]) == set(lens), f"documents of epoch 1 never delivered: {sorted(set(lens) - set(cover[1]))[:5]}"
-    for a, rs in cover[1].items():
-        rs.sort()
-        assert rs[0][0] == 0 and rs[-1][1] == lens[a] and all(x[1] == y[0] for x, y in zip(rs, rs[1:])), (a, rs, lens[a])
-    for a, rs in cover[2].items():
-        rs.sort()
-        assert all(x[1] <= y[0] for x, y in zip(rs, rs[1:])), (a, rs)
-    return sum(d for key, _, _, d in segs if key[0] == 1)
-
-
-def chain(env, sizes, ks, **kw):
-    segs, states = [], None
-    for i, W in enumerate(sizes):
-        s, states = run_ranks(env, W, ks[i] if i < len(sizes) - 1 else None, states, **kw)
-        segs += s
-    return segs
+run_ranks, chain = partial(elastictext.run_ranks, KW), partial(elastictext.chain, KW)   # this file's settings
 
 
 @pytest.mark.parametrize('strategy', sorted(STRATEGIES))

@@ -1,7 +1,6 @@
 """A rescale reads again only the saved units it needs (nbs/tokens/12h_world.ipynb, `World(lazy=True)`): a new unit's
 state is made from the old units whose logical shards it will own, and equals, field for field, the state that reading
 every old unit again (`lazy=False`, the reference) makes; the batches after it are the same."""
-from collections import defaultdict
 
 import numpy as np
 import pytest
@@ -9,7 +8,8 @@ import pytest
 from nanochat_dl.tokens.root import TokenRoot
 from nanochat_dl.tokens import World, owned_shards
 from nanochat_dl.tokens.fast import FastTokenStream
-from test_elastic import KW, Unit, deliver
+from test_elastic import KW, Unit
+from lazyrescale import saved_units
 from test_streaming import SPEC, toy_root
 
 pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")
@@ -22,12 +22,7 @@ def root(tmp_path_factory):
 
 def saved(tr, W, nw, n, **kw):
     "Every unit's state of a world of `W` ranks of `nw` workers, each having delivered `n` batches (workers: `n + k % 3`)."
-    units = [Unit(tr, r, W, w, nw, **kw) for r in range(W) for w in range(nw)]
-    for k, u in enumerate(units): deliver(u, tr, defaultdict(list), n + (k % 3 if nw > 1 else 0))
-    states = [u.state() for u in units]
-    for u in units: u.close()
-    cfg = units[0].ld.config if units[0].ld else units[0].ds.config
-    fp = units[0].ld.fingerprint if units[0].ld else units[0].ds.fingerprint
+    states, cfg, fp = saved_units(tr, W, nw, lambda k: n + (k % 3 if nw > 1 else 0), **kw)
     if nw > 1: states = [dict(_snapshot=dict(_worker_snapshots={f'worker_{w}': dict(dataset_state=states[r * nw + w])
                                                                 for w in range(nw)})) for r in range(W)]
     return states, cfg, fp

@@ -338,7 +338,7 @@ def scale_table(rows,             # `bench_scale`'s rows
 def goals_plot(rows,          # rows of figures
                x:str,         # the key of what grows (the x axis) ...
                xlabel:str,    # ... and its name
-               title:str,     # the figure's title
+               title:str,     # the figure's title, `str.format`ted with the last row's figures
                path=None):    # also write the figure to this PNG
     "How each per-rank figure grows with `x`, against its goal (dashed)."
     import matplotlib.pyplot as plt
@@ -350,7 +350,7 @@ def goals_plot(rows,          # rows of figures
         if pts: ax.plot(*zip(*pts), 'o-')
         ax.axhline(GOALS[k], ls='--', c='C3', lw=1)
         ax.set(xscale='log', yscale='log', xlabel=xlabel, title=what)
-    fig.suptitle(title, fontsize=10)
+    fig.suptitle(title.format(**rows[-1]), fontsize=10)
     fig.tight_layout()
     if path is not None: fig.savefig(path, dpi=100); plt.close(fig)
     return fig
@@ -358,9 +358,8 @@ def goals_plot(rows,          # rows of figures
 def scale_plot(rows,        # `bench_scale`'s rows
                path=None):  # also write the figure to this PNG
     "How each per-rank figure grows with the documents, against its goal (dashed)."
-    r = rows[-1]
-    return goals_plot(rows, 'docs', 'documents', f"rank {r['rank']} of {r['ranks']} x {r['workers']} workers, "
-                      f"synthetic root; {r['cpus']} CPUs", path)
+    return goals_plot(rows, 'docs', 'documents', "rank {rank} of {ranks} x {workers} workers, synthetic root; "
+                      "{cpus} CPUs", path)
 
 # %% ../../nbs/bench/18_bench_scale.ipynb #fff02228
 def _sizes(s) -> list:

@@ -184,9 +184,8 @@ def text_table(rows,             # `bench_scale_text`'s rows
 def text_plot(rows,        # `bench_scale_text`'s rows
               path=None):  # also write the figure to this PNG
     "How each per-rank figure grows with the shards, against its goal (dashed)."
-    r = rows[-1]
-    return goals_plot(rows, 'shards', 'shards', f"PackedLoader, rank {r['rank']} of {r['ranks']}, FineWeb-Edu's "
-                      f"shape (described shards); {r['cpus']} CPUs", path)
+    return goals_plot(rows, 'shards', 'shards', "PackedLoader, rank {rank} of {ranks}, FineWeb-Edu's shape "
+                      "(described shards); {cpus} CPUs", path)
 
 # %% ../../nbs/bench/18b_bench_scale_text.ipynb #fb03b374
 from fastcore.script import call_parse

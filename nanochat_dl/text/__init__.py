@@ -112,6 +112,7 @@ _WHERE = {
     'ColumnPlan': '.stages',
     'Docs': '.stages',
     'EncodeStage': '.stages',
+    'EpochPlan': '.stages',
     'PackStage': '.stages',
     'rank_and_world': '.stages',
     'reference_loader': '.stages',
