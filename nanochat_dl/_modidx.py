@@ -2019,6 +2019,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                                   'nanochat_dl/tokens/inputs.py'),
                                            'nanochat_dl.tokens.inputs.NumberedInputs._inputs_state': ( 'tokens/inputs.html#numberedinputs._inputs_state',
                                                                                                        'nanochat_dl/tokens/inputs.py'),
+                                           'nanochat_dl.tokens.inputs.NumberedInputs._late_order': ( 'tokens/inputs.html#numberedinputs._late_order',
+                                                                                                     'nanochat_dl/tokens/inputs.py'),
                                            'nanochat_dl.tokens.inputs.NumberedInputs._marked': ( 'tokens/inputs.html#numberedinputs._marked',
                                                                                                  'nanochat_dl/tokens/inputs.py'),
                                            'nanochat_dl.tokens.inputs.NumberedInputs._packer_pull': ( 'tokens/inputs.html#numberedinputs._packer_pull',

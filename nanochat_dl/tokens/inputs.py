@@ -122,8 +122,7 @@ def _inputs_state(self:NumberedInputs, ps, marks, wins, made:int):   # `ps`: the
     lo, bits = pending(ps[4], ps[5][:ps[6]], n)
     e0 = min(lo + int(bits.argmax()) if bits.any() else n, min(hx, default=n))
     j = bisect.bisect_right(at, e0, 0, m) - 1
-    # (parked pieces then: not pulled again; one let in after a later pull, buffered: not at its pull's row)
-    if j < 0 or at[j] < n - self.marks.keep or log[j][3] or late: return None
+    if j < 0 or at[j] < n - self.marks.keep or log[j][3]: return None       # (parked pieces then: not pulled again)
     rows = np.fromiter((x[4] for x in log[j:m]), np.int64, m - j)           # the packer's row at each pull
     a0, tokens, was = log[j][:3]
     bits = np.concatenate([np.zeros(lo - a0, np.bool_), bits]) if a0 < lo else bits[a0 - lo:]
@@ -132,12 +131,14 @@ def _inputs_state(self:NumberedInputs, ps, marks, wins, made:int):   # `ps`: the
     starts = {name: self._start_fields(src, w[2]) for name, src, w, now in zip(self.names, self.sources, was, wins)
               if w is not None and w[0] != now[0]}        # a window's block then, where it is not the block now
     rp = dict(tokens=tokens, windows=[None if w is None else [w[0], w[1]] for w in was])
-    return dict(inputs=pack_ints(vals, np.packbits(bits).tobytes()), replay=dict(rp, starts=starts) if starts else rp)
+    lt = {} if not late else dict(late=pack_ints([v for x, (r, f) in late for v in (x - a0, made - r, f - a0)]))
+    return dict(inputs=pack_ints(vals, np.packbits(bits).tobytes()), **lt,
+                replay=dict(rp, starts=starts) if starts else rp)
 
 # %% ../../nbs/tokens/12da_inputs.ipynb #f94b1e50
 @patch
 def _replay_inputs(self:NumberedInputs, st, pk, ds) -> tuple:
-    "The inputs `state['packer']['inputs']` names, pulled again from where `['replay']` says: `(items, rows, marks)`."
+    "The inputs `state['packer']['inputs']` names, pulled again where `['replay']` says (`items, rows, marks, ...`)."
     w, mk = "state['packer']", self.marks
     if mk is None: raise ValueError(f"{w}['inputs']: only a bestfit packer over block windows names inputs by number")
     n = read_int(w + "['metrics']['docs_in']", read_field(pk, 'metrics', dict, w).get('docs_in'))
@@ -163,6 +164,7 @@ def _replay_inputs(self:NumberedInputs, st, pk, ds) -> tuple:
                          f"state['config']['weights'] and ['mix']) do not end where state['datasets'] stand (their "
                          f"'tokens', cursors and ['window'])")
     ne, made = len(rel) - nh, read_int(w + "['metrics']['rows']", pk['metrics'].get('rows'))
+    rel[:ne], late = self._late_order(pk, rel[:ne], span, made, n - span)
     rows = (made - at[0] + np.cumsum([0] + at[1:])).tolist() if len(at) == len(r.marks.at) else [-1]
     if rows[0] < 0 or rows[-1] > made:
         raise ValueError(f"{w}['inputs']: rows {rows[:1]}..{rows[-1:]} at {len(r.marks.at)} pulls: expected one row "
@@ -170,7 +172,27 @@ def _replay_inputs(self:NumberedInputs, st, pk, ds) -> tuple:
     r.marks.log = [x[:4] + (y,) for x, y in zip(r.marks.log, rows)]     # (the packer's rows then: not pulled again)
     items = [(k[0], k[1], k[2], k[3], 0 if j < ne else HELD, L, k[4])
              for j, (k, L, _) in enumerate(got[x] for x in rel)]
-    return items, [rows[got[x][2]] for x in rel[:ne]], r.marks, [n - span + x for x in rel]
+    ent = [late[n - span + x][0] if n - span + x in late else rows[got[x][2]] for x in rel[:ne]]
+    return items, ent, r.marks, [n - span + x for x in rel], late
+
+# %% ../../nbs/tokens/12da_inputs.ipynb #0c65d7f4
+@patch
+def _late_order(self:NumberedInputs, pk, xs, span:int, made:int, a0:int) -> tuple:
+    "`xs` (the buffered inputs, by number) in the order they entered, and the late ones (`pk['late']`) by number."
+    w = "state['packer']['late']"
+    v = unpack_ints(pk['late'], 3 * self.marks.keep, w)[0] if 'late' in pk else []
+    lt, on = [tuple(v[k:k + 3]) for k in range(0, len(v), 3)], set(xs)
+    if len(v) % 3 or len({x for x, _, _ in lt}) < len(lt) or any(
+            x not in on or not x < f <= span or r > made for x, r, f in lt) or [f for *_, f in lt] != sorted(
+            f for *_, f in lt):
+        raise ValueError(f"{w}: expected [number, rows since it entered, inputs numbered then] per input let in late, "
+                         f"each a buffered input of the {span} named, in the order they entered")
+    ls, out, k, late = {x for x, _, _ in lt}, [], 0, {}
+    rest = [x for x in xs if x not in ls]
+    for x, r, f in lt:                 # (entered after the inputs numbered before `f` entered at their pulls)
+        j = bisect.bisect_left(rest, f, k); out += rest[k:j]; k = j
+        out.append(x); late[a0 + x] = (made - r, a0 + f)
+    return out + rest[k:], late
 
 # %% ../../nbs/tokens/12da_inputs.ipynb #bc055c32
 @patch
