@@ -195,8 +195,7 @@ class BestFitRows(PackerBase):
         self._q, self._lens, self._n = {}, [], 0
         # the journal: (key, row entered) once, then per batch (those in, keys placed)
         self._base, self._log, self._added = [], [], []
-        # the same by input number (`numbers`): (numbers in, numbers placed) per batch; those let in late, buffered:
-        # number -> (row entered, inputs numbered then), in the order they entered
+        # by input number (`numbers`): (numbers in, placed) per batch; late: number -> (row, inputs numbered then)
         self._xbase, self._xlog, self._added_x, self._late_in, self._fresh = np.zeros(0, np.int64), [], [], {}, 0
         self._unk = 0                                             # pieces in the buffer whose numbers are not known
         # key -> (row it entered at, length); keys in the order they entered
