@@ -28,8 +28,8 @@ def test_a_state_of_format_3_resumes_exactly(root, case):
     assert st['format'] == 'nanochat_dl.streaming/3' and 'shuffle' in st['datasets']['web']
     ld = StreamingLoader(root, case['seq_len'], case['batch_size'], **case['kwargs']).load_state_dict(st)
     assert [digest(next(ld).rows) for _ in range(len(case['next_rows_sha256']))] == case['next_rows_sha256']
-    again = ld.state_dict()                          # it goes on with the window it was saved with, in format /5
-    assert again['format'] == 'nanochat_dl.streaming/5' and again['config']['shuffle'] == 'reservoir'
+    again = ld.state_dict()                          # it goes on with the window it was saved with, in format /6
+    assert again['format'] == 'nanochat_dl.streaming/6' and again['config']['shuffle'] == 'reservoir'
     ld.close()
 
 
@@ -58,7 +58,7 @@ def test_block_states_resume_exactly_after_every_batch(root, pack):
     ld.close()
     for k in range(40):
         st = json.loads(json.dumps(states[k]))
-        assert st['format'] == 'nanochat_dl.streaming/5' and 'window' in st['datasets']['web']
+        assert st['format'] == 'nanochat_dl.streaming/6' and 'window' in st['datasets']['web']
         again = StreamingLoader(root, 16, 4, **kw).load_state_dict(st)
         for j in range(k + 1, k + 4): assert np.array_equal(next(again).rows, rows[j])
         again.close()

@@ -361,7 +361,7 @@ def test_a_state_of_format_2_still_loads(small):
     ld = StreamingLoader(r, 64, 4, **kw, shuffle='reservoir')      # (the window of every state before /4)
     bs = [next(ld) for _ in range(5)]
     old = json.loads(json.dumps(bs[1].state))
-    assert old['format'] == 'nanochat_dl.streaming/5'
+    assert old['format'] == 'nanochat_dl.streaming/6'
     old['format'] = 'nanochat_dl.streaming/2'; del old['config']['max_wait']
     again = StreamingLoader(r, 64, 4, **kw).load_state_dict(old)
     assert all(np.array_equal(next(again).rows, b.rows) for b in bs[2:])

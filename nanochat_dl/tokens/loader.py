@@ -145,18 +145,18 @@ def _open(self:StreamingLoader, device, slots, copy, views):
     self.open_frame(self.prefetch, self.root.release)
 
 @patch
-def _full_state(self:StreamingLoader, snap) -> dict:
+def _full_state(self:StreamingLoader, snap, copy:bool=True) -> dict:   # copy: sharing nothing with the stream
     st = self.stream.state_of(snap)
     fp = dict(data=self.fingerprint['data'], tokenizer=self.fingerprint['tokenizer'])
     cfg = dict(self.stream.cfg, batch_size=self.B)
     sk = {'skipped': [list(r) for r in self.skipped]} if self.skipped else {}   # (the steps `skip` stepped over)
-    return seal(own_copy(dict(format=FORMAT, run=self.run, step=st.pop('step'), config=cfg, fingerprint=fp,
-                                **st, **sk)))
+    st = dict(format=FORMAT, run=self.run, step=st.pop('step'), config=cfg, fingerprint=fp, **st, **sk)
+    return seal(own_copy(st) if copy else st)
 
 @patch
 def state_body(self:StreamingLoader) -> dict:
     "The state after the last batch handed out (before the first: the start); `state_dict()` hands out a copy."
-    return self._full_state(self._snap)
+    return self._full_state(self._snap, copy=False)            # (`state_dict()` pickles it: the copy is that)
 
 # %% ../../nbs/tokens/12i_loader.ipynb #d43af0f9
 @patch

@@ -195,8 +195,8 @@ class BestFitRows(PackerBase):
         self._q, self._lens, self._n = {}, [], 0
         # the journal: (key, row entered) once, then per batch (those in, keys placed)
         self._base, self._log, self._added = [], [], []
-        # the same by input number (`numbers`): (numbers in, numbers placed) per batch; those let in late, buffered
-        self._xbase, self._xlog, self._added_x, self._late_in, self._fresh = np.zeros(0, np.int64), [], [], set(), 0
+        # by input number (`numbers`): (numbers in, placed) per batch; late: number -> (row, inputs numbered then)
+        self._xbase, self._xlog, self._added_x, self._late_in, self._fresh = np.zeros(0, np.int64), [], [], {}, 0
         self._unk = 0                                             # pieces in the buffer whose numbers are not known
         # key -> (row it entered at, length); keys in the order they entered
         self._at, self._order = {}, deque()
@@ -218,7 +218,7 @@ def _put_all(self:BestFitRows, items):
         if not q: bisect.insort(lens, L)
         q.append((p, k, x)); added_x.append(x)
         if x < 0: unk += 1                                    # (restored from entries: numbers not known)
-        elif x < fresh: late.add(x)                           # (let in after a later pull: not at its pull's row)
+        elif x < fresh: late[x] = (row, fresh)            # (let in after a later pull: late)
         n += 1; at[k] = (row, L); order.append(k); added.append((k, row))
         if ep is not None:
             d = ep.get(k[0])
@@ -294,7 +294,7 @@ def next_batch(self:BestFitRows, B:int, pull, out=None) -> PackedBatch:
             if not q: del lens[i]
             pieces += p; segs.append((pos, L, k, 0, 0)); placed.append(k); gone.append(x)
             if x < 0: unk += 1
-            elif late_in: late_in.discard(x)
+            elif late_in: late_in.pop(x, None)
             self._n -= 1; pos += L; w = now - at.pop(k)[0]   # what `_put` booked, undone: the piece's wait, ...
             if w > wait: wait = w
             if ds is not None: ds[k[0]] -= dl(k, L)         # ... its dataset's document tokens, its epoch's count
@@ -314,7 +314,7 @@ def next_batch(self:BestFitRows, B:int, pull, out=None) -> PackedBatch:
 @patch
 def snap(self:BestFitRows): return (self._base, self._log, len(self._log), [k for _, _, k, _ in self._held],
                                     self._xbase, self._xlog, len(self._xlog), [x for *_, x in self._held],
-                                    frozenset(self._late_in),
+                                    tuple(self._late_in.items()),
                                     self._unk)
 
 @patch
@@ -337,12 +337,13 @@ def buffer_keys(self:BestFitRows) -> tuple:
 @patch
 def restore(self:BestFitRows, items,   # `(tokens, key, offset)` in order, offset 0 (or `HELD`: kept aside)
             entered=None,              # the row each entry not held entered at (None: the row count now)
-            numbers=None):             # each item's input number (None: not known)
+            numbers=None,              # each item's input number (None: not known)
+            late=None):                # `{number: (row entered, inputs numbered then)}` of entries let in late
     "Rebuild the buffer (call `load_metrics_state` first: the rows made are the row count)."
     self._q, self._lens, self._n, self.buffered_tokens, self._at, self._order = {}, [], 0, 0, {}, deque()
     self._ep, self._held, self._added, now = {}, [], [], self._tot['rows']
     rows, xs = iter([now] * len(items) if entered is None else entered), iter(numbers or [-1] * len(items))
-    self._added_x, self._late_in, self._fresh, self._unk = [], set(), -1, 0
+    self._added_x, self._late_in, self._fresh, self._unk = [], {}, -1, 0
     if self.ds_tokens is not None: self.ds_tokens[:] = [0] * len(self.ds_tokens)
     for t, k, o in items:
         x = ([np.asarray(t)], len(t), k, next(xs))
@@ -350,9 +351,9 @@ def restore(self:BestFitRows, items,   # `(tokens, key, offset)` in order, offse
         if self.ds_tokens is not None: self.ds_tokens[k[0]] += self._doc_len(k, len(t))
         if o == HELD: self._held.append(x)
         else: self._row = next(rows); self._put(*x)
-    self._row = now
-    # the guard applied afresh
-    if self.guard and (entered is None or self._overdue()): self._held = self._pop_all() + self._held; self._release()
+    self._row, self._late_in = now, dict(late or {})
+    if self.guard and (entered is None or self._overdue()):      # the guard applied afresh (all entering now)
+        self._held, self._late_in = self._pop_all() + self._held, {}; self._release()
     self._base, self._log = list(self.entries((self._added, [], 0))), []
     self._xbase, self._xlog, self._fresh = np.sort(np.array(self._added_x, dtype=np.int64)), [], self._tot['docs_in']
 

@@ -21,13 +21,15 @@ from .pieces import check_weight, is_schedule, MixSchedule, mix_key
 from ..pipe.packing import PACKS
 
 # %% ../../nbs/tokens/12g_state.ipynb #ebf13e75
+# /6: a bestfit packer's inputs let in late (held at an epoch's end) named by number too ('late');
 # /5: a bestfit packer's inputs named by number, pulled again at resume ('inputs', 'replay');
 # /4: block windows named by a cursor ('window'), `pos` packed (`pack_pos`); /3: a checksum, 'max_wait', pieces
 # 'parked' by a rescale; /2: bestfit entry rows, HELD
-FORMAT = 'nanochat_dl.streaming/5'
+FORMAT = 'nanochat_dl.streaming/6'
 
 OLD_FORMATS = ('nanochat_dl.streaming/1', 'nanochat_dl.streaming/2')   # still load, unchecked (they carry no checksum)
-SEALED_OLD = ('nanochat_dl.streaming/3', 'nanochat_dl.streaming/4')   # still load, checked (/3: reservoir windows)
+# still load, checked (/3: reservoir windows)
+SEALED_OLD = ('nanochat_dl.streaming/3', 'nanochat_dl.streaming/4', 'nanochat_dl.streaming/5')
 
 SHUFFLES = ('block', 'reservoir')   # the shuffle windows (`BlockWindow`, `ShuffleBuffer`); states before /4: reservoir
 
@@ -194,7 +196,7 @@ def check_resume(state,             # a state from `state_dict()`, or anything a
         if c.get(k) != config[k]:
             raise ValueError(f"state was saved with {k}={c.get(k)!r}, this loader has {k}={config[k]!r}: exact resume "
                              f"needs the same {k}")
-    if state['format'] in (FORMAT, SEALED_OLD[1]) and 'shuffle' not in c:    # (before /4: reservoir; since, said)
+    if state['format'] in (FORMAT, *SEALED_OLD[1:]) and 'shuffle' not in c:    # (before /4: reservoir; since, said)
         raise ValueError("state['config'] lacks ['shuffle']: expected a state from StreamingLoader.state_dict()")
     if c.get('shuffle', 'reservoir') not in SHUFFLES:          # (the window it was saved with: the state's, not ours)
         raise ValueError(f"state['config']['shuffle']={str(c['shuffle'])[:40]!r} is invalid: expected one of "

@@ -383,8 +383,9 @@ def parse_state(self:TokenStream, st) -> dict:
     out['datasets'] = [self._parse_dataset(i, read_field(ds, n, dict, "state['datasets']"),
                                            f"state['datasets'][{n!r}]") for i, n in enumerate(self.names)]
     pk = read_field(st, 'packer', dict, 'state')
-    rows = out['marks'] = out['numbers'] = None
-    if 'inputs' in pk: out['entries'], rows, out['marks'], out['numbers'] = self._replay_inputs(st, pk, out['datasets'])
+    rows = out['marks'] = out['numbers'] = out['late'] = None
+    if 'inputs' in pk:
+        out['entries'], rows, out['marks'], out['numbers'], out['late'] = self._replay_inputs(st, pk, out['datasets'])
     else: out['entries'] = self._parse_entries(pk, out['datasets'])
     self._check_once(out['datasets'], out['entries'])
     out['metrics'] = self._parse_metrics(pk, out['entries'])
@@ -414,7 +415,7 @@ def load_state(self:TokenStream, st:dict):
         if ch is not None: ch.load_state_dict(dict(cut=None if d['cut'] is None else list(d['cut'])))
         if sh is not None: _load_window(sh, *d['shuffle'])
     self.mixer.load_state_dict(self._mix_state(st, p))
-    self._load_packer(p['entries'], p['metrics'], p['entered'], p['numbers'])
+    self._load_packer(p['entries'], p['metrics'], p['entered'], p['numbers'], p['late'])
     self.__dict__.pop('_mk', None)                    # marks from the inputs pulled again, else from here on
     # (not where the weights change here: the inputs before were mixed by the others)
     if p['marks'] is not None and self.mixer.base == (st.get('mix') or {}).get('base'): self._mk = p['marks']
@@ -450,12 +451,12 @@ def _load_window(sh:ShuffleBuffer, drawn, addresses):
     sh.restore(sh.upstream.fetch(addresses) if addresses else [])
 
 @patch
-def _load_packer(self:TokenStream, items, metrics, entered=None, numbers=None):
+def _load_packer(self:TokenStream, items, metrics, entered=None, numbers=None, late=None):
     "Refill the packer from checked entries."
     self.packer.load_metrics_state(metrics)
     pieces = [(self.framing.render(self.sources[i].doc(g), a, a + n), (i, g, e, a, L),
                off) for i, g, e, a, off, n, L in items]
-    if hasattr(self.packer, 'snap'): self.packer.restore(pieces, entered, numbers)   # `BestFitRows`
+    if hasattr(self.packer, 'snap'): self.packer.restore(pieces, entered, numbers, late)   # `BestFitRows`
     else: self.packer.restore(pieces)
 
 # %% ../../nbs/tokens/12e_stream.ipynb #eba759e3
