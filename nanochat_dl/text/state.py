@@ -71,9 +71,8 @@ APPROX = "to continue approximately, as nanochat does, pass only the state's 'pq
 def _changed_shards(theirs, mine, files) -> tuple:
     "The names of the shards whose parquet footer is not the state's (their count and order the same), else `()`."
     old, new = theirs.get('footers') if isinstance(theirs, dict) else None, mine['footers']
-    if old == new: return ()   # (the common case: one comparison, not one per shard)
     same = all(theirs.get(k) == mine[k] for k in ('files', 'first', 'last')) if isinstance(theirs, dict) else False
-    if not (same and isinstance(old, str) and len(old) == len(new)): return ()
+    if old == new or not (same and isinstance(old, str) and len(old) == len(new)): return ()   # (equal: at once)
     return tuple(Path(files[i]).name for i in range(len(files)) if old[8 * i:8 * i + 8] != new[8 * i:8 * i + 8])
 
 def _more(changed) -> str: return (f" (and {len(changed) - 1} more: {', '.join(changed[1:4])}"
