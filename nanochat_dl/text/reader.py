@@ -7,6 +7,7 @@ resumes exactly."""
 __all__ = ['DocBatch', 'Slice', 'RowGroupReader', 'nanochat_state', 'resume_loss']
 
 # %% ../../nbs/text/03a_reader.ipynb #602eba7f
+import copy
 import numpy as np
 from pathlib import Path
 from typing import NamedTuple
@@ -294,6 +295,24 @@ def load_state_dict(self: RowGroupReader,
     self._k = self._place(self.epoch, self.file, self.rg)[1] if self._planned else 0
     if self._texts_at != (self.file, self.rg): self._texts = self._texts_at = None
     return self
+
+# %% ../../nbs/text/03a_reader.ipynb #e7c2a976
+@patch
+def for_rank(self: RowGroupReader,
+             rank:int,        # another rank ...
+             world_size:int,  # ... of this many
+            ) -> RowGroupReader:
+    "A reader of the same shards and settings for `rank` of `world_size`, at its start, sharing the footers read."
+    # (a rescale checks the state of every old rank with one: the shards' paths taken as they are, footers read once)
+    check_int('world_size', world_size, 1)
+    if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) or not 0 <= rank < world_size:
+        raise ValueError(f"rank={rank!r} is invalid for world_size={world_size}: expected 0 <= rank < world_size")
+    rd = copy.copy(self)   # (the lists of footers shared: what one reads, all know)
+    rd.rank, rd.world_size = int(rank), int(world_size)
+    rd._pf = rd._pf_idx = rd._texts = rd._texts_at = rd._plan = rd._plan_epoch = None
+    rd._plan_index = {}
+    rd._start_epoch(1)
+    return rd
 
 # %% ../../nbs/text/03a_reader.ipynb #36f0b97f
 def nanochat_state(batch: DocBatch # a batch from `RowGroupReader`

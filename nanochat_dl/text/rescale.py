@@ -90,7 +90,10 @@ def _add_entries(entries, # document (its buffer entry) -> the rank that holds i
                  sd,      # the state of rank `r`
                  r):
     "Collect the documents rank `r`'s packing buffer holds into `entries`, refusing one that two ranks hold."
-    for x in zip(*(sd['stages']['pack']['buffer'][c] for c in BUFFER_COLUMNS)):
+    xs = list(zip(*(sd['stages']['pack']['buffer'][c] for c in BUFFER_COLUMNS)))
+    if entries.keys().isdisjoint(xs) and len(set(xs)) == len(xs):   # (all at once; else the culprit named)
+        return entries.update(dict.fromkeys(xs, r))
+    for x in xs:
         if x in entries: raise ValueError(f"resume_state_dict: the buffers of ranks {entries[x]} and {r} both "
                                           f"hold document {x[:4]} "
                                           f"(offset {x[4]}): the states come from different runs")
@@ -130,7 +133,8 @@ def _deal_groups(ld, olds, entries, W, step):
     mine = sorted((v for sd in olds for v in _old_unread(sd, plan, W, align, j, W2)), key=plan.key)
     ld.reader._start_epoch(align)              # where the new world's own plan takes over
     ld.source.elastic, ld.source.last = dict(align=align, groups=mine), None
-    ent = sorted((x for x in entries if plan.pos(*x[:3]) % W2 == j), key=lambda x: (*plan.key(x), x[4]))
+    pos = {g: plan.pos(*g) for g in {x[:3] for x in entries}}   # (once a row group, not once a buffered document)
+    ent = sorted((x for x in entries if pos[x[:3]] % W2 == j), key=lambda x: (x[0], pos[x[:3]], x[3], x[4]))
     ld.pack.load_state_dict(dict(buffer=address_columns([x[:4] for x in ent], [x[4] for x in ent], ld.pack.fields),
                                  metrics=ld.packer.metrics_state()))
     ld.batch.step, ld.resumed = step, 'rescaled'
@@ -140,9 +144,7 @@ def _check_old(ld, sd, r, W, i, plan, counters):
     "Check `sd`, entry `i` of the list, as the state of rank `r` of `W` of `ld`'s run (errors led by the entry)."
     cfg, bal = ld.config, ld.reader.balanced
     mine = {**cfg, 'rank': r, 'world_size': W, **{k: sd['config'][k] for k in _MAY_DIFFER if k in sd['config']}}
-    rd = RowGroupReader(ld.files, r, W, cfg['tokenizer_batch_size'], shuffle=cfg['shuffle'], seed=cfg['seed'],
-                        text_column=cfg['text_column'], balanced=bal)
-    rd._layout, rd._bytes = ld.reader._layout, ld.reader._bytes   # the footers, read once
+    rd = ld.reader.for_rank(r, W)                                  # the footers, read once
     if bal: rd._epoch_plan = lambda e: plan.order(e)[r::W]         # the split's order, made once for all ranks
     try: check_loader_state(sd, mine, ld.fingerprint, rd, counters)
     except (TypeError, ValueError) as err: raise _entry_error(err, i, r, W) from None

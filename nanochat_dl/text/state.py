@@ -11,6 +11,7 @@ __all__ = ['STATE_FORMAT', 'V3_FORMAT', 'OLD_FORMATS', 'CONFIG_KEYS', 'STAGE_NAM
 # %% ../../nbs/text/09a_state.ipynb #475e14ec
 import hashlib, json, math, struct, zlib
 from pathlib import Path
+import numpy as np
 from ..core import human_bytes
 from .shards import open_shard_bytes
 from ..pipe.packing import HELD
@@ -71,7 +72,7 @@ def _changed_shards(theirs, mine, files) -> tuple:
     "The names of the shards whose parquet footer is not the state's (their count and order the same), else `()`."
     old, new = theirs.get('footers') if isinstance(theirs, dict) else None, mine['footers']
     same = all(theirs.get(k) == mine[k] for k in ('files', 'first', 'last')) if isinstance(theirs, dict) else False
-    if not (same and isinstance(old, str) and len(old) == len(new)): return ()
+    if old == new or not (same and isinstance(old, str) and len(old) == len(new)): return ()   # (equal: at once)
     return tuple(Path(files[i]).name for i in range(len(files)) if old[8 * i:8 * i + 8] != new[8 * i:8 * i + 8])
 
 def _more(changed) -> str: return (f" (and {len(changed) - 1} more: {', '.join(changed[1:4])}"
@@ -167,7 +168,7 @@ def _check_columns(cols, ranges) -> int:
     for c in BUFFER_COLUMNS:
         col, (lo, hi) = cols[c], ranges[c]
         # the fast path; then the culprit
-        if not (all(type(v) is int for v in col) and (not col or (min(col) >= lo and max(col) < hi))):
+        if not (set(map(type, col)) <= {int} and (not col or (min(col) >= lo and max(col) < hi))):
             for i, v in enumerate(col): field_int(v, _BUF + (c, i), lo, hi)
     return lens['row']
 
@@ -221,6 +222,32 @@ def _check_buffer(cols, cfg, reader, cursor, elastic=None):
                          f"with "
                          f"buffer_size={cfg['buffer_size']} and tokenizer_batch_size={cfg['tokenizer_batch_size']} "
                          f"holds at most {most}")
+    if not _surely_fine(cols, strategy, reader, cursor, elastic):   # (the common case at once; else entry by entry)
+        _check_entries(cols, strategy, split, C, T, reader, cursor, elastic)
+
+
+# %% ../../nbs/text/09a_state.ipynb #637ecdca
+def _surely_fine(cols, strategy, reader, cursor, elastic) -> bool:
+    "True only if `_check_entries` passes `cols`: the common case (no rescale's traces, none held aside) at once."
+    # (False: not sure, and `_check_entries` names the culprit.) Entries come in runs of one row group, looked up once
+    # per run: the runs' places strictly increasing, the rows within each too, all in their row group, before the cursor
+    if elastic or strategy == 'bestfit-split': return False
+    E, F, G, R, O = (np.asarray(cols[c], dtype=np.int64) for c in BUFFER_COLUMNS)
+    if not len(R): return True
+    if O.min() < 0 or (strategy != 'concat' and O.any()): return False   # none held; a piece starts at 0 (or any)
+    new = np.r_[True, (E[1:] != E[:-1]) | (F[1:] != F[:-1]) | (G[1:] != G[:-1])]
+    starts, rows, prev = np.flatnonzero(new), [], None
+    for e, f, g in zip(E[starts].tolist(), F[starts].tolist(), G[starts].tolist()):
+        place = reader._place(e, f, g)
+        if place is None or (prev is not None and place <= prev): return False
+        rows.append(reader._rows(f)[g]); prev = place
+    if not (R < np.repeat(rows, np.diff(np.r_[starts, len(R)]))).all(): return False
+    return bool((np.diff(R)[~new[1:]] > 0).all()) and (prev, int(R[-1])) < cursor
+
+
+# %% ../../nbs/text/09a_state.ipynb #f6f649b9
+def _check_entries(cols, strategy, split, C, T, reader, cursor, elastic):
+    "Each buffered entry in turn (`_check_buffer`'s reference): the first that fails is named."
     seen, prev, held = {}, None, {}
     for i, (e, f, g, r, o) in enumerate(zip(*(cols[c] for c in BUFFER_COLUMNS))):
         key, at = (e, f, g, r), f"{field_name(_BUF)}: entry {i}"
