@@ -2046,6 +2046,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                                'nanochat_dl/tokens/inputs.py'),
                                            'nanochat_dl.tokens.inputs.NumberedInputs.next_rows': ( 'tokens/inputs.html#numberedinputs.next_rows',
                                                                                                    'nanochat_dl/tokens/inputs.py'),
+                                           'nanochat_dl.tokens.inputs._check_late_rows': ( 'tokens/inputs.html#_check_late_rows',
+                                                                                           'nanochat_dl/tokens/inputs.py'),
                                            'nanochat_dl.tokens.inputs.b85': ('tokens/inputs.html#b85', 'nanochat_dl/tokens/inputs.py'),
                                            'nanochat_dl.tokens.inputs.pack_ints': ( 'tokens/inputs.html#pack_ints',
                                                                                     'nanochat_dl/tokens/inputs.py'),

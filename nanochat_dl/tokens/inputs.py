@@ -150,13 +150,11 @@ def _replay_inputs(self:NumberedInputs, st, pk, ds) -> tuple:
         raise ValueError(f"{w}['inputs']: not a packer's inputs: {len(v)} numbers, {len(bits)} bytes of bits for "
                          f"{span} inputs, of at most {min(n, mk.keep)} (inputs named twice, or outside those)")
     r = self._at_mark(st, read_field(pk, 'replay', dict, w), w + "['replay']", n - span)
-    got, c, pull, want, at = {}, 0, r._marked(r._packer_pull()), set(rel), v[2 + nh:]
+    got, c, pull, at = {}, 0, r._marked(r._packer_pull()), v[2 + nh:]
     for _ in range(len(at)):              # the pulls since the mark, each again (one may give nothing: no data)
         try: _, lens, keys = pull()
         except StopIteration: continue
-        for L, k in zip(lens, keys):
-            if c in want: got[c] = (k, L, len(r.marks.at) - 1)            # (and the pull it came in)
-            c += 1
+        for L, k in zip(lens, keys): got[c] = (k, L, len(r.marks.at) - 1); c += 1   # (and the pull it came in)
     now = [(d['tokens'], d['epoch'], d['pos'], st['datasets'][n].get('window')) for n, d in zip(self.names, ds)]
     if c != span or now != [(t, list(s.at(s.cursor())[0]), list(s.at(s.cursor())[1]), None if h is None else
                              list(h.snapshot()[:2])) for t, s, h in zip(r.mixer.tokens, r.sources, r.shuffles)]:
@@ -173,6 +171,7 @@ def _replay_inputs(self:NumberedInputs, st, pk, ds) -> tuple:
     items = [(k[0], k[1], k[2], k[3], 0 if j < ne else HELD, L, k[4])
              for j, (k, L, _) in enumerate(got[x] for x in rel)]
     ent = [late[n - span + x][0] if n - span + x in late else rows[got[x][2]] for x in rel[:ne]]
+    _check_late_rows(ent, late, lambda x: rows[got[x][2]], span, n - span, made)
     return items, ent, r.marks, [n - span + x for x in rel], late
 
 # %% ../../nbs/tokens/12da_inputs.ipynb #0c65d7f4
@@ -193,6 +192,13 @@ def _late_order(self:NumberedInputs, pk, xs, span:int, made:int, a0:int) -> tupl
         j = bisect.bisect_left(rest, f, k); out += rest[k:j]; k = j
         out.append(x); late[a0 + x] = (made - r, a0 + f)
     return out + rest[k:], late
+
+def _check_late_rows(ent, late, pull_row, span:int, a0:int, made:int):
+    "Refuse late pieces' rows that are not between the pulls around their entry, or entries whose rows fall."
+    if any(b < a for a, b in zip(ent, ent[1:])) or any(
+            not pull_row(f - a0 - 1) <= r <= (pull_row(f - a0) if f - a0 < span else made) for r, f in late.values()):
+        raise ValueError("state['packer']['late']: rows since each entered do not fit the pulls around its entry (the "
+                         "pull of the input numbered before it, and the next), or fall in the order they entered")
 
 # %% ../../nbs/tokens/12da_inputs.ipynb #bc055c32
 @patch
