@@ -3,6 +3,8 @@ another in one process, each for `k` batches or until its epoch 1 is done, and t
 once."""
 import json
 
+from hypothesis import HealthCheck, given, settings, strategies as st
+from nanochat_dl.pipe.packing import STRATEGIES
 from nanochat_dl.text.loader import PackedLoader
 
 LAYOUT = [[3, 2, 4, 1, 3, 2, 2, 3], [2, 3, 1, 4, 2, 3, 3], [4, 1, 2, 3, 2, 1, 3, 2, 2]]   # 9 columns: up to 9 ranks
@@ -61,3 +63,11 @@ def check_tiling(segs, lens, strategy):
         rs.sort()
         assert all(x[1] <= y[0] for x, y in zip(rs, rs[1:])), (a, rs)
     return sum(d for key, _, _, d in segs if key[0] == 1)
+
+
+def random_chains(n:int):
+    "A test of `(env, sizes, ks, strategy, shuffle)` run on `n` random chains of 2 to 4 world sizes (hypothesis)."
+    return lambda f: settings(max_examples=n, deadline=None, suppress_health_check=[
+        HealthCheck.function_scoped_fixture, HealthCheck.too_slow])(given(
+        sizes=st.lists(st.integers(1, 9), min_size=2, max_size=4), ks=st.lists(st.integers(0, 12), min_size=4,
+        max_size=4), strategy=st.sampled_from(sorted(STRATEGIES)), shuffle=st.booleans())(f))

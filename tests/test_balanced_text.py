@@ -6,7 +6,6 @@ import json, re
 from functools import partial
 
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
 
 from nanochat_dl.text.loader import PackedLoader
 from nanochat_dl.text.shards import row_group_plan
@@ -68,9 +67,7 @@ def test_rescale_tiles_epoch_once(env, strategy, sizes):
     check_tiling(segs, env['lens'], strategy)
 
 
-@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
-@given(sizes=st.lists(st.integers(1, 9), min_size=2, max_size=4), ks=st.lists(st.integers(0, 12), min_size=4, max_size=4),
-       strategy=st.sampled_from(sorted(STRATEGIES)), shuffle=st.booleans())
+@elastictext.random_chains(20)
 def test_random_rescale_chains_tile_epoch_once(env, sizes, ks, strategy, shuffle):
     segs = chain(env, sizes, ks, pack=strategy, shuffle=shuffle, seed=3)
     check_tiling(segs, env['lens'], strategy)

@@ -8,7 +8,6 @@ from functools import partial
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
 
 from nanochat_dl.text.loader import PackedLoader
 from nanochat_dl.pipe.packing import STRATEGIES
@@ -35,9 +34,7 @@ def test_chains_tile_epoch_once(env, strategy, sizes):
         assert all(n + d > KW['seq_len'] + 1 for key, _, n, d in segs if d)
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
-@given(sizes=st.lists(st.integers(1, 9), min_size=2, max_size=4), ks=st.lists(st.integers(0, 12), min_size=4, max_size=4),
-       strategy=st.sampled_from(sorted(STRATEGIES)), shuffle=st.booleans())
+@elastictext.random_chains(25)
 def test_random_chains_tile_epoch_once(env, sizes, ks, strategy, shuffle):
     segs = chain(env, sizes, ks, pack=strategy, shuffle=shuffle, seed=3)
     check_tiling(segs, env['lens'], strategy)
