@@ -168,9 +168,9 @@ def test_state_dict_from_another_thread_during_next_is_never_stale(env):
     ld = streaming(env, prefetch=0)
     next(ld)
     real, building = ld._full_state, threading.Event()
-    def slow(snap):
+    def slow(snap, **kw):
         building.set(); time.sleep(0.3)                   # the checkpointing thread is building the state
-        return real(snap)
+        return real(snap, **kw)
     ld._full_state = slow
     t = threading.Thread(target=ld.state_dict); t.start()
     assert building.wait(10)
